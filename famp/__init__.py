@@ -1,0 +1,24 @@
+"""famp: functional automatic mixed precision for PyTorch.
+
+Everything PyTorch's AMP keeps in mutable objects (``torch.amp.GradScaler``, ``torch.autocast``,
+FSDP's optimizer-state loading) as pure functions over pytrees with explicit, immutable state.
+"""
+
+from __future__ import annotations
+
+# --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
+
+# --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+
+# --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+
+# --- training steps: _step.py -------------------------------------------------------------------
+
+__version__ = "0.1.0"
+
+__all__: list[str] = [
+    # loss scaling
+    # policies, op rules and autocast
+    # FSDP optimizer state
+    # training steps
+]

@@ -1,0 +1,44 @@
+"""Shared pytest configuration: hypothesis profiles and the eager/compiled fixture."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis
+import pytest
+import torch
+
+hypothesis.settings.register_profile(
+    "default",
+    deadline=None,  # the first call of a torch op or a compiled graph is slow
+    max_examples=60,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+hypothesis.settings.register_profile(
+    "thorough", deadline=None, max_examples=2000,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+hypothesis.settings.load_profile(os.environ.get("FAMP_HYPOTHESIS_PROFILE", "default"))
+
+_COMPILED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[..., Any]:
+    """``torch.compile(fn, fullgraph=True)``, built once per function and shared across tests."""
+    key = (fn, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, backend=backend)
+    return _COMPILED[key]
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def transform(request: pytest.FixtureRequest) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a test once eagerly and once under ``torch.compile(fullgraph=True)`` (inductor, CPU).
+
+    Pass module-level functions so that the compiled version is shared between tests.
+    """
+    if request.param == "eager":
+        return lambda fn: fn
+    return compiled

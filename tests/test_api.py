@@ -1,0 +1,35 @@
+"""Conformance of the public API: every exported name is documented and reports its public path."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+
+import pytest
+
+import famp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PUBLIC = [name for name in famp.__all__ if name != "__version__"]
+
+
+def test_all_names_resolve() -> None:
+    assert isinstance(famp.__version__, str)
+    for name in famp.__all__:
+        assert hasattr(famp, name), name
+    assert len(set(famp.__all__)) == len(famp.__all__)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_name_has_docstring_and_public_module(name: str) -> None:
+    obj = getattr(famp, name)
+    if inspect.isfunction(obj) or inspect.isclass(obj):
+        assert obj.__module__ == "famp", f"famp.{name}.__module__ is {obj.__module__!r}"
+        doc = inspect.getdoc(obj)
+        assert doc and len(doc.splitlines()[0]) > 10, f"famp.{name} needs a docstring"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_name_appears_in_docs(name: str) -> None:
+    docs = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+    assert f"famp.{name}" in docs, f"famp.{name} is not in docs/"
