@@ -7,6 +7,15 @@ FSDP's optimizer-state loading) as pure functions over pytrees with explicit, im
 from __future__ import annotations
 
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
+from famp._scaler import (
+    ScalerState,
+    all_finite,
+    init_scaler,
+    scale,
+    select_tree,
+    unscale_and_check,
+    update_scale,
+)
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 
@@ -18,6 +27,13 @@ __version__ = "0.1.0"
 
 __all__: list[str] = [
     # loss scaling
+    "ScalerState",
+    "all_finite",
+    "init_scaler",
+    "scale",
+    "select_tree",
+    "unscale_and_check",
+    "update_scale",
     # policies, op rules and autocast
     # FSDP optimizer state
     # training steps

@@ -1,0 +1,592 @@
+"""Loss scaling: ``ScalerState`` and the pure functions over it.
+
+The dynamics are ``torch.amp.GradScaler``'s, bit for bit: unscale multiplies by
+``f32(1/f64(scale))``; an update backs off on any non-zero ``found_inf`` and grows only when the
+tracker *equals* the interval, computing ``f32(f64(scale) * factor)`` and never growing to a
+non-finite scale.
+Unlike ``GradScaler`` every function here is pure and branch-free on tensor values, so a whole
+training step compiles with ``torch.compile(fullgraph=True)`` and composes with ``torch.func``.
+
+Deliberately not supported: optimizer bookkeeping (``GradScaler.step``'s per-optimizer stages; skip
+an update with ``select_tree``), and ``update(new_scale=...)`` (build a new state instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from famp import _distributed
+from famp._typing import DeviceLike, PyTree, Tensor, TreeT
+
+_INT32_MAX = 2**31 - 1
+
+
+_LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other field is static
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScalerState:
+    """Immutable loss-scaling state: tensor leaves plus static hyperparameters.
+
+    A pytree for ``optree`` (no namespace needed), ``torch.utils._pytree``, ``torch.func`` and
+    ``torch.compile``. Its leaves are ``scale`` (0-d float32) and ``growth_tracker`` (0-d int32),
+    plus ``overflow_count`` (0-d int32) only when ``hysteresis > 1``. Every other field is static
+    metadata: changing one recompiles on purpose, and no flatten/unflatten round trip can drop it
+    (flattening is derived from the dataclass fields). Build one with ``famp.init_scaler`` or
+    ``famp.from_state_dict``; never mutated, every transition returns a new state.
+
+    Attributes:
+        scale: 0-d float32 tensor, the current loss scale.
+        growth_tracker: 0-d int32 tensor, finite steps since the last growth or overflow.
+        overflow_count: 0-d int32 tensor of consecutive overflows (hysteresis only), else ``None``.
+        growth_factor: Multiplier applied on growth (> 1).
+        backoff_factor: Multiplier applied on overflow (in (0, 1)).
+        growth_interval: Number of consecutive finite steps before a growth (>= 1).
+        enabled: ``False`` makes every famp function an identity (``found_inf`` 0.0).
+        dynamic: ``False`` keeps the scale fixed: ``famp.update_scale`` returns the state unchanged.
+        min_scale: Opt-in guard: a backoff never takes the scale below it (``None``: off).
+        max_scale: Opt-in guard: a growth never takes the scale above it (``None``: off).
+        hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow on.
+
+    Example:
+        >>> import famp, optree
+        >>> state = famp.init_scaler(1024.0)
+        >>> leaves, spec = optree.tree_flatten(state)
+        >>> leaves
+        [tensor(1024.), tensor(0, dtype=torch.int32)]
+        >>> optree.tree_unflatten(spec, leaves).growth_interval
+        2000
+    """
+
+    scale: Tensor = dataclasses.field(metadata=_LEAF)
+    growth_tracker: Tensor = dataclasses.field(metadata=_LEAF)
+    overflow_count: Tensor | None = dataclasses.field(default=None, metadata=_LEAF)
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+    dynamic: bool = True
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        if torch.compiler.is_compiling():  # traced values came from a validated state
+            return
+        _check_hyperparameters(
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            enabled=self.enabled,
+            dynamic=self.dynamic,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            hysteresis=self.hysteresis,
+        )
+
+
+_LEAF_NAMES = tuple(f.name for f in dataclasses.fields(ScalerState) if f.metadata.get("leaf"))
+_STATIC_NAMES = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata.get("leaf"))
+
+
+def _flatten(state: ScalerState) -> tuple[list[Any], tuple[Any, ...]]:
+    present = tuple(n for n in _LEAF_NAMES if getattr(state, n) is not None)
+    statics = tuple(getattr(state, n) for n in _STATIC_NAMES)
+    return [getattr(state, n) for n in present], (present, statics)
+
+
+def _unflatten(aux: tuple[Any, ...], children: Sequence[Any]) -> ScalerState:
+    present, statics = aux
+    return ScalerState(
+        **dict(zip(present, children, strict=False)),
+        **dict(zip(_STATIC_NAMES, statics, strict=False)),
+    )
+
+
+def _flatten_with_keys(
+    state: ScalerState,
+) -> tuple[list[tuple[torch_pytree.KeyEntry, Any]], tuple[Any, ...]]:
+    children, aux = _flatten(state)
+    return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(aux[0], children, strict=False)], aux
+
+
+def _optree_flatten(state: ScalerState) -> tuple[list[Any], tuple[Any, ...], tuple[str, ...]]:
+    children, aux = _flatten(state)
+    return children, aux, aux[0]  # path entries: the leaf names, read as attributes
+
+
+_register_optree: Any = optree.register_pytree_node  # typed for Collection subclasses only
+_register_optree(
+    ScalerState,
+    _optree_flatten,
+    lambda aux, children: _unflatten(aux, list(children)),
+    path_entry_type=optree.GetAttrEntry,
+    # The global registry (the one builtins live in), so that plain ``optree.tree_flatten(state)``
+    # works without a namespace argument.
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+torch_pytree.register_pytree_node(
+    ScalerState,
+    _flatten,
+    lambda children, aux: _unflatten(aux, list(children)),
+    serialized_type_name="famp.ScalerState",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_hyperparameters(
+    growth_factor: object,
+    backoff_factor: object,
+    growth_interval: object,
+    *,
+    enabled: object,
+    dynamic: object,
+    min_scale: object,
+    max_scale: object,
+    hysteresis: object,
+) -> None:
+    if not _is_real(growth_factor) or not math.isfinite(growth_factor) or growth_factor <= 1.0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+    if not _is_real(backoff_factor) or not 0.0 < backoff_factor < 1.0:  # type: ignore[operator]
+        raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
+    if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    if not 1 <= growth_interval <= _INT32_MAX:
+        raise ValueError(
+            f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
+        )
+    for name, flag in (("enabled", enabled), ("dynamic", dynamic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is not None and (not _is_real(bound) or not math.isfinite(bound) or bound <= 0):  # type: ignore[arg-type,operator]
+            raise ValueError(f"{name} must be None or a finite number > 0, got {bound!r}")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:  # type: ignore[operator]
+        raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
+    if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
+        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+
+
+def init_scaler(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    *,
+    enabled: bool = True,
+    device: DeviceLike = None,
+    dynamic: bool = True,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+) -> ScalerState:
+    """Create a loss-scaling state, the functional ``torch.amp.GradScaler(...)``.
+
+    The arguments and defaults are ``GradScaler``'s; with the guards off (the default) the dynamics
+    equal ``torch._amp_update_scale_`` bit for bit. ``dynamic=False`` gives a static scale that
+    ``famp.update_scale`` never changes. Unlike ``GradScaler`` the arguments are validated
+    whether or not the state is enabled.
+
+    Args:
+        init_scale: Initial scale, a finite number > 0.
+        growth_factor: Multiplier on growth, finite and > 1.
+        backoff_factor: Multiplier on overflow, in (0, 1).
+        growth_interval: Consecutive finite steps before a growth, an int in [1, 2**31 - 1].
+        enabled: ``False`` makes every famp function an identity, as a disabled ``GradScaler``.
+        device: Device of the tensor leaves (``None``: torch's default device).
+        dynamic: ``False`` keeps the scale at ``init_scale`` forever.
+        min_scale: Opt-in guard: backoffs never take the scale below it.
+        max_scale: Opt-in guard: growths never take the scale above it.
+        hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow
+            on; adds the ``overflow_count`` leaf when > 1.
+
+    Returns:
+        A new ``famp.ScalerState``.
+
+    Raises:
+        ValueError: An argument is out of range; the message names it and its value.
+        TypeError: ``enabled`` or ``dynamic`` is not a bool.
+
+    Example:
+        >>> import famp
+        >>> state = famp.init_scaler(2.0**10, growth_interval=3)
+        >>> state.scale, state.growth_tracker
+        (tensor(1024.), tensor(0, dtype=torch.int32))
+    """
+    if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
+        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    if min_scale is not None and _is_real(min_scale) and init_scale < min_scale:
+        raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
+    if max_scale is not None and _is_real(max_scale) and init_scale > max_scale:
+        raise ValueError(f"init_scale must be <= max_scale, got {init_scale!r} > {max_scale!r}")
+    return make_state(
+        init_scale,
+        0,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        enabled=enabled,
+        device=device,
+        dynamic=dynamic,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+
+
+def make_state(
+    scale_value: float,
+    tracker_value: int,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    *,
+    enabled: bool,
+    device: DeviceLike,
+    dynamic: bool,
+    min_scale: float | None,
+    max_scale: float | None,
+    hysteresis: int,
+) -> ScalerState:
+    """Build a validated state from Python values (shared by init_scaler and from_state_dict)."""
+    _check_hyperparameters(
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        enabled=enabled,
+        dynamic=dynamic,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    return ScalerState(
+        scale=torch.full((), scale_value, dtype=torch.float32, device=device),
+        growth_tracker=torch.full((), tracker_value, dtype=torch.int32, device=device),
+        overflow_count=(
+            torch.zeros((), dtype=torch.int32, device=device) if hysteresis > 1 else None
+        ),
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        enabled=enabled,
+        dynamic=dynamic,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+
+
+def _keystr(path: Sequence[Any]) -> str:
+    return "tree" + "".join(f"[{k!r}]" for k in path)
+
+
+def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    for path, leaf in zip(paths, leaves, strict=False):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"famp.{fn}: the leaf at {_keystr(path)} must be a Tensor or None, "
+                f"got {type(leaf).__name__} {leaf!r}"
+            )
+    return leaves, spec
+
+
+def scale(state: ScalerState, tree: TreeT) -> TreeT:
+    """Multiply every tensor of a pytree by the loss scale, as ``GradScaler.scale``.
+
+    Each leaf becomes ``leaf * state.scale`` (the scale moved to the leaf's device), so the dtypes
+    are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
+    Lists, tuples, dicts and namedtuples keep their type; ``None`` leaves pass through. A disabled
+    state returns ``tree`` itself.
+
+    Args:
+        state: The current ``famp.ScalerState``.
+        tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
+
+    Returns:
+        A tree of the same structure with every tensor scaled.
+
+    Raises:
+        TypeError: A leaf is not a tensor; the message names its path.
+
+    Example:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(1024.0)
+        >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
+        {'loss': tensor(512.)}
+    """
+    if not state.enabled:
+        return tree
+    leaves, spec = _tensor_leaves("scale", tree)
+    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
+    return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+_UNSCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def unscale_and_check(
+    state: ScalerState, grads: TreeT, *, group: Any = None, donate: bool = False
+) -> tuple[TreeT, Tensor]:
+    """Unscale gradients and report whether any element is non-finite, in one pass.
+
+    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
+    cast back to its dtype, with torch's fused ``_amp_foreach_non_finite_check_and_unscale``
+    kernel, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass through and
+    every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
+    accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
+    torch does); ``None`` leaves pass through.
+
+    Args:
+        state: The ``famp.ScalerState`` whose scale produced the gradients.
+        grads: A pytree of float16/bfloat16/float32/float64 tensors, dense or sparse COO.
+        group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
+            every rank agrees (``None``: no communication).
+        donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
+            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards.
+
+    Returns:
+        ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
+        scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
+        returns ``(grads, 0.0)``.
+
+    Raises:
+        TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
+            its path.
+
+    Example:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(4.0)
+        >>> grads, found_inf = famp.unscale_and_check(state, [torch.tensor([8.0, float("inf")])])
+        >>> grads
+        [tensor([2., inf])]
+        >>> found_inf
+        tensor(1.)
+    """
+    found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+    if not state.enabled:
+        return grads, found_inf
+    paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
+    for path, leaf in zip(paths, leaves, strict=False):
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
+            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise TypeError(
+                f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
+                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
+            )
+        if leaf.layout not in (torch.strided, torch.sparse_coo):
+            raise TypeError(
+                f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
+                f"{leaf.layout}; only strided and sparse_coo are supported"
+            )
+    # Sparse tensors contribute their values; float16 ones are coalesced first because summing
+    # duplicate entries may overflow float16 (torch's _unscale_grads_ does the same).
+    sources = [
+        (x.coalesce() if x.dtype == torch.float16 else x) if x.is_sparse else x for x in leaves
+    ]
+    dense = [x._values() if x.is_sparse else x for x in sources]
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    for i, x in enumerate(dense):
+        groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
+    inv_scale = state.scale.double().reciprocal().float()
+    out = list(dense)
+    for device, by_dtype in groups.items():
+        inv = inv_scale.to(device, non_blocking=True)
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for index in by_dtype.values():
+            tensors = [dense[i] for i in index]
+            if donate:
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+                new = tensors
+            else:
+                new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
+                    tensors, found, inv
+                )
+            for i, t in zip(index, new, strict=False):
+                out[i] = t
+        # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
+        found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
+    result = [
+        src
+        if donate and src.is_sparse
+        else torch.sparse_coo_tensor(
+            src._indices(), new, src.shape, is_coalesced=src.is_coalesced()
+        )
+        if src.is_sparse
+        else new
+        for src, new in zip(sources, out, strict=False)
+    ]
+    if group is not None:
+        found_inf = _distributed.all_reduce_max(found_inf, group)
+    return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
+
+
+def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
+    """Return the next state after a step, bit-exact with ``torch._amp_update_scale_``.
+
+    Any non-zero ``found_inf`` (NaN, negative and 2.0 included) is an overflow: the scale becomes
+    ``f32(f64(scale) * backoff_factor)`` and the tracker 0. Otherwise the tracker counts up, and
+    when it *equals* ``growth_interval`` the scale becomes ``f32(f64(scale) * growth_factor)`` if
+    that is finite (else it stays) and the tracker 0. The tracker is int32 and wraps like torch's.
+    Branch-free and without host sync. Opt-in guards change this: ``min_scale`` floors backoffs,
+    ``max_scale`` caps growths, and with ``hysteresis=N`` the first ``N - 1`` consecutive
+    overflows leave the scale unchanged (the tracker still resets). A static or disabled state is
+    returned unchanged.
+
+    Args:
+        state: The current ``famp.ScalerState``.
+        found_inf: A one-element tensor (the ``found_inf`` of ``famp.unscale_and_check``, or a sum
+            or max of several); non-zero means overflow.
+
+    Returns:
+        A new ``famp.ScalerState`` with the same hyperparameters, shapes, dtypes and device.
+
+    Raises:
+        TypeError: ``found_inf`` is not a tensor.
+        ValueError: ``found_inf`` does not have exactly one element.
+
+    Example:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(8.0, growth_interval=1)
+        >>> famp.update_scale(state, torch.tensor(0.0)).scale
+        tensor(16.)
+        >>> famp.update_scale(state, torch.tensor(float("nan"))).scale
+        tensor(4.)
+    """
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError(f"found_inf must be a Tensor, got {type(found_inf).__name__} {found_inf!r}")
+    if found_inf.numel() != 1:
+        raise ValueError(
+            f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
+        )
+    if not (state.enabled and state.dynamic):
+        return state
+    scale_, tracker = state.scale, state.growth_tracker
+    overflow = (found_inf.to(scale_.device, non_blocking=True) != 0).reshape(scale_.shape)
+    wide = scale_.double()
+    backed = (wide * state.backoff_factor).float()
+    if state.min_scale is not None:
+        floor = torch.minimum(scale_, scale_.new_tensor(state.min_scale))
+        backed = torch.maximum(backed, floor)
+    grown = (wide * state.growth_factor).float()
+    if state.max_scale is not None:
+        grown = torch.minimum(grown, torch.maximum(scale_, scale_.new_tensor(state.max_scale)))
+    grown = torch.where(torch.isfinite(grown), grown, scale_)
+    counted = tracker + 1
+    grow = counted == state.growth_interval
+    overflow_count = state.overflow_count
+    back_off = overflow
+    if overflow_count is not None:
+        overflow_count = torch.where(
+            overflow, torch.clamp(overflow_count + 1, max=state.hysteresis), 0
+        ).to(torch.int32)
+        back_off = overflow & (overflow_count >= state.hysteresis)
+    new_scale = torch.where(back_off, backed, torch.where(overflow | ~grow, scale_, grown))
+    new_tracker = torch.where(overflow | grow, torch.zeros_like(tracker), counted)
+    return dataclasses.replace(
+        state, scale=new_scale, growth_tracker=new_tracker, overflow_count=overflow_count
+    )
+
+
+def all_finite(tree: PyTree) -> Tensor:
+    """Return a 0-d bool tensor: ``True`` iff every element of every tensor in ``tree`` is finite.
+
+    No host sync. An empty tree gives ``True``. Sparse tensors are checked through their values.
+
+    Args:
+        tree: A pytree of tensors (``None`` leaves are skipped).
+
+    Returns:
+        A 0-d ``torch.bool`` tensor on the first leaf's device (CPU for an empty tree).
+
+    Raises:
+        TypeError: A leaf is not a tensor; the message names its path.
+
+    Example:
+        >>> import famp, torch
+        >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
+        tensor(False)
+    """
+    leaves, _ = _tensor_leaves("all_finite", tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
+    return torch.stack(checks).all()
+
+
+def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
+    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
+
+    Each leaf becomes ``torch.where(pred, a, b)``; use it to skip an update after an overflow:
+    ``params = famp.select_tree(famp.all_finite(grads), new_params, params)``. Both trees must have
+    the same structure, and paired leaves the same dtype and shape. ``None`` leaves pass through.
+
+    Args:
+        pred: A 0-d (or one-element) ``torch.bool`` tensor.
+        on_true: The tree chosen where ``pred`` is ``True``.
+        on_false: The tree chosen where ``pred`` is ``False``.
+
+    Returns:
+        A tree with ``on_true``'s structure.
+
+    Raises:
+        TypeError: ``pred`` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
+            in dtype; the message names the path.
+        ValueError: The structures differ, ``pred`` has more than one element, or paired leaves
+            differ in shape.
+
+    Example:
+        >>> import famp, torch
+        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+        {'w': tensor([0., 0.])}
+    """
+    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
+        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
+    if pred.numel() != 1:
+        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
+    true_leaves, spec = _tensor_leaves("select_tree", on_true)
+    false_leaves, false_spec = _tensor_leaves("select_tree", on_false)
+    if spec != false_spec:
+        raise ValueError(
+            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+        )
+    paths = spec.paths()
+    out = []
+    for path, a, b in zip(paths, true_leaves, false_leaves, strict=False):
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"famp.select_tree: the leaves at {_keystr(path)} differ in dtype: "
+                f"{a.dtype} and {b.dtype}"
+            )
+        if a.shape != b.shape:
+            raise ValueError(
+                f"famp.select_tree: the leaves at {_keystr(path)} differ in shape: "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
+    return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+for _public in (
+    ScalerState,
+    init_scaler,
+    scale,
+    unscale_and_check,
+    update_scale,
+    all_finite,
+    select_tree,
+):
+    _public.__module__ = "famp"

@@ -1,0 +1,297 @@
+"""famp's loss-scaling core against torch's own kernels and GradScaler, bit for bit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+FOUND_INF_VALUES = [0.0, 1.0, 2.0, -1.0, 0.5, math.nan, math.inf]
+
+
+def torch_update(
+    scale: torch.Tensor, tracker: torch.Tensor, found_inf: float, state: famp.ScalerState
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: torch's in-place update kernel on copies."""
+    s, t = scale.clone(), tracker.clone()
+    torch._amp_update_scale_(
+        s,
+        t,
+        torch.tensor(found_inf),
+        state.growth_factor,
+        state.backoff_factor,
+        state.growth_interval,
+    )
+    return s, t
+
+
+def torch_unscale(
+    scale_value: float, grads: list[torch.Tensor], *, allow_fp16: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The oracle: GradScaler("cpu").unscale_ on parameters holding copies of ``grads``."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale_value)
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p.grad = g.clone()
+        params.append(p)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler.scale(torch.ones(()))  # lazily creates _scale on the CPU
+    if allow_fp16:  # the path GradScaler takes for fp16 (ShardedGradScaler's default)
+        inv = scaler._scale.double().reciprocal().float()
+        found = torch.zeros(())
+        per_device = scaler._unscale_grads_(opt, inv, found, True)
+    else:
+        scaler.unscale_(opt)
+        per_device = scaler._found_inf_per_device(opt)
+    found_inf = torch.stack(list(per_device.values())).amax() if per_device else torch.zeros(())
+    return [p.grad for p in params], found_inf
+
+
+# --- update_scale ------------------------------------------------------------------------------
+
+
+def _update(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerState:
+    return famp.update_scale(state, found_inf)
+
+
+factors = st.floats(1.0, 64.0, exclude_min=True, allow_subnormal=False)
+backoffs = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_subnormal=False)
+scales = st.one_of(
+    st.floats(0.0, 3.3999999521443642e38, width=32),
+    st.sampled_from([0.0, 1.5 * 2.0**127, 2.0**-149, 65536.0, math.inf]),
+)
+
+
+@given(
+    scale_value=scales,
+    tracker=st.one_of(st.integers(0, 10), st.just(2**31 - 1), st.integers(-(2**31), 2**31 - 1)),
+    growth_factor=factors,
+    backoff_factor=backoffs,
+    growth_interval=st.one_of(st.integers(1, 5), st.integers(1, 2**31 - 1)),
+    found_infs=st.lists(st.sampled_from(FOUND_INF_VALUES), min_size=1, max_size=12),
+)
+def test_update_scale_equals_torch_kernel_on_sequences(
+    scale_value: float,
+    tracker: int,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    found_infs: list[float],
+) -> None:
+    state = famp.ScalerState(
+        scale=torch.tensor(scale_value, dtype=torch.float32),
+        growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+    s, t = state.scale, state.growth_tracker
+    for f in found_infs:
+        s, t = torch_update(s, t, f, state)
+        state = famp.update_scale(state, torch.tensor(f))
+        assert_bitwise_equal(state.scale, s)
+        assert_bitwise_equal(state.growth_tracker, t)
+
+
+EDGE_CASES = [  # (scale, tracker, growth_factor, backoff, interval, found_inf)
+    (8.0, 2, 2.0, 0.5, 3, 0.0),  # grows
+    (8.0, 1, 2.0, 0.5, 3, 0.0),  # counts
+    (8.0, 2, 2.0, 0.5, 3, math.nan),  # NaN is an overflow
+    (8.0, 2, 2.0, 0.5, 3, -1.0),
+    (8.0, 2, 2.0, 0.5, 3, 2.0),
+    (1.5 * 2.0**127, 0, 2.0, 0.5, 1, 0.0),  # growth to inf refused, tracker still resets
+    (math.inf, 0, 2.0, 0.5, 1, 0.0),
+    (2.0**-149, 0, 2.0, 0.5, 1, 1.0),  # backs off to 0.0, as torch does
+    (3.0, 7, 2.0, 0.5, 5, 0.0),  # tracker above the interval never grows
+    (3.0, 2**31 - 1, 2.0, 0.5, 5, 0.0),  # int32 wrap
+    (1.1, 4, 1.37, 0.77, 5, 0.0),  # non-power-of-two factors: f32(f64 * f)
+    (1.1, 4, 1.37, 0.77, 5, 1.0),
+]
+
+
+@pytest.mark.parametrize("found_first", [False, True])
+def test_update_scale_edge_cases_equal_torch_kernel(
+    transform: Transform, found_first: bool
+) -> None:
+    update = transform(_update)
+    cases = EDGE_CASES[::-1] if found_first else EDGE_CASES
+    for scale_value, tracker, gf, bf, gi, f in cases:
+        state = famp.ScalerState(
+            scale=torch.tensor(scale_value),
+            growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+            growth_factor=gf,
+            backoff_factor=bf,
+            growth_interval=gi,
+        )
+        before = state.scale.clone(), state.growth_tracker.clone()
+        new = update(state, torch.tensor(f))
+        s, t = torch_update(state.scale, state.growth_tracker, f, state)
+        assert_bitwise_equal(new.scale, s)
+        assert_bitwise_equal(new.growth_tracker, t)
+        assert_bitwise_equal(state.scale, before[0])  # inputs untouched
+        assert_bitwise_equal(state.growth_tracker, before[1])
+        assert new.growth_interval == gi
+        assert new.growth_factor == gf
+        assert new.backoff_factor == bf
+
+
+def test_update_scale_matches_gradscaler_trajectory() -> None:
+    # The reference trajectory of GradScaler("cpu", init_scale=8, gf=2, bf=0.5, gi=3).
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    scaler.scale(torch.ones(()))
+    state = famp.init_scaler(8.0, growth_interval=3)
+    for f in [0.0, 0.0, 0.0, 1.0, 0.0, math.nan, 0.0, 0.0, 0.0, 0.0]:
+        found = torch.tensor(f)
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found, 2.0, 0.5, 3)
+        state = famp.update_scale(state, found)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_bitwise_equal(state.growth_tracker, scaler._growth_tracker)
+
+
+# --- unscale_and_check ---------------------------------------------------------------------------
+
+
+def _unscale(state: famp.ScalerState, grads: Any) -> tuple[Any, torch.Tensor]:
+    return famp.unscale_and_check(state, grads)
+
+
+specials = st.sampled_from([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e30, 65504.0, 3.0])
+
+
+@st.composite
+def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.Tensor]:
+    n = draw(st.integers(1, 5))
+    grads = []
+    for _ in range(n):
+        dtype = draw(st.sampled_from(dtypes))
+        shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=2))
+        seed = draw(st.integers(0, 2**16))
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1000
+        g = g.to(dtype)
+        if g.numel() and draw(st.booleans()):
+            g.view(-1)[draw(st.integers(0, g.numel() - 1))] = draw(specials)
+        grads.append(g)
+    return grads
+
+
+@given(
+    grads=grad_lists((torch.bfloat16, torch.float32, torch.float64)),
+    scale_value=st.one_of(
+        st.sampled_from([65536.0, 1.0, 3.0, 2.0**-20]), st.floats(2.0**-100, 2.0**100, width=32)
+    ),
+)
+def test_unscale_and_check_equals_gradscaler_unscale(
+    grads: list[torch.Tensor], scale_value: float
+) -> None:
+    expected, expected_found = torch_unscale(scale_value, grads)
+    before = [g.clone() for g in grads]
+    state = famp.init_scaler(scale_value)
+    out, found_inf = famp.unscale_and_check(state, grads)
+    assert isinstance(out, list)
+    assert len(out) == len(grads)
+    for o, e in zip(out, expected, strict=False):
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.dtype == torch.float32
+    assert found_inf.shape == ()
+    assert found_inf.item() == float(not all(torch.isfinite(g).all() for g in before))
+    for g, b in zip(grads, before, strict=False):  # inputs never modified
+        assert_bitwise_equal(g, b)
+
+
+@given(grads=grad_lists((torch.float16, torch.float32)))
+def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(grads: list[torch.Tensor]) -> None:
+    expected, expected_found = torch_unscale(1024.0, grads, allow_fp16=True)
+    out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
+    for o, e in zip(out, expected, strict=False):
+        assert o.dtype == e.dtype
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+
+
+def test_unscale_and_check_compiled_equals_eager(transform: Transform) -> None:
+    state = famp.init_scaler(3.0)
+    grads = {
+        "w": torch.tensor([3.0, 6.0, -9.0]),
+        "b": [torch.tensor([1.5, 300.0], dtype=torch.bfloat16), None],
+        "d": torch.tensor([[7.0]], dtype=torch.float64),
+    }
+    out, found_inf = transform(_unscale)(state, grads)
+    expected, expected_found = torch_unscale(3.0, [grads["w"], grads["b"][0], grads["d"]])
+    assert out["b"][1] is None
+    for o, e in zip([out["w"], out["b"][0], out["d"]], expected, strict=False):
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.item() == 0.0
+    grads["w"] = torch.tensor([3.0, math.nan, 1.0])
+    out, found_inf = transform(_unscale)(state, grads)
+    assert found_inf.dtype == torch.float32
+    assert found_inf.item() == 1.0
+    assert out["d"].dtype == torch.float64
+    assert out["b"][0].dtype == torch.bfloat16
+
+
+# --- scale ---------------------------------------------------------------------------------------
+
+
+def _scale(state: famp.ScalerState, tree: Any) -> Any:
+    return famp.scale(state, tree)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [
+        (torch.float16, ()),
+        (torch.bfloat16, ()),
+        (torch.float32, ()),
+        (torch.float64, ()),
+        (torch.float16, (3,)),
+        (torch.bfloat16, (2, 2)),
+        (torch.float32, (3,)),
+    ],
+)
+def test_scale_dtype_and_value_equal_gradscaler(
+    transform: Transform, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    loss = (torch.arange(math.prod(shape)).reshape(shape) + 0.5).to(dtype) * 3
+    scaler = torch.amp.GradScaler("cpu", init_scale=3000.0)
+    expected = scaler.scale(loss)
+    out = transform(_scale)(famp.init_scaler(3000.0), loss)
+    assert out.dtype == expected.dtype
+    assert_bitwise_equal(out, expected)
+
+
+# --- all_finite, select_tree ---------------------------------------------------------------------
+
+
+def _skip_if_not_finite(grads: Any, new: Any, old: Any) -> Any:
+    return famp.select_tree(famp.all_finite(grads), new, old)
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan])
+def test_all_finite_and_select_tree_skip_an_update(transform: Transform, bad: float | None) -> None:
+    grads = {"w": torch.ones(3), "b": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}
+    if bad is not None:
+        grads["b"][1] = bad
+    new = {"w": torch.full((3,), 2.0), "b": torch.full((2,), 5.0, dtype=torch.bfloat16)}
+    old = {"w": torch.zeros(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    out = transform(_skip_if_not_finite)(grads, new, old)
+    chosen = new if bad is None else old
+    assert out.keys() == chosen.keys()
+    for k in out:
+        assert_bitwise_equal(out[k], chosen[k])
+    ok = famp.all_finite(grads)
+    assert ok.dtype == torch.bool
+    assert ok.shape == ()
+    assert bool(ok) == (bad is None)
