@@ -22,6 +22,7 @@ from famp._scaler import (
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 
 # --- training steps: _step.py -------------------------------------------------------------------
+from famp._step import optimizer_step, skip_on_overflow, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -37,4 +38,7 @@ __all__: list[str] = [
     # policies, op rules and autocast
     # FSDP optimizer state
     # training steps
+    "optimizer_step",
+    "skip_on_overflow",
+    "value_and_grad",
 ]

@@ -1,0 +1,448 @@
+"""value_and_grad, skip_on_overflow and optimizer_step against GradScaler, bit for bit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hypothesis.strategies as st
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from torch.func import functional_call
+from torch.nn import functional
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+LR = 0.1
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def make_batch(step: int, bad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step``; ``bad`` puts an inf in the input, so every gradient is NaN."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(6, 8, generator=gen)
+    y = torch.randint(0, 4, (6,), generator=gen)
+    if bad:
+        x[0, 0] = math.inf
+    return x, y
+
+
+def clone_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+MODEL = make_model()
+
+
+def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = functional_call(MODEL, params, (x,))
+        assert logits.dtype == torch.bfloat16
+        return functional.cross_entropy(logits, y)
+
+
+def torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return functional.cross_entropy(model(x), y)
+
+
+scaler_configs = st.fixed_dictionaries(
+    {
+        "init_scale": st.one_of(
+            st.integers(0, 127).map(lambda e: 2.0**e), st.floats(1.0, 2.0**127, width=32)
+        ),
+        "growth_factor": st.one_of(st.just(2.0), st.floats(1.01, 16.0)),
+        "backoff_factor": st.one_of(st.just(0.5), st.floats(0.01, 0.99)),
+        "growth_interval": st.integers(1, 4),
+    }
+)
+
+
+# --- value_and_grad -----------------------------------------------------------------------------
+
+
+@settings(max_examples=25)
+@given(config=scaler_configs, pattern=st.lists(st.booleans(), min_size=1, max_size=10))
+def test_value_and_grad_sgd_trajectory_equals_gradscaler(
+    config: dict[str, Any], pattern: list[bool]
+) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", **config)
+    params = clone_params(model)
+    state = famp.init_scaler(**config)
+    step = famp.value_and_grad(loss_fn)
+    for i, bad in enumerate(pattern):
+        x, y = make_batch(i, bad)
+        opt.zero_grad(set_to_none=True)
+        expected_loss = torch_loss(model, x, y)
+        scaler.scale(expected_loss).backward()
+        scaler.step(opt)
+        skipped = bool(sum(scaler._found_inf_per_device(opt).values()))
+        scaler.update()
+
+        loss, grads, found_inf, state = step(state, params, x, y)
+        new_params = {k: torch.add(p, grads[k], alpha=-LR) for k, p in params.items()}
+        params = famp.skip_on_overflow(found_inf, new_params, params)
+
+        assert_bitwise_equal(loss, expected_loss.detach())
+        assert found_inf.dtype == torch.float32
+        assert found_inf.item() == float(skipped)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_bitwise_equal(state.growth_tracker, scaler._growth_tracker)
+        for k, p in model.named_parameters():
+            assert params[k].dtype == torch.float32
+            assert_bitwise_equal(params[k], p.detach())
+
+
+def test_value_and_grad_has_aux_argnums_and_kwargs() -> None:
+    def fn(
+        w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, *, shift: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = (w * x + b + shift).square().mean()
+        return out, {"out": out * 2, "x": x}
+
+    w, b, x, shift = torch.randn(5), torch.randn(5), torch.randn(5), torch.tensor(0.25)
+    state = famp.init_scaler(2.0**8, growth_interval=1)
+    (loss, aux), grads, found_inf, new_state = famp.value_and_grad(fn, (0, 1), has_aux=True)(
+        state, w, b, x, shift=shift
+    )
+    (ew, eb), (eloss, eaux) = torch.func.grad_and_value(fn, (0, 1), has_aux=True)(
+        w, b, x, shift=shift
+    )
+    assert isinstance(grads, tuple)
+    assert_bitwise_equal(grads[0], ew)  # power-of-two scale: unscaling is exact
+    assert_bitwise_equal(grads[1], eb)
+    assert_bitwise_equal(loss, eloss)
+    assert_bitwise_equal(aux["out"], eaux["out"])
+    assert not aux["out"].requires_grad
+    assert found_inf.item() == 0.0
+    assert new_state.scale.item() == 2.0**9
+
+
+def test_value_and_grad_disabled_state_is_plain_grad() -> None:
+    params = clone_params(MODEL)
+    x, y = make_batch(0, False)
+    state = famp.init_scaler(enabled=False)
+    _, grads, found_inf, new_state = famp.value_and_grad(loss_fn)(state, params, x, y)
+    expected = torch.func.grad(loss_fn)(params, x, y)
+    for k in params:
+        assert_bitwise_equal(grads[k], expected[k])
+    assert found_inf.item() == 0.0
+    assert new_state is state
+
+
+def test_value_and_grad_returns_nonfinite_grads_and_the_backed_off_state() -> None:
+    params = clone_params(MODEL)
+    state = famp.init_scaler(2.0**16)
+    _, grads, found_inf, new_state = famp.value_and_grad(loss_fn)(
+        state, params, *make_batch(0, True)
+    )
+    assert found_inf.item() == 1.0
+    assert not bool(famp.all_finite(grads))
+    assert new_state.scale.item() == 2.0**15
+    assert new_state.growth_tracker.item() == 0
+
+
+def test_value_and_grad_bad_input() -> None:
+    with pytest.raises(TypeError, match="argnums must be an int"):
+        famp.value_and_grad(loss_fn, argnums="0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="argnums must be an int"):
+        famp.value_and_grad(loss_fn, argnums=())
+    with pytest.raises(TypeError, match="has_aux must be a bool"):
+        famp.value_and_grad(loss_fn, has_aux=1)  # type: ignore[arg-type]
+    w = torch.ones(3)
+    with pytest.raises(TypeError, match=r"famp\.ScalerState, got dict"):
+        famp.value_and_grad(lambda w: w.sum())({"scale": 1.0}, w)
+    with pytest.raises(
+        TypeError,
+        match=r"one-element floating tensor as loss, got a torch.float32 "
+        r"tensor of shape \(3,\)",
+    ):
+        famp.value_and_grad(lambda w: w * 2)(famp.init_scaler(), w)
+    with pytest.raises(TypeError, match="pair \\(loss, aux\\), got Tensor"):
+        famp.value_and_grad(lambda w: w.sum(), has_aux=True)(famp.init_scaler(), w)
+
+
+# --- skip_on_overflow: step counters and schedules ----------------------------------------------
+
+
+def adam_update(
+    params: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    opt_state: dict[str, Any],
+    lr: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A pure Adam whose step counter is a tensor in its state."""
+    count = opt_state["count"] + 1
+    mu = optree.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt_state["mu"], grads)
+    nu = optree.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt_state["nu"], grads)
+    c1, c2 = 1 - 0.9**count, 1 - 0.999**count
+    new = optree.tree_map(
+        lambda p, m, v: p - lr * (m / c1) / ((v / c2).sqrt() + 1e-8), params, mu, nu
+    )
+    return new, {"count": count, "mu": mu, "nu": nu}
+
+
+def schedule(count: torch.Tensor) -> torch.Tensor:
+    return 0.01 * 0.9 ** count.to(torch.float32)
+
+
+def run(
+    pattern: Sequence[bool], keep: Sequence[int], by: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], famp.ScalerState]:
+    """Train on batches ``keep`` of ``pattern`` with a power-of-two scale and an fp32 model."""
+    params = clone_params(MODEL)
+    opt_state: dict[str, Any] = {
+        "count": torch.zeros((), dtype=torch.int64),
+        "mu": optree.tree_map(torch.zeros_like, params),
+        "nu": optree.tree_map(torch.zeros_like, params),
+    }
+    state = famp.init_scaler(2.0**10, growth_interval=1000)
+    step = famp.value_and_grad(
+        lambda p, x, y: functional.cross_entropy(functional_call(MODEL, p, (x,)), y)
+    )
+    for i in keep:
+        _, grads, found_inf, state = step(state, params, *make_batch(i, pattern[i]))
+        lr = schedule(opt_state["count"] if by == "optimizer" else torch.tensor(i))
+        new = adam_update(params, grads, opt_state, lr)
+        params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
+    return params, opt_state, state
+
+
+@settings(max_examples=15)
+@given(
+    pattern=st.lists(st.booleans(), min_size=1, max_size=8),
+    by=st.sampled_from(["optimizer", "iteration"]),
+)
+def test_skipped_steps_never_happened_for_the_optimizer(pattern: list[bool], by: str) -> None:
+    """Skipping rolls back params, moments and the optimizer's step counter.
+
+    A schedule read off the optimizer's counter then sees only the applied steps; a schedule read
+    off the iteration counter advances on skipped steps too.
+    """
+    params, opt_state, state = run(pattern, range(len(pattern)), by)
+    good = [i for i, bad in enumerate(pattern) if not bad]
+    expected_params, expected_opt, _ = run(pattern, good, by)
+    assert opt_state["count"].item() == len(good)
+    leaves = optree.tree_leaves((params, opt_state))
+    expected = optree.tree_leaves((expected_params, expected_opt))
+    for a, b in zip(leaves, expected, strict=True):
+        assert_bitwise_equal(a, b)
+    assert state.scale.item() == 2.0 ** (10 - sum(pattern))
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0, 2.0, -1.0, math.nan, math.inf])
+def test_skip_on_overflow_treats_any_nonzero_found_inf_as_overflow(found_inf: float) -> None:
+    new, old = (
+        {"w": torch.zeros(3), "n": torch.tensor(1)},
+        {"w": torch.ones(3), "n": torch.tensor(0)},
+    )
+    out = famp.skip_on_overflow(torch.tensor([found_inf]), new, old)
+    expected = new if found_inf == 0.0 else old
+    assert_bitwise_equal(out["w"], expected["w"])
+    assert_bitwise_equal(out["n"], expected["n"])
+
+
+def test_skip_on_overflow_bad_input() -> None:
+    tree = {"w": torch.zeros(2)}
+    with pytest.raises(TypeError, match="found_inf must be a Tensor, got float"):
+        famp.skip_on_overflow(1.0, tree, tree)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"exactly one element, got shape \(2,\)"):
+        famp.skip_on_overflow(torch.zeros(2), tree, tree)
+    with pytest.raises(ValueError, match="same structure"):
+        famp.skip_on_overflow(torch.zeros(()), tree, {"v": torch.zeros(2)})
+
+
+# --- optimizer_step: the bridge to fused torch.optim optimizers ---------------------------------
+
+
+FUSED = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, nesterov=True, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=LR, fused=True),
+}
+
+
+def assert_optimizers_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for name in sa[k]:
+            assert_bitwise_equal(sa[k][name], sb[k][name])
+
+
+@settings(max_examples=12)
+@given(
+    name=st.sampled_from(sorted(FUSED)),
+    config=scaler_configs,
+    pattern=st.lists(st.booleans(), min_size=1, max_size=8),
+)
+def test_optimizer_step_equals_gradscaler_with_fused_optimizer(
+    name: str, config: dict[str, Any], pattern: list[bool]
+) -> None:
+    if name == "sgd_momentum":  # torch's fused SGD reads uninitialized buffers after a skipped
+        pattern[0] = False  # first step (see test_optimizer_step_fused_sgd_skipped_first_step)
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = FUSED[name](model.parameters()), FUSED[name](famp_model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **config)
+    state = famp.init_scaler(**config)
+    for i, bad in enumerate(pattern):
+        x, y = make_batch(i, bad)
+        opt.zero_grad()
+        scaler.scale(torch_loss(model, x, y)).backward()
+        scaler.step(opt)
+        expected_found_inf = sum(scaler._found_inf_per_device(opt).values())
+        scaler.update()
+
+        famp_opt.zero_grad()
+        famp.scale(state, torch_loss(famp_model, x, y)).backward()
+        found_inf = famp.optimizer_step(famp_opt, state)
+        state = famp.update_scale(state, found_inf)
+
+        assert_bitwise_equal(found_inf, expected_found_inf)
+        assert found_inf.item() == float(bad)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_bitwise_equal(state.growth_tracker, scaler._growth_tracker)
+        for p, q in zip(model.parameters(), famp_model.parameters(), strict=True):
+            assert_bitwise_equal(q.detach(), p.detach())
+            assert_bitwise_equal(q.grad, p.grad)  # the kernel wrote the unscaled grads back
+        assert_optimizers_equal(famp_opt, opt)
+    assert not hasattr(famp_opt, "grad_scale")
+    assert not hasattr(famp_opt, "found_inf")
+
+
+def test_optimizer_step_fused_sgd_skipped_first_step_is_as_if_it_never_happened() -> None:
+    """Fused SGD keeps ``empty_like`` buffers after a skipped first step: famp zeroes them."""
+    pattern = [True, False, False, True, False]
+    model, expected_model = make_model(), make_model()
+    make = FUSED["sgd_momentum"]
+    opt, expected_opt = make(model.parameters()), make(expected_model.parameters())
+    state = famp.init_scaler(2.0**10, growth_interval=1000)
+    for i, bad in enumerate(pattern):
+        x, y = make_batch(i, bad)
+        opt.zero_grad()
+        famp.scale(state, torch_loss(model, x, y)).backward()
+        # fill the allocator's free list with NaN so that an uninitialized buffer would show
+        del_me = torch.full((16 * 8 + 16 + 4 * 16 + 4,), math.nan)
+        del del_me
+        found_inf = famp.optimizer_step(opt, state)
+        state = famp.update_scale(state, found_inf)
+        if i == 0:
+            for p in model.parameters():
+                assert_bitwise_equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p))
+        if not bad:  # the reference run sees only the applied steps, from a fresh first step
+            expected_opt.zero_grad()
+            torch_loss(expected_model, x, y).backward()
+            expected_opt.step()
+    for p, q in zip(model.parameters(), expected_model.parameters(), strict=True):
+        assert_bitwise_equal(p.detach(), q.detach())
+    assert_optimizers_equal(opt, expected_opt)
+
+
+def test_optimizer_step_with_unscaled_grads_from_value_and_grad() -> None:
+    """value_and_grad's grads in ``.grad``, and its found_inf: GradScaler's numbers (2**k scale)."""
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = FUSED["adamw"](model.parameters()), FUSED["adamw"](famp_model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+    state = famp.init_scaler(2.0**20, growth_interval=2)
+    step = famp.value_and_grad(loss_fn)
+    for i, bad in enumerate([False, True, False, False, True, False]):
+        x, y = make_batch(i, bad)
+        opt.zero_grad()
+        scaler.scale(torch_loss(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+        params = dict(famp_model.named_parameters())
+        _, grads, found_inf, state = step(state, params, x, y)
+        for k, p in params.items():
+            p.grad = grads[k]
+        assert famp.optimizer_step(famp_opt, found_inf=found_inf) is found_inf
+        assert_bitwise_equal(state.scale, scaler._scale)
+        for p, q in zip(model.parameters(), famp_model.parameters(), strict=True):
+            assert_bitwise_equal(q.detach(), p.detach())
+        assert_optimizers_equal(famp_opt, opt)
+
+
+def test_optimizer_step_never_triggers_the_scheduler_warning() -> None:
+    """A skipped first step makes lr_scheduler warn under GradScaler (#44511); famp always steps."""
+    x, y = make_batch(0, True)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())  # GradScaler skips by not calling step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch_loss(model, x, y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    with pytest.warns(UserWarning, match="before `optimizer.step\\(\\)`"):
+        sched.step()
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    state = famp.init_scaler()
+    famp.scale(state, torch_loss(model, x, y)).backward()
+    assert famp.optimizer_step(opt, state).item() == 1.0
+    sched.step()  # filterwarnings=error: a warning would fail here
+    assert opt.state_dict()["state"][0]["step"].item() == 0.0
+
+
+def test_optimizer_step_disabled_state_steps_plainly() -> None:
+    model, expected = make_model(), make_model()
+    opt, expected_opt = FUSED["adam"](model.parameters()), FUSED["adam"](expected.parameters())
+    x, y = make_batch(0, False)
+    state = famp.init_scaler(enabled=False)
+    famp.scale(state, torch_loss(model, x, y)).backward()
+    torch_loss(expected, x, y).backward()
+    assert famp.optimizer_step(opt, state).item() == 0.0
+    expected_opt.step()
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        assert_bitwise_equal(p.detach(), q.detach())
+
+
+def test_optimizer_step_restores_attributes_when_step_raises() -> None:
+    class Failing(torch.optim.SGD):
+        def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+            assert self.found_inf is not None
+            raise RuntimeError("boom")
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = Failing([w], lr=0.1, fused=True)
+    opt.grad_scale = "mine"  # type: ignore[attr-defined]
+    w.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        famp.optimizer_step(opt, famp.init_scaler())
+    assert opt.grad_scale == "mine"  # type: ignore[attr-defined]
+    assert not hasattr(opt, "found_inf")
+
+
+def test_optimizer_step_bad_input() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    fused = torch.optim.SGD([w], lr=0.1, fused=True)
+    with pytest.raises(
+        TypeError, match="fused=True\\), got SGD without _step_supports_amp_scaling"
+    ):
+        famp.optimizer_step(torch.optim.SGD([w], lr=0.1), famp.init_scaler())
+    with pytest.raises(
+        ValueError, match="needs state \\(scaled grads\\) or found_inf, got neither"
+    ):
+        famp.optimizer_step(fused)
+    with pytest.raises(TypeError, match=r"state must be a famp\.ScalerState or None, got float"):
+        famp.optimizer_step(fused, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"found_inf must be a float32 tensor, got torch\.bool"):
+        famp.optimizer_step(fused, found_inf=torch.tensor(True))
+    with pytest.raises(ValueError, match=r"exactly one element, got shape \(2,\)"):
+        famp.optimizer_step(fused, found_inf=torch.zeros(2))
+    assert_bitwise_equal(w.detach(), torch.ones(2))  # nothing was applied
