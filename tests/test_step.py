@@ -446,3 +446,181 @@ def test_optimizer_step_bad_input() -> None:
     with pytest.raises(ValueError, match=r"exactly one element, got shape \(2,\)"):
         famp.optimizer_step(fused, found_inf=torch.zeros(2))
     assert_bitwise_equal(w.detach(), torch.ones(2))  # nothing was applied
+
+
+# --- a whole step under torch.compile(fullgraph=True) -------------------------------------------
+
+
+def whole_step(
+    params: dict[str, torch.Tensor],
+    opt_state: dict[str, Any],
+    state: famp.ScalerState,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[Any, ...]:
+    loss, grads, found_inf, state = famp.value_and_grad(loss_fn)(state, params, x, y)
+    new = adam_update(params, grads, opt_state, schedule(opt_state["count"]))
+    params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
+    return params, opt_state, state, loss, found_inf
+
+
+@pytest.mark.slow
+def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_step = torch.compile(whole_step, fullgraph=True, backend=counter)
+    params = clone_params(MODEL)
+    opt_state = {
+        "count": torch.zeros((), dtype=torch.int64),
+        "mu": optree.tree_map(torch.zeros_like, params),
+        "nu": optree.tree_map(torch.zeros_like, params),
+    }
+    eager = compiled = (params, opt_state, famp.init_scaler(2.0**16, growth_interval=2))
+    for i, bad in enumerate([False, True, False, False, False]):
+        x, y = make_batch(i, bad)
+        eager_out = whole_step(*eager, x, y)
+        compiled_out = compiled_step(*compiled, x, y)
+        eager, compiled = eager_out[:3], compiled_out[:3]
+        leaves, spec = optree.tree_flatten(eager_out)
+        compiled_leaves, compiled_spec = optree.tree_flatten(compiled_out)
+        assert spec == compiled_spec
+        for a, b in zip(leaves, compiled_leaves, strict=True):
+            assert_bitwise_equal(b, a)
+        assert eager_out[4].item() == float(bad)
+    assert eager[2].scale.item() == 2.0**16  # backed off once, grown once
+    assert counter.frame_count == 1  # one graph, no recompilation as the scale changes
+
+
+# --- long runs: guards keep the scale finite and positive; without them, torch's numbers --------
+
+
+LONG_STEPS = 10_000
+LONG_BATCH = 16  # trajectories per example, run side by side under vmap
+LONG_EXAMPLES = max(1, settings.default.max_examples // 60)
+
+
+def overflow_patterns(seed: int, batch: int, steps: int, max_burst: int) -> torch.Tensor:
+    """``(steps, batch)`` found_inf values: finite runs and overflow bursts of random lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.zeros(steps, batch)
+    values = torch.tensor([1.0, 2.0, math.nan, -1.0, math.inf])
+    for b in range(batch):
+        t, p_burst = 0, torch.rand((), generator=gen).item()
+        while t < steps:
+            run = int(torch.randint(1, 400, (), generator=gen))
+            if torch.rand((), generator=gen).item() < p_burst:
+                run = int(torch.randint(1, max_burst + 1, (), generator=gen))
+                pick = torch.randint(0, len(values), (run,), generator=gen)
+                out[t : t + run, b] = values[pick][: steps - t]
+            t += run
+    return out
+
+
+def batched(state: famp.ScalerState, batch: int) -> famp.ScalerState:
+    leaves, spec = optree.tree_flatten(state)
+    return optree.tree_unflatten(spec, [x.expand(batch).clone() for x in leaves])  # type: ignore[no-any-return]
+
+
+long_configs = st.fixed_dictionaries(
+    {
+        "init_scale": st.integers(-20, 127).map(lambda e: 2.0**e),
+        "growth_factor": st.one_of(st.just(2.0), st.floats(1.01, 16.0)),
+        "backoff_factor": st.one_of(st.just(0.5), st.floats(0.01, 0.99)),
+        "growth_interval": st.integers(1, 50),
+    }
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES)
+@given(config=long_configs, seed=st.integers(0, 2**31))
+def test_long_run_without_guards_equals_torch_kernel(config: dict[str, Any], seed: int) -> None:
+    found = overflow_patterns(seed, LONG_BATCH, LONG_STEPS, max_burst=300)
+    update = torch.func.vmap(famp.update_scale)
+    state = batched(famp.init_scaler(**config), LONG_BATCH)
+    scales, trackers = [], []
+    for row in found:
+        state = update(state, row)
+        scales.append(state.scale)
+        trackers.append(state.growth_tracker)
+    for b in range(LONG_BATCH):
+        scale = torch.tensor(config["init_scale"])
+        tracker = torch.zeros((), dtype=torch.int32)
+        expected_scales, expected_trackers = [], []
+        for value in found[:, b]:
+            torch._amp_update_scale_(
+                scale,
+                tracker,
+                value,
+                config["growth_factor"],
+                config["backoff_factor"],
+                config["growth_interval"],
+            )
+            expected_scales.append(scale.clone())
+            expected_trackers.append(tracker.clone())
+        assert_bitwise_equal(torch.stack(scales)[:, b], torch.stack(expected_scales))
+        assert_bitwise_equal(torch.stack(trackers)[:, b], torch.stack(expected_trackers))
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES)
+@given(
+    config=long_configs,
+    seed=st.integers(0, 2**31),
+    min_exp=st.integers(-30, 0),
+    max_exp=st.integers(1, 127),
+    hysteresis=st.integers(1, 4),
+)
+def test_long_run_with_guards_keeps_the_scale_finite_and_positive(
+    config: dict[str, Any], seed: int, min_exp: int, max_exp: int, hysteresis: int
+) -> None:
+    min_scale, max_scale = 2.0**min_exp, 2.0**max_exp
+    config["init_scale"] = min(max(config["init_scale"], min_scale), max_scale)
+    state = famp.init_scaler(
+        **config, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis
+    )
+    found = overflow_patterns(seed, LONG_BATCH, LONG_STEPS, max_burst=1000)
+    update = torch.func.vmap(famp.update_scale)
+    state = batched(state, LONG_BATCH)
+    low, high = torch.full((LONG_BATCH,), math.inf), torch.zeros(LONG_BATCH)
+    for row in found:
+        state = update(state, row)
+        low, high = torch.minimum(low, state.scale), torch.maximum(high, state.scale)
+    assert state.scale.dtype == torch.float32
+    assert bool(torch.isfinite(high).all())
+    assert bool((low >= min_scale).all()), low
+    assert bool((high <= max_scale).all()), high
+    assert bool((low > 0).all())
+
+
+def test_failure_mode_scale_underflows_to_zero_and_nan_params_go_unnoticed() -> None:
+    """torch's footgun without guards: 150 backoffs reach 0.0, then NaN grads slip through."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    opt0 = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
+    state = famp.init_scaler(1.0)
+    scaler.scale(torch.ones(()))  # creates _scale and _growth_tracker
+    for _ in range(150):
+        scaler._found_inf_per_device(opt0)[torch.device("cpu")] = torch.tensor(1.0)
+        scaler.update()
+        state = famp.update_scale(state, torch.tensor(1.0))
+    assert scaler._scale.item() == 0.0
+    assert_bitwise_equal(state.scale, scaler._scale)
+
+    model, params = make_model(), clone_params(MODEL)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_batch(0, False)
+    scaler.scale(torch_loss(model, x, y)).backward()
+    scaler.step(opt)  # no inf in the scaled (zero) grads: the NaN update is applied
+    _, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, params, x, y)
+    assert found_inf.item() == 0.0
+    assert all(bool(g.isnan().all()) for g in grads.values())
+    assert all(bool(p.isnan().all()) for p in model.parameters())
+
+    guarded = famp.init_scaler(1.0, min_scale=2.0**-10)
+    for _ in range(150):
+        guarded = famp.update_scale(guarded, torch.tensor(1.0))
+    assert guarded.scale.item() == 2.0**-10
+    _, grads, found_inf, _ = famp.value_and_grad(loss_fn)(guarded, params, x, y)
+    assert found_inf.item() == 0.0
+    assert bool(famp.all_finite(grads))
