@@ -137,6 +137,9 @@ torch_pytree.register_pytree_node(
     _flatten,
     lambda children, aux: _unflatten(aux, list(children)),
     serialized_type_name="famp.ScalerState",
+    # JSON turns the context's tuples into lists (treespec_dumps/loads, torch.export): undo that.
+    to_dumpable_context=lambda aux: [list(aux[0]), list(aux[1])],
+    from_dumpable_context=lambda dumped: (tuple(dumped[0]), tuple(dumped[1])),
     flatten_with_keys_fn=_flatten_with_keys,
 )
 
@@ -161,7 +164,9 @@ def _check_hyperparameters(
     if not _is_real(backoff_factor) or not 0.0 < backoff_factor < 1.0:  # type: ignore[operator]
         raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
     if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        raise ValueError(
+            f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
+        )
     if not 1 <= growth_interval <= _INT32_MAX:
         raise ValueError(
             f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
@@ -226,9 +231,19 @@ def init_scaler(
     """
     if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-    if min_scale is not None and _is_real(min_scale) and init_scale < min_scale:
+    _check_hyperparameters(
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        enabled=enabled,
+        dynamic=dynamic,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    if min_scale is not None and init_scale < min_scale:
         raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
-    if max_scale is not None and _is_real(max_scale) and init_scale > max_scale:
+    if max_scale is not None and init_scale > max_scale:
         raise ValueError(f"init_scale must be <= max_scale, got {init_scale!r} > {max_scale!r}")
     return make_state(
         init_scale,
