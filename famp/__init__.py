@@ -16,6 +16,7 @@ from famp._scaler import (
     unscale_and_check,
     update_scale,
 )
+from famp._serialization import from_state_dict, to_state_dict
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 
@@ -30,9 +31,11 @@ __all__: list[str] = [
     # loss scaling
     "ScalerState",
     "all_finite",
+    "from_state_dict",
     "init_scaler",
     "scale",
     "select_tree",
+    "to_state_dict",
     "unscale_and_check",
     "update_scale",
     # policies, op rules and autocast

@@ -105,8 +105,8 @@ def _flatten(state: ScalerState) -> tuple[list[Any], tuple[Any, ...]]:
 def _unflatten(aux: tuple[Any, ...], children: Sequence[Any]) -> ScalerState:
     present, statics = aux
     return ScalerState(
-        **dict(zip(present, children, strict=False)),
-        **dict(zip(_STATIC_NAMES, statics, strict=False)),
+        **dict(zip(present, children, strict=True)),
+        **dict(zip(_STATIC_NAMES, statics, strict=True)),
     )
 
 
@@ -114,7 +114,7 @@ def _flatten_with_keys(
     state: ScalerState,
 ) -> tuple[list[tuple[torch_pytree.KeyEntry, Any]], tuple[Any, ...]]:
     children, aux = _flatten(state)
-    return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(aux[0], children, strict=False)], aux
+    return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(aux[0], children, strict=True)], aux
 
 
 def _optree_flatten(state: ScalerState) -> tuple[list[Any], tuple[Any, ...], tuple[str, ...]]:
@@ -137,6 +137,9 @@ torch_pytree.register_pytree_node(
     _flatten,
     lambda children, aux: _unflatten(aux, list(children)),
     serialized_type_name="famp.ScalerState",
+    # JSON turns the context's tuples into lists (treespec_dumps/loads, torch.export): undo that.
+    to_dumpable_context=lambda aux: [list(aux[0]), list(aux[1])],
+    from_dumpable_context=lambda dumped: (tuple(dumped[0]), tuple(dumped[1])),
     flatten_with_keys_fn=_flatten_with_keys,
 )
 
@@ -161,7 +164,9 @@ def _check_hyperparameters(
     if not _is_real(backoff_factor) or not 0.0 < backoff_factor < 1.0:  # type: ignore[operator]
         raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
     if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        raise ValueError(
+            f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
+        )
     if not 1 <= growth_interval <= _INT32_MAX:
         raise ValueError(
             f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
@@ -226,9 +231,19 @@ def init_scaler(
     """
     if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-    if min_scale is not None and _is_real(min_scale) and init_scale < min_scale:
+    _check_hyperparameters(
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        enabled=enabled,
+        dynamic=dynamic,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    if min_scale is not None and init_scale < min_scale:
         raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
-    if max_scale is not None and _is_real(max_scale) and init_scale > max_scale:
+    if max_scale is not None and init_scale > max_scale:
         raise ValueError(f"init_scale must be <= max_scale, got {init_scale!r} > {max_scale!r}")
     return make_state(
         init_scale,
@@ -293,7 +308,7 @@ def _keystr(path: Sequence[Any]) -> str:
 
 def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=False):
+    for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"famp.{fn}: the leaf at {_keystr(path)} must be a Tensor or None, "
@@ -378,7 +393,7 @@ def unscale_and_check(
     if not state.enabled:
         return grads, found_inf
     paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
-    for path, leaf in zip(paths, leaves, strict=False):
+    for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
             what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise TypeError(
@@ -413,23 +428,28 @@ def unscale_and_check(
                 new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
                     tensors, found, inv
                 )
-            for i, t in zip(index, new, strict=False):
+            for i, t in zip(index, new, strict=True):
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
         found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
-    result = [
-        src
-        if donate and src.is_sparse
-        else torch.sparse_coo_tensor(
-            src._indices(), new, src.shape, is_coalesced=src.is_coalesced()
-        )
-        if src.is_sparse
-        else new
-        for src, new in zip(sources, out, strict=False)
-    ]
+    result = []
+    for src, values in zip(sources, out, strict=True):
+        if src.is_sparse:  # donated: its values were unscaled in place
+            values = src if donate else _sparse_like(src, values)
+        result.append(values)
     if group is not None:
         found_inf = _distributed.all_reduce_max(found_inf, group)
     return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
+
+
+def _sparse_like(src: Tensor, values: Tensor) -> Tensor:
+    return torch.sparse_coo_tensor(
+        src._indices(),
+        values,
+        src.shape,
+        is_coalesced=src.is_coalesced(),
+        check_invariants=False,  # indices and size come from a valid tensor
+    )
 
 
 def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
@@ -565,7 +585,7 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         )
     paths = spec.paths()
     out = []
-    for path, a, b in zip(paths, true_leaves, false_leaves, strict=False):
+    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
         if a.dtype != b.dtype:
             raise TypeError(
                 f"famp.select_tree: the leaves at {_keystr(path)} differ in dtype: "

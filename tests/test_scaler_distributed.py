@@ -1,0 +1,94 @@
+"""unscale_and_check(group=...): found_inf is max-reduced across real gloo ranks."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+# (rank -> has an inf) cases, run in one pair of processes to pay the start-up once.
+CASES = [(False, True), (True, True), (False, False)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    import famp
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        state = famp.init_scaler(4.0)
+        subgroup = dist.new_group([0, 1])
+        for case, has_inf in enumerate(CASES):
+            grads = {"w": torch.full((3,), 8.0), "b": torch.tensor([2.0], dtype=torch.bfloat16)}
+            if has_inf[rank]:
+                grads["w"][rank] = math.inf
+            local, local_found = famp.unscale_and_check(state, grads)
+            out, found = famp.unscale_and_check(state, grads, group=dist.group.WORLD)
+            _, found_sub = famp.unscale_and_check(state, grads, group=subgroup)
+            results.put(
+                (
+                    rank,
+                    case,
+                    local_found.item(),
+                    found.item(),
+                    found_sub.item(),
+                    str(found.dtype),
+                    tuple(found.shape),
+                    torch.equal(out["w"], local["w"]),
+                    grads["w"][1].item(),
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    rows = [results.get(timeout=90) for _ in range(WORLD_SIZE * len(CASES))]
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD_SIZE
+    for rank, case, local, found, found_sub, dtype, shape, same_grads, w1 in rows:
+        has_inf = CASES[case]
+        assert local == float(has_inf[rank])  # without group=, each rank sees only its grads
+        assert found == float(any(has_inf))  # both ranks report 1.0 (max, not torch's sum)
+        assert found_sub == found
+        assert (dtype, shape) == (str(torch.float32), ())
+        assert same_grads  # the reduction touches found_inf only
+        assert w1 == (math.inf if has_inf[rank] and rank == 1 else 8.0)  # input not modified
+
+
+def test_group_must_be_a_process_group() -> None:
+    import famp
+
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup"):
+        famp.unscale_and_check(famp.init_scaler(), [torch.ones(1)], group="world")

@@ -1,0 +1,163 @@
+"""unscale_and_check beyond dense CPU grads: sparse, donation, device grouping, round trips."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.test_scaler import torch_unscale
+
+
+def sparse(
+    indices: list[list[int]],
+    values: list[float],
+    size: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    return torch.sparse_coo_tensor(
+        torch.tensor(indices), torch.tensor(values, dtype=dtype), size, check_invariants=True
+    )
+
+
+def assert_same_sparse(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same raw (possibly uncoalesced) indices and values, not only the same coalesced tensor."""
+    assert actual.is_sparse
+    assert expected.is_sparse
+    assert actual.is_coalesced() == expected.is_coalesced()
+    assert_bitwise_equal(actual._indices(), expected._indices())
+    assert_bitwise_equal(actual._values(), expected._values())
+    assert actual.shape == expected.shape
+
+
+def test_sparse_grads_equal_gradscaler() -> None:
+    uncoalesced = sparse([[0, 1, 0], [2, 0, 2]], [3.0, -5.0, 1e30], (2, 3))
+    coalesced = sparse([[1, 3]], [7.0, math.inf], (4,)).coalesce()
+    dense = torch.tensor([6.0, 12.0], dtype=torch.bfloat16)
+    grads = [uncoalesced, coalesced, dense]
+    before = [g.clone() for g in grads]
+    expected, expected_found = torch_unscale(3.0, grads)
+    out, found = famp.unscale_and_check(famp.init_scaler(3.0), grads)
+    assert not out[0].is_coalesced()  # torch leaves non-fp16 sparse grads uncoalesced
+    assert_same_sparse(out[0], expected[0])
+    assert_same_sparse(out[1], expected[1])
+    assert_bitwise_equal(out[2], expected[2])
+    assert_bitwise_equal(found, expected_found)
+    assert found.item() == 1.0
+    for g, b in zip(grads, before, strict=True):
+        assert_same_sparse(g, b) if g.is_sparse else assert_bitwise_equal(g, b)
+
+
+def test_fp16_sparse_grads_are_coalesced_like_torch() -> None:
+    # Two finite fp16 duplicates sum to inf: torch coalesces fp16 sparse grads before checking.
+    grad = sparse([[0, 0, 1]], [60000.0, 60000.0, 2.0], (3,), dtype=torch.float16)
+    expected, expected_found = torch_unscale(4.0, [grad], allow_fp16=True)
+    out, found = famp.unscale_and_check(famp.init_scaler(4.0), [grad])
+    assert out[0].dtype == torch.float16
+    assert out[0].is_coalesced()
+    assert_same_sparse(out[0], expected[0])
+    assert_bitwise_equal(found, expected_found)
+    assert found.item() == 1.0
+    assert not grad.is_coalesced()  # the input is not replaced or modified
+
+
+def test_donate_reuses_the_buffers_and_equals_gradscaler_unscale() -> None:
+    grads = {
+        "w": torch.tensor([3.0, -6.0, math.nan]),
+        "b": torch.tensor([9.0], dtype=torch.float64),
+        "s": sparse([[0, 0]], [3.0, 6.0], (2,)),
+    }
+    expected, expected_found = torch_unscale(3.0, list(grads.values()))
+    pointers = {k: (g._values() if g.is_sparse else g).data_ptr() for k, g in grads.items()}
+    out, found = famp.unscale_and_check(famp.init_scaler(3.0), grads, donate=True)
+    for k, e in zip(("w", "b", "s"), expected, strict=True):
+        got = out[k]
+        assert (got._values() if got.is_sparse else got).data_ptr() == pointers[k]
+        assert_same_sparse(got, e) if got.is_sparse else assert_bitwise_equal(got, e)
+    assert_bitwise_equal(found, expected_found)
+
+
+finite_f32 = st.floats(2.0**-60, 2.0**60, width=32) | st.floats(-(2.0**60), -(2.0**-60), width=32)
+
+
+@given(
+    values=st.lists(finite_f32, min_size=1, max_size=8),
+    exponent=st.integers(-60, 60),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_unscale_inverts_scale_for_power_of_two_scales(
+    values: list[float], exponent: int, dtype: torch.dtype
+) -> None:
+    state = famp.init_scaler(2.0**exponent)
+    grads = {"g": torch.tensor(values).to(dtype), "loss": torch.tensor(values[0])}
+    scaled = famp.scale(state, grads)
+    assert scaled["g"].dtype == dtype
+    out, found = famp.unscale_and_check(state, scaled)
+    assert found.item() == 0.0
+    assert_bitwise_equal(out["g"], grads["g"])
+    assert_bitwise_equal(out["loss"], grads["loss"])
+
+
+def test_scale_keeps_container_types() -> None:
+    from collections import OrderedDict, namedtuple
+
+    pair = namedtuple("pair", ["a", "b"])
+    state = famp.init_scaler(2.0)
+    one = torch.tensor(1.0)
+    tree: Any = [pair(one, (one, None)), OrderedDict(x=one), {"y": [one]}]
+    out = famp.scale(state, tree)
+    assert type(out) is list
+    assert type(out[0]) is pair
+    assert type(out[0].b) is tuple
+    assert out[0].b[1] is None
+    assert type(out[1]) is OrderedDict
+    assert out[2]["y"][0].item() == 2.0
+
+
+class _KernelCalls(TorchDispatchMode):
+    """Records the (device, dtype) of every tensor each unscale kernel call receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[tuple[str, str]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "_amp_foreach_non_finite_check_and_unscale" in str(func):
+            self.calls.append([(str(t.device), str(t.dtype)) for t in args[0]])
+        return func(*args, **(kwargs or {}))
+
+
+def test_grads_on_several_devices_are_grouped_like_gradscaler() -> None:
+    # No GPU on CI: fake CUDA tensors check the grouping and placement, not the values.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        grads = [
+            torch.ones(3, device="cuda:0"),
+            torch.ones(2),
+            torch.ones(1, device="cuda:1"),
+            torch.ones(2, device="cuda:0", dtype=torch.float16),
+            torch.ones(4, device="cuda:0"),
+            torch.ones(2, dtype=torch.bfloat16),
+        ]
+        with _KernelCalls() as famp_calls:
+            out, found = famp.unscale_and_check(famp.init_scaler(4.0), grads)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        scaler.scale(torch.ones(()))
+        with _KernelCalls() as torch_calls:
+            per_device = scaler._unscale_grads_(
+                torch.optim.SGD(params, lr=0.1), torch.ones(()), torch.zeros(()), True
+            )
+    assert sorted(famp_calls.calls) == sorted(torch_calls.calls)
+    assert len(famp_calls.calls) == 5
+    assert sorted(str(d) for d in per_device) == ["cpu", "cuda:0", "cuda:1"]
+    assert [(str(o.device), o.dtype) for o in out] == [(str(g.device), g.dtype) for g in grads]
+    assert (str(found.device), found.dtype, found.shape) == ("cpu", torch.float32, ())
