@@ -9,6 +9,8 @@ from __future__ import annotations
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+# isort: split
+from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 
@@ -19,6 +21,11 @@ __version__ = "0.1.0"
 __all__: list[str] = [
     # loss scaling
     # policies, op rules and autocast
+    "Policy",
+    "cast_to_compute",
+    "cast_to_output",
+    "cast_to_param",
+    "get_policy",
     # FSDP optimizer state
     # training steps
 ]
