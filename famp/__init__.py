@@ -9,6 +9,8 @@ from __future__ import annotations
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+# isort: split
+from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 
@@ -19,6 +21,10 @@ __version__ = "0.1.0"
 __all__: list[str] = [
     # loss scaling
     # policies, op rules and autocast
+    "RULE_NAMES",
+    "OpRules",
+    "Rule",
+    "default_rules",
     # FSDP optimizer state
     # training steps
 ]
