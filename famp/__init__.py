@@ -12,6 +12,9 @@ from __future__ import annotations
 # isort: split
 from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
+# isort: split
+from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
+
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 
 # --- training steps: _step.py -------------------------------------------------------------------
@@ -21,10 +24,14 @@ __version__ = "0.1.0"
 __all__: list[str] = [
     # loss scaling
     # policies, op rules and autocast
+    "RULE_NAMES",
+    "OpRules",
     "Policy",
+    "Rule",
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",
+    "default_rules",
     "get_policy",
     # FSDP optimizer state
     # training steps
