@@ -19,6 +19,11 @@ from famp._scaler import (
 from famp._serialization import from_state_dict, to_state_dict
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+# isort: split
+from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
+
+# isort: split
+from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 
@@ -39,6 +44,15 @@ __all__: list[str] = [
     "unscale_and_check",
     "update_scale",
     # policies, op rules and autocast
+    "RULE_NAMES",
+    "OpRules",
+    "Policy",
+    "Rule",
+    "cast_to_compute",
+    "cast_to_output",
+    "cast_to_param",
+    "default_rules",
+    "get_policy",
     # FSDP optimizer state
     # training steps
     "optimizer_step",

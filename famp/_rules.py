@@ -1,0 +1,443 @@
+"""Autocast op rules as data: which aten op runs in which dtype, per device.
+
+``famp.default_rules(device_type)`` equals torch 2.13's ``Autocast<Device>`` tables (the data is
+in ``_rules_data.py``); ``OpRules.override`` derives new tables and never mutates. The rules are
+only data: ``famp.autocast`` applies them.
+
+Keys are aten op names without the ``aten::`` prefix. A packet key (``"linear"``) covers every
+*functional* overload of the packet that takes a tensor (torch never autocasts ``out=`` or in-place
+overloads, nor scalar-only ones such as ``pow.int``); a ``"packet.overload"`` key covers that one
+overload and wins over the packet key. Unlisted ops are ``"keep"``.
+
+``python -m famp._rules --markdown`` prints the per-device table that ``docs/autocast.md`` holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, get_args
+
+import torch
+
+from famp._rules_data import TABLES
+
+__all__ = ["RULE_NAMES", "OpRules", "Rule", "default_rules"]
+
+Rule = Literal[
+    "lower",
+    "float32",
+    "promote",
+    "float32_set_opt_dtype",
+    "float32_append_dtype",
+    "keep",
+    "banned",
+]
+"""An op rule's name.
+
+- ``"lower"``: cast floating inputs to the policy's compute dtype (torch's ``lower_precision_fp``).
+- ``"float32"``: cast floating inputs to float32 (torch's ``fp32``).
+- ``"promote"``: cast floating inputs to float32 if any is float32, else to the compute dtype
+  (torch's ``promote``; a float16 input under a bfloat16 compute dtype is an error, as in torch).
+- ``"float32_set_opt_dtype"``: if the first input is floating and no ``dtype=`` was given, pass
+  ``dtype=torch.float32``; inputs are not cast (``sum``, ``softmax``, ``cumsum`` on CUDA).
+- ``"float32_append_dtype"``: redispatch to the overload with a trailing dtype argument, float32
+  for a floating first input (``norm.Scalar`` → ``norm.ScalarOpt_dtype`` on CUDA).
+- ``"keep"``: run in the input dtypes (every op that is not listed).
+- ``"banned"``: raise, as torch does for ``binary_cross_entropy`` on CUDA.
+
+"Floating" means a floating-point tensor on the autocast device that is not float64: float64,
+integer, bool and complex tensors and Python scalars are never cast.
+"""
+
+RULE_NAMES: tuple[Rule, ...] = get_args(Rule)
+"""Every accepted rule name, in the order of ``famp.Rule``."""
+
+DEVICE_TYPES: tuple[str, ...] = tuple(TABLES)
+
+_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using "
+    "torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+
+def banned_message(op: str, device_type: str) -> str:
+    """The error message for calling an op whose rule is ``"banned"`` (torch's text for BCE)."""
+    if op.partition(".")[0] == "binary_cross_entropy":
+        return _BCE_MESSAGE
+    return f"aten::{op} is banned under famp's autocast rules for device_type {device_type!r}."
+
+
+@functools.cache
+def _overloads(packet: str) -> tuple[str, ...] | None:
+    """The overload names of ``torch.ops.aten.<packet>``, or None if there is no such op."""
+    if not packet.isidentifier():
+        return None
+    try:
+        return tuple(getattr(torch.ops.aten, packet).overloads())
+    except AttributeError:
+        return None
+
+
+@functools.cache
+def _covered(packet: str) -> frozenset[str]:
+    """The overloads a packet key covers: functional ones that take at least one tensor."""
+    ops = getattr(torch.ops.aten, packet)
+    covered = set()
+    for name in _overloads(packet) or ():
+        schema = getattr(ops, name)._schema
+        if not schema.is_mutable and any("Tensor" in str(a.type) for a in schema.arguments):
+            covered.add(name)
+    return frozenset(covered)
+
+
+def _check_op(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"op names must be str, got {name!r} of type {type(name).__name__}")
+    packet, dot, overload = name.partition(".")
+    overloads = _overloads(packet)
+    if overloads is None:
+        raise ValueError(
+            f"unknown op {name!r}: not an aten op (torch.ops.aten.{packet} does not exist); "
+            "name a packet such as 'linear' or an overload such as 'conv2d.padding'"
+        )
+    if dot and overload not in overloads:
+        raise ValueError(
+            f"unknown op {name!r}: aten::{packet} has no overload {overload!r}; "
+            f"its overloads are {', '.join(overloads)}"
+        )
+    return name
+
+
+def _check_rule(op: str, rule: object) -> Rule:
+    if rule not in RULE_NAMES:
+        raise ValueError(
+            f"unknown rule {rule!r} for op {op!r}; accepted rules: {', '.join(RULE_NAMES)}"
+        )
+    return rule
+
+
+def _check_device_type(device_type: object) -> str:
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str such as 'cuda', got {device_type!r}")
+    try:
+        ok = torch.device(device_type).type == device_type
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"device_type must be a torch device type such as 'cuda', got {device_type!r}"
+        )
+    return device_type
+
+
+def _canonical(rules: dict[str, Rule]) -> dict[str, Rule]:
+    """Drop the entries that change no lookup, so that equal tables compare equal."""
+    out: dict[str, Rule] = {}
+    for key, rule in rules.items():
+        packet, dot, overload = key.partition(".")
+        if dot:
+            inherited = rules.get(packet, "keep") if overload in _covered(packet) else "keep"
+            if rule == inherited:
+                continue
+        elif rule == "keep":
+            continue
+        out[key] = rule
+    return dict(sorted(out.items()))
+
+
+class OpRules(Mapping[str, str]):
+    """An immutable table from aten op name to autocast rule, for one device type.
+
+    A ``Mapping[str, Rule]``: keys are aten packet names (``"linear"``, covering every functional
+    overload that takes a tensor) or ``"packet.overload"`` names (``"conv2d.padding"``, which win
+    over the packet key); ops not listed are ``"keep"``. Equal tables (device type included) compare
+    equal and hash alike; entries that change no lookup (a ``"keep"`` packet key, an overload key
+    equal to what its packet key gives) are dropped on construction.
+
+    Args:
+        rules: op name → rule name, as a mapping or (op, rule) pairs.
+        device_type: the device type the table is for, such as ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: an op is not an aten op or overload, a rule name is unknown, or the device
+            type is not one torch knows.
+        TypeError: an op name or the device type is not a str.
+
+    Example:
+        >>> import famp
+        >>> rules = famp.OpRules(
+        ...     {"linear": "lower", "conv2d.padding": "float32"}, device_type="cpu"
+        ... )
+        >>> rules["linear"], rules.lookup("conv2d", "padding"), rules.lookup("conv2d")
+        ('lower', 'float32', 'keep')
+        >>> famp.OpRules.from_dict(rules.to_dict()) == rules
+        True
+    """
+
+    __slots__ = ("_covered", "_device_type", "_hash", "_rules")
+
+    def __init__(
+        self, rules: Mapping[str, str] | Iterable[tuple[str, str]] = (), *, device_type: str
+    ) -> None:
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        checked: dict[str, Rule] = {}
+        for op, rule in items:
+            checked[_check_op(op)] = _check_rule(op, rule)
+        self._device_type = _check_device_type(device_type)
+        self._rules = _canonical(checked)
+        self._covered = {k: _covered(k) for k in self._rules if "." not in k}
+        self._hash = hash((self._device_type, frozenset(self._rules.items())))
+
+    @property
+    def device_type(self) -> str:
+        """The device type this table is for, such as ``"cpu"`` or ``"cuda"``."""
+        return self._device_type
+
+    def __getitem__(self, op: str) -> Rule:
+        return self._rules[op]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, OpRules):
+            return NotImplemented
+        return self._device_type == other._device_type and self._rules == other._rules
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"OpRules({self._rules!r}, device_type={self._device_type!r})"
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (dict(self._rules), self._device_type))
+
+    def lookup(self, packet: str, overload: str = "default") -> Rule:
+        """The rule for one overload: its own key first, then the packet key, else ``"keep"``.
+
+        The packet key applies only to the packet's functional overloads that take a tensor:
+        ``out=`` and in-place overloads are ``"keep"`` unless listed by name, as in torch.
+
+        Args:
+            packet: the aten packet name, such as ``"conv2d"`` (no ``aten::`` prefix).
+            overload: the overload name; ``"default"`` (or ``""``) is the unnamed overload.
+
+        Returns:
+            The rule name.
+
+        Example:
+            >>> import famp
+            >>> rules = famp.default_rules("cpu")
+            >>> rules.lookup("linear"), rules.lookup("linear", "out"), rules.lookup("relu")
+            ('lower', 'keep', 'keep')
+        """
+        overload = overload or "default"
+        rule = self._rules.get(f"{packet}.{overload}")
+        if rule is not None:
+            return rule
+        covered = self._covered.get(packet)
+        if covered is not None and overload in covered:
+            return self._rules[packet]
+        return "keep"
+
+    def override(self, changes: Mapping[str, str]) -> OpRules:
+        """A new table with some ops' rules replaced; ``self`` is never changed.
+
+        A packet key replaces every entry of that packet (its overload keys included); an
+        overload key then sets that overload alone. ``"keep"`` removes an op from the table.
+
+        Args:
+            changes: op name → rule name.
+
+        Returns:
+            A new ``OpRules`` for the same device type.
+
+        Raises:
+            ValueError: an op is not an aten op or overload, or a rule name is unknown; nothing
+                is applied.
+
+        Example:
+            >>> import famp
+            >>> rules = famp.default_rules("cuda")
+            >>> mine = rules.override({"rms_norm": "lower", "linear": "float32"})
+            >>> mine["rms_norm"], mine["linear"], rules["rms_norm"]
+            ('lower', 'float32', 'float32')
+        """
+        if not isinstance(changes, Mapping):
+            raise TypeError(f"changes must be a mapping of op name to rule, got {changes!r}")
+        checked = {_check_op(op): _check_rule(op, rule) for op, rule in changes.items()}
+        packets = {op for op in checked if "." not in op}
+        merged = {k: v for k, v in self._rules.items() if k.partition(".")[0] not in packets}
+        merged.update((op, rule) for op, rule in checked.items() if op in packets)
+        merged.update((op, rule) for op, rule in checked.items() if op not in packets)
+        return OpRules(merged, device_type=self._device_type)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serializable dict; ``OpRules.from_dict`` inverts it.
+
+        Returns:
+            ``{"device_type": str, "rules": {op: rule}}``, with the ops sorted.
+
+        Example:
+            >>> import famp
+            >>> famp.OpRules({"mm": "float32"}, device_type="cpu").to_dict()
+            {'device_type': 'cpu', 'rules': {'mm': 'float32'}}
+        """
+        return {"device_type": self._device_type, "rules": dict(self._rules)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpRules:
+        """The table that ``to_dict`` wrote.
+
+        Args:
+            d: ``{"device_type": str, "rules": {op: rule}}``.
+
+        Returns:
+            The ``OpRules``.
+
+        Raises:
+            KeyError: ``"device_type"`` or ``"rules"`` is missing.
+            ValueError: another key is present, or an op, rule or device type is invalid.
+
+        Example:
+            >>> import famp
+            >>> famp.OpRules.from_dict({"device_type": "cuda", "rules": {"mm": "lower"}})
+            OpRules({'mm': 'lower'}, device_type='cuda')
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"OpRules.from_dict expects a mapping, got {type(d).__name__}")
+        for key in ("device_type", "rules"):
+            if key not in d:
+                raise KeyError(f"OpRules dict is missing {key!r}; it has {sorted(d)}")
+        extra = sorted(set(d) - {"device_type", "rules"})
+        if extra:
+            raise ValueError(f"OpRules dict has unknown keys {extra}; expected device_type, rules")
+        rules = d["rules"]
+        if not isinstance(rules, Mapping):
+            raise TypeError(f"OpRules dict 'rules' must be a mapping, got {type(rules).__name__}")
+        return cls(rules, device_type=d["device_type"])
+
+    def table(self, width: int = 100) -> str:
+        """A readable table: one row per rule, listing its ops.
+
+        Args:
+            width: the line width to wrap op lists at.
+
+        Returns:
+            The table as text.
+
+        Example:
+            >>> import famp
+            >>> print(famp.OpRules({"mm": "lower", "exp": "float32"}, device_type="cuda").table())
+            OpRules for device_type 'cuda' (2 entries; unlisted ops: keep)
+            rule                   ops
+            lower                  mm
+            float32                exp
+        """
+        by_rule: dict[str, list[str]] = {}
+        for op, rule in self._rules.items():
+            by_rule.setdefault(rule, []).append(op)
+        lines = [
+            f"OpRules for device_type {self._device_type!r} "
+            f"({len(self)} entries; unlisted ops: keep)",
+            f"{'rule':<22} ops",
+        ]
+        for rule in RULE_NAMES:
+            if rule in by_rule:
+                body = textwrap.wrap(", ".join(by_rule[rule]), max(width - 23, 20))
+                lines.append(f"{rule:<22} {body[0]}")
+                lines.extend(" " * 23 + line for line in body[1:])
+        return "\n".join(lines)
+
+
+def _rebuild(rules: dict[str, str], device_type: str) -> OpRules:
+    return OpRules(rules, device_type=device_type)
+
+
+@functools.cache
+def _default_rules(device_type: str) -> OpRules:
+    table = TABLES[device_type]
+    return OpRules(
+        ((op, rule) for rule, ops in table.items() for op in ops), device_type=device_type
+    )
+
+
+def default_rules(device_type: str) -> OpRules:
+    """torch 2.13's autocast op table for a device type, as an ``OpRules``.
+
+    Equal, op by op, to torch's ``Autocast<Device>`` kernels: the same ops are listed, and each
+    rule casts as torch's kernel does (checked by running torch in famp's tests). CPU and CUDA
+    differ a lot: on CPU ``exp``, ``softmax``, ``layer_norm`` and ``sum`` keep their dtype.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ``"xpu"`` or ``"mps"``.
+
+    Returns:
+        The immutable default table; derive others with ``OpRules.override``.
+
+    Raises:
+        ValueError: no table exists for ``device_type``.
+
+    Example:
+        >>> import famp
+        >>> famp.default_rules("cuda")["rms_norm"], famp.default_rules("cpu").lookup("rms_norm")
+        ('float32', 'keep')
+    """
+    if device_type not in TABLES:
+        raise ValueError(
+            f"no default op rules for device_type {device_type!r}; "
+            f"accepted: {', '.join(map(repr, DEVICE_TYPES))}"
+        )
+    return _default_rules(device_type)
+
+
+for _obj in (OpRules, default_rules):
+    _obj.__module__ = "famp"
+
+# doctest skips members whose __module__ is "famp" when it collects this module: list them.
+__test__ = {
+    f"OpRules.{name}": getattr(OpRules, name)
+    for name in ("lookup", "override", "to_dict", "from_dict", "table")
+}
+
+
+def _display_name(packet: str, overload: str) -> str:
+    return packet if overload == "default" else f"{packet}.{overload}"
+
+
+def markdown_table() -> str:
+    """The per-device rule table of ``docs/autocast.md``, one row per listed overload."""
+    tables = {device: default_rules(device) for device in DEVICE_TYPES}
+    rows: set[tuple[str, str]] = set()
+    for rules in tables.values():
+        for key in rules:
+            packet, dot, overload = key.partition(".")
+            rows.update((packet, o) for o in ([overload] if dot else sorted(_covered(packet))))
+    header = "| op | " + " | ".join(f"`{d}`" for d in DEVICE_TYPES) + " |"
+    lines = [header, "|---" * (len(DEVICE_TYPES) + 1) + "|"]
+    for packet, overload in sorted(rows):
+        cells = [tables[d].lookup(packet, overload) for d in DEVICE_TYPES]
+        lines.append(f"| `{_display_name(packet, overload)}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_table())
+    else:
+        for _device in DEVICE_TYPES:
+            print(default_rules(_device), end="\n\n")

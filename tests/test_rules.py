@@ -1,0 +1,294 @@
+"""famp.OpRules and famp.default_rules: the data, its API, and its agreement with torch's tables."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import typing
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import famp
+
+DEVICES = ("cpu", "cuda", "xpu", "mps")
+DISPATCH_KEY = {d: f"Autocast{d.upper() if d != 'cpu' else 'CPU'}" for d in DEVICES}
+ACTIVE_RULES = [r for r in famp.RULE_NAMES if r != "keep"]
+
+
+def _registered(device: str) -> set[tuple[str, str]]:
+    """(packet, overload) of every aten op with a kernel for the device's autocast key."""
+    out = set()
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
+            name, DISPATCH_KEY[device]
+        ):
+            packet, _, overload = name[len("aten::") :].partition(".")
+            out.add((packet, overload or "default"))
+    return out
+
+
+def _all_overloads(packet: str) -> list[str]:
+    return list(getattr(torch.ops.aten, packet).overloads())
+
+
+def _functional_with_tensor(packet: str, overload: str) -> bool:
+    """Whether torch could autocast this overload: no mutation, and at least one tensor input."""
+    schema = getattr(getattr(torch.ops.aten, packet), overload)._schema
+    return not schema.is_mutable and any("Tensor" in str(a.type) for a in schema.arguments)
+
+
+# --- the tables equal torch's, key by key ---------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_rules_list_exactly_the_ops_torch_autocasts(device: str) -> None:
+    rules = famp.default_rules(device)
+    registered = _registered(device)
+    assert len(registered) > 90
+    # Every registered overload has a rule other than keep ...
+    unlisted = sorted(f"{p}.{o}" for p, o in registered if rules.lookup(p, o) == "keep")
+    assert unlisted == []
+    # ... and every other overload of every op the table names is keep.
+    extra = sorted(
+        f"{p}.{o}"
+        for p in {key.partition(".")[0] for key in rules}
+        for o in _all_overloads(p)
+        if (p, o) not in registered and rules.lookup(p, o) != "keep"
+    )
+    assert extra == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packet_keys_only_where_every_functional_overload_shares_the_rule(device: str) -> None:
+    rules = famp.default_rules(device)
+    registered = _registered(device)
+    for key, rule in rules.items():
+        packet, dot, _overload = key.partition(".")
+        if dot:
+            continue
+        functional = [o for o in _all_overloads(packet) if _functional_with_tensor(packet, o)]
+        assert functional, key
+        assert all((packet, o) in registered for o in functional), key
+        assert all(rules.lookup(packet, o) == rule for o in functional), key
+
+
+def test_rule_counts_per_device_match_the_reference_notes() -> None:
+    # shared/reference/torch-amp-semantics.md §3: CUDA 119 kernels, CPU 127, XPU 117, MPS 95.
+    counts = {d: len(_registered(d)) for d in DEVICES}
+    assert counts == {"cpu": 127, "cuda": 119, "xpu": 117, "mps": 95}
+
+
+def test_well_known_rules_per_device() -> None:
+    cpu, cuda = famp.default_rules("cpu"), famp.default_rules("cuda")
+    assert (cpu["linear"], cuda["linear"]) == ("lower", "lower")
+    assert (cpu.lookup("layer_norm"), cuda["layer_norm"]) == ("keep", "float32")
+    assert (cpu.lookup("rms_norm"), cuda["rms_norm"]) == ("keep", "float32")
+    assert (cpu["prod"], cuda["prod"]) == ("float32", "float32_set_opt_dtype")
+    assert cuda.lookup("norm", "Scalar") == "float32_append_dtype"
+    assert cuda.lookup("norm", "ScalarOpt_dtype") == "keep"  # the user gave a dtype
+    assert (cpu["binary_cross_entropy"], cuda["binary_cross_entropy"]) == ("float32", "banned")
+    assert (cpu["cat"], cuda.lookup("cat")) == ("promote", "keep")
+    assert cpu.lookup("conv2d", "padding") == "lower"
+    assert cuda.lookup("conv2d", "padding") == "keep"  # no AutocastCUDA kernel in torch 2.13
+    assert cuda.lookup("pow", "Tensor_Scalar") == "float32"
+    assert cuda.lookup("pow", "Tensor_Scalar_out") == "keep"
+
+
+# --- API ----------------------------------------------------------------------------------------
+
+
+def test_default_rules_rejects_unknown_device_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"'tpu'.*'cpu', 'cuda', 'xpu', 'mps'"):
+        famp.default_rules("tpu")
+
+
+def test_default_rules_is_an_immutable_mapping() -> None:
+    rules = famp.default_rules("cuda")
+    assert isinstance(rules, typing.Mapping)
+    assert rules.device_type == "cuda"
+    with pytest.raises(TypeError):
+        rules["linear"] = "float32"  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        rules.device_type = "cpu"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        rules.extra = 1  # type: ignore[attr-defined]
+
+
+def test_override_returns_new_rules_and_never_mutates() -> None:
+    rules = famp.default_rules("cuda")
+    before = dict(rules)
+    mine = rules.override({"rms_norm": "lower", "linear": "float32"})
+    assert dict(rules) == before
+    assert famp.default_rules("cuda") == rules
+    assert (mine["rms_norm"], mine["linear"]) == ("lower", "float32")
+    assert {k: v for k, v in mine.items() if k not in ("rms_norm", "linear")} == {
+        k: v for k, v in before.items() if k not in ("rms_norm", "linear")
+    }
+
+
+def test_override_packet_replaces_its_overload_keys_and_keep_removes() -> None:
+    cuda = famp.default_rules("cuda")
+    assert "conv2d.default" in cuda
+    assert "conv2d" not in cuda
+    mine = cuda.override({"conv2d": "float32"})
+    assert "conv2d.default" not in mine
+    assert mine.lookup("conv2d") == mine.lookup("conv2d", "padding") == "float32"
+    both = cuda.override({"conv2d": "float32", "conv2d.padding": "lower"})
+    assert (both.lookup("conv2d"), both.lookup("conv2d", "padding")) == ("float32", "lower")
+    gone = cuda.override({"linear": "keep", "norm": "keep"})
+    assert "linear" not in gone
+    assert "norm.Scalar" not in gone
+    assert gone.lookup("linear") == gone.lookup("norm", "Scalar") == "keep"
+
+
+def test_override_rejects_unknown_rule_listing_accepted_ones() -> None:
+    with pytest.raises(ValueError, match=r"'fp16' for op 'linear'.*lower, float32, promote"):
+        famp.default_rules("cpu").override({"linear": "fp16"})
+
+
+@pytest.mark.parametrize(
+    ("op", "message"),
+    [
+        ("lineer", r"unknown op 'lineer'.*torch.ops.aten.lineer"),
+        ("conv2d.paddin", r"unknown op 'conv2d.paddin'.*no overload 'paddin'.*padding"),
+        ("aten::linear", r"unknown op 'aten::linear'"),
+        ("", r"unknown op ''"),
+    ],
+)
+def test_override_rejects_ops_that_are_not_aten_ops(op: str, message: str) -> None:
+    rules = famp.default_rules("cpu")
+    with pytest.raises(ValueError, match=message):
+        rules.override({"linear": "float32", op: "lower"})
+    assert rules["linear"] == "lower"
+
+
+def test_constructor_validates_types_and_device() -> None:
+    with pytest.raises(TypeError, match="op names must be str"):
+        famp.OpRules({1: "lower"}, device_type="cpu")  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="'gpu'"):
+        famp.OpRules({}, device_type="gpu")
+    with pytest.raises(ValueError, match="'cuda:0'"):
+        famp.OpRules({}, device_type="cuda:0")
+    with pytest.raises(TypeError, match="device_type must be a str"):
+        famp.OpRules({}, device_type=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def test_lookup_prefers_overload_key_then_packet_key() -> None:
+    rules = famp.OpRules(
+        {"conv2d": "float32", "conv2d.padding": "lower", "linear.out": "promote"},
+        device_type="cpu",
+    )
+    assert rules.lookup("conv2d") == rules.lookup("conv2d", "") == "float32"
+    assert rules.lookup("conv2d", "padding") == "lower"
+    assert rules.lookup("linear", "out") == "promote"
+    assert rules.lookup("linear") == "keep"
+    assert rules.lookup("no_such_op") == "keep"
+
+
+def test_equal_tables_compare_and_hash_alike() -> None:
+    a = famp.OpRules({"mm": "lower", "exp": "float32"}, device_type="cuda")
+    b = famp.OpRules([("exp", "float32"), ("mm", "lower"), ("relu", "keep")], device_type="cuda")
+    assert a == b
+    assert hash(a) == hash(b)
+    assert len({a, b}) == 1
+    assert a != famp.OpRules({"mm": "lower", "exp": "float32"}, device_type="cpu")
+    assert a != {"mm": "lower", "exp": "float32"}
+    # An overload key that repeats its packet's rule is dropped; one for out= is kept.
+    assert famp.OpRules({"mm": "lower", "mm.default": "lower"}, device_type="cpu") == (
+        famp.OpRules({"mm": "lower"}, device_type="cpu")
+    )
+    assert len(famp.OpRules({"mm": "lower", "mm.out": "lower"}, device_type="cpu")) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_dict_is_json_and_round_trips(device: str) -> None:
+    rules = famp.default_rules(device)
+    d = json.loads(json.dumps(rules.to_dict()))
+    assert famp.OpRules.from_dict(d) == rules
+    assert pickle.loads(pickle.dumps(rules)) == rules
+    assert eval(repr(rules), {"OpRules": famp.OpRules}) == rules
+
+
+def test_from_dict_validates_keys() -> None:
+    with pytest.raises(KeyError, match="device_type"):
+        famp.OpRules.from_dict({"rules": {}})
+    with pytest.raises(ValueError, match="unknown keys \\['extra'\\]"):
+        famp.OpRules.from_dict({"device_type": "cpu", "rules": {}, "extra": 1})
+    with pytest.raises(ValueError, match="'half'"):
+        famp.OpRules.from_dict({"device_type": "cpu", "rules": {"mm": "half"}})
+
+
+def test_str_is_a_readable_table_of_every_entry() -> None:
+    rules = famp.default_rules("cuda")
+    text = str(rules)
+    assert text == rules.table()
+    assert (
+        text.splitlines()[0]
+        == f"OpRules for device_type 'cuda' ({len(rules)} entries; unlisted ops: keep)"
+    )
+    words = text.replace(",", " ").split()
+    for op in rules:
+        assert op in words, op
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
+# --- properties ----------------------------------------------------------------------------------
+
+OPS = sorted(
+    {k for d in DEVICES for k in famp.default_rules(d)}
+    | {"relu", "linear.out", "conv2d.padding", "sum.dim_IntList", "norm.ScalarOpt_dtype"}
+)
+changes_st = st.dictionaries(st.sampled_from(OPS), st.sampled_from(famp.RULE_NAMES), max_size=8)
+
+
+def _expected_lookup(
+    base: famp.OpRules, changes: dict[str, str], packet: str, overload: str
+) -> str:
+    """Reference semantics of override + lookup, written from the documented rules alone."""
+    if f"{packet}.{overload}" in changes:
+        return changes[f"{packet}.{overload}"]
+    if packet in changes:
+        return changes[packet] if _functional_with_tensor(packet, overload) else "keep"
+    return base.lookup(packet, overload)
+
+
+@given(device=st.sampled_from(DEVICES), changes=changes_st)
+def test_override_never_mutates_and_lookup_follows_the_documented_rules(
+    device: str, changes: dict[str, str]
+) -> None:
+    base = famp.default_rules(device)
+    snapshot = (dict(base), hash(base))
+    new = base.override(changes)
+    assert (dict(base), hash(base)) == snapshot
+    assert new.device_type == device
+    for packet in sorted({key.partition(".")[0] for key in OPS}):
+        for o in _all_overloads(packet):
+            assert new.lookup(packet, o) == _expected_lookup(base, changes, packet, o), (packet, o)
+
+
+@given(device=st.sampled_from(DEVICES), changes=changes_st)
+def test_to_dict_from_dict_round_trip(device: str, changes: dict[str, str]) -> None:
+    rules = famp.default_rules(device).override(changes)
+    d = rules.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    back = famp.OpRules.from_dict(d)
+    assert back == rules
+    assert hash(back) == hash(rules)
+    assert back.to_dict() == d
+
+
+@given(device=st.sampled_from(DEVICES), changes=changes_st)
+def test_override_is_idempotent_and_order_free_for_disjoint_packets(
+    device: str, changes: dict[str, str]
+) -> None:
+    base = famp.default_rules(device)
+    once = base.override(changes)
+    assert once.override(changes) == once
+    packets = {k.partition(".")[0] for k in changes}
+    for packet in packets:
+        mine = {k: v for k, v in changes.items() if k.partition(".")[0] == packet}
+        rest = {k: v for k, v in changes.items() if k.partition(".")[0] != packet}
+        assert base.override(mine).override(rest) == once
