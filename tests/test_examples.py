@@ -103,3 +103,21 @@ def test_train_digits_default_bf16_learns(tmp_path: pathlib.Path) -> None:
     assert checkpoint["scaler"] == {}  # bfloat16 needs no loss scaling: a disabled scaler saves {}
     assert (checkpoint["history"]["scale"] == 1.0).all()
     assert (tmp_path / "digits.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_migrate_from_gradscaler_resumes_a_torch_checkpoint_bitwise(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    migrate = load_example("migrate_from_gradscaler")
+    assert migrate.main(["--steps", "20", "--out", str(tmp_path)]) is True
+    out = capsys.readouterr().out
+    assert "famp skipped steps [22, 30] (overflows injected at [3, 22, 30])" in out
+    assert "parameters equal bit for bit: True; scaler state equal: True" in out
+    saved = torch.load(tmp_path / "torch_checkpoint.pt", weights_only=True)
+    assert set(saved["scaler"]) == {
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    }
