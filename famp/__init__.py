@@ -11,6 +11,7 @@ from __future__ import annotations
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes  # isort: skip
 
 # --- training steps: _step.py -------------------------------------------------------------------
 
@@ -20,5 +21,7 @@ __all__: list[str] = [
     # loss scaling
     # policies, op rules and autocast
     # FSDP optimizer state
+    "load_dcp_optim_state",
+    "read_dcp_param_shapes",
     # training steps
 ]
