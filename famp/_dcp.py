@@ -36,12 +36,13 @@ def load_dcp_optim_state(
     The checkpoint is what ``dcp.save({"model": msd, key: osd}, checkpoint_id=...)`` wrote at any
     world size, with ``osd`` from ``get_state_dict`` or ``get_optimizer_state_dict`` (FSDP2, or
     FSDP1 sharded). Every tensor is assembled whole from its saved chunks (empty shards included)
-    by DCP's ``FileSystemReader`` and a load planner, in this process, with no process group. The
-    result is what ``get_optimizer_state_dict(model, optim,
-    options=StateDictOptions(full_state_dict=True))`` returns: ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``,
-    tensors on CPU in their saved dtype. ``state`` follows the ``param_groups`` order; the keys
-    inside each entry and each group come back sorted (``params`` last), as the checkpoint does not
-    keep their order.
+    by DCP's ``FileSystemReader`` and a load planner, in this process, with no process group.
+
+    The result is what ``get_optimizer_state_dict`` returns with ``full_state_dict=True``:
+    ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, tensors
+    on CPU in their saved dtype. ``state`` follows the ``param_groups`` order; the keys inside each
+    entry and each group come back sorted (``params`` last), as the checkpoint does not keep
+    their order.
 
     Nothing in the checkpoint is unpickled beyond plain data: the ``.metadata`` file may only name
     DCP's metadata classes, and non-tensor values are read with ``torch.load(weights_only=True)``.
