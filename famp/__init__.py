@@ -11,6 +11,9 @@ from __future__ import annotations
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+from famp._fsdp import reshard_optim_state, shard_optim_state, unshard_optim_state
+from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
+
 from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes  # isort: skip
 
 # --- training steps: _step.py -------------------------------------------------------------------
@@ -21,7 +24,14 @@ __all__: list[str] = [
     # loss scaling
     # policies, op rules and autocast
     # FSDP optimizer state
+    "FSDP1Layout",
+    "FSDP2Layout",
+    "fsdp1_layout",
+    "fsdp2_layout",
     "load_dcp_optim_state",
     "read_dcp_param_shapes",
+    "reshard_optim_state",
+    "shard_optim_state",
+    "unshard_optim_state",
     # training steps
 ]
