@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
@@ -211,14 +212,22 @@ def read_entries(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The nested state dict of every saved entry under ``prefixes``, tensors whole, on CPU."""
-    reader = SafeFileSystemReader(_existing_dir(checkpoint_id))
+    path = _existing_dir(checkpoint_id)
     state_dict: dict[str, Any] = {}
-    _load_state_dict(
-        state_dict,
-        storage_reader=reader,
-        planner=OfflineLoadPlanner(prefixes, progress),
-        no_dist=True,
-    )
+    try:
+        _load_state_dict(
+            state_dict,
+            storage_reader=SafeFileSystemReader(path),
+            planner=OfflineLoadPlanner(prefixes, progress),
+            no_dist=True,
+        )
+    except CheckpointException as err:  # DCP wraps what failed inside its steps
+        (exc, _), *_ = err.failures.values()
+        if isinstance(exc, (ValueError, KeyError, OSError)):
+            raise exc from None
+        raise ValueError(
+            f"DCP checkpoint {path!r} is not readable: {type(exc).__name__}: {exc}"
+        ) from exc
     return state_dict
 
 

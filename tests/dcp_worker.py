@@ -1,12 +1,13 @@
-"""Real FSDP2 + DCP jobs for tests/test_dcp.py, run as a script: ``python tests/dcp_worker.py MODE W DIR``.
+"""Real FSDP2 + DCP jobs for tests/test_dcp.py: ``python tests/dcp_worker.py MODE W DIR``.
 
 ``save``: W gloo ranks train a small FSDP2 model with AdamW (two param groups, odd sizes so some
-shards are empty) for two steps, ``dcp.save`` ``{"model": msd, "optim": osd}`` from ``get_state_dict``
-into ``DIR/ckpt``, and rank 0 writes the full optimizer state dict
+shards are empty) for two steps, ``dcp.save`` ``{"model": msd, "optim": osd}`` from
+``get_state_dict`` into ``DIR/ckpt``, every rank writes its local optimizer state (as for ``load``) to
+``DIR/local{W}_{rank}.pt``, and rank 0 writes the full optimizer state dict
 (``get_optimizer_state_dict(full_state_dict=True)``) to ``DIR/full.pt``.
 
-``load``: W gloo ranks build the same model, ``dcp.load`` + ``set_state_dict`` from ``DIR/ckpt`` (DCP
-reshards), and every rank writes its ``get_optimizer_state_dict`` with each DTensor replaced by its
+``load``: W gloo ranks build the same model, ``dcp.load`` + ``set_state_dict`` from ``DIR/ckpt``
+(DCP reshards), and every rank writes its ``get_optimizer_state_dict`` with each DTensor replaced by its
 local tensor to ``DIR/local{W}_{rank}.pt``.
 
 The ranks are forked from this process (torch is imported once), talk over gloo on 127.0.0.1 and
@@ -63,14 +64,14 @@ def build_model() -> nn.Sequential:
     )
 
 
-def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """AdamW with two param groups, each with its own hyperparameters."""
     decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
     return torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": 0.1, "lr": 0.01},
-            {"params": no_decay, "weight_decay": 0.0, "lr": 0.005, "betas": (0.8, 0.95)},
+            {"params": decay, "weight_decay": 0.1, "lr": 0.01 * lr_scale},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 0.005 * lr_scale, "betas": (0.8, 0.95)},
         ]
     )
 
@@ -101,7 +102,8 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
     try:
         model = build_model()
         shard(model)
-        optim = build_optimizer(model)
+        # The loading job starts from other learning rates: the checkpoint's must win.
+        optim = build_optimizer(model, 1.0 if mode == "save" else 10.0)
         ckpt = os.path.join(out, "ckpt")
         if mode == "save":
             torch.manual_seed(1 + rank)
@@ -112,6 +114,7 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
                 optim.zero_grad(set_to_none=True)
             msd, osd = get_state_dict(model, optim)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+            torch.save(to_local(osd), os.path.join(out, f"local{world_size}_{rank}.pt"))
             full = get_optimizer_state_dict(
                 model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
