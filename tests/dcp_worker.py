@@ -1,17 +1,17 @@
 """Real FSDP2 + DCP jobs for tests/test_dcp.py: ``python tests/dcp_worker.py MODE W DIR``.
 
 ``save``: W gloo ranks train a small FSDP2 model with AdamW (two param groups, odd sizes so some
-shards are empty) for two steps, ``dcp.save`` ``{"model": msd, "optim": osd}`` from
-``get_state_dict`` into ``DIR/ckpt``, every rank writes its local optimizer state (as for ``load``) to
-``DIR/local{W}_{rank}.pt``, and rank 0 writes the full optimizer state dict
+shards are empty) for two steps and ``dcp.save`` ``{"model": msd, "optim": osd}`` from
+``get_state_dict`` into ``DIR/ckpt``. Every rank writes its local optimizer state (as for
+``load``) to ``DIR/local{W}_{rank}.pt``; rank 0 writes the full optimizer state dict
 (``get_optimizer_state_dict(full_state_dict=True)``) to ``DIR/full.pt``.
 
 ``load``: W gloo ranks build the same model, ``dcp.load`` + ``set_state_dict`` from ``DIR/ckpt``
-(DCP reshards), and every rank writes its ``get_optimizer_state_dict`` with each DTensor replaced by its
-local tensor to ``DIR/local{W}_{rank}.pt``.
-
-The ranks are forked from this process (torch is imported once), talk over gloo on 127.0.0.1 and
-give up after a timeout.
+(DCP reshards), and every rank writes its ``get_optimizer_state_dict`` with each DTensor replaced
+by its local tensor to ``DIR/local{W}_{rank}.pt``. If ``DIR/famp{W}/rank{rank:05d}.pt`` exist
+(``famp-reshard`` output), a fresh model and optimizer also load them as a user would
+(``DTensor.from_local`` + ``set_optimizer_state_dict``) and record the result the same way in
+``DIR/fromfamp{W}_{rank}.pt``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
@@ -91,6 +92,22 @@ def to_local(osd: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
+def from_local(local: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A local optimizer state (plain tensors) as DTensors placed like the model's parameters."""
+    params = dict(model.named_parameters())
+    state = {}
+    for fqn, entry in local["state"].items():
+        p = params[fqn]
+        assert isinstance(p, DTensor)
+        state[fqn] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+            else v
+            for k, v in entry.items()
+        }
+    return {"state": state, "param_groups": local["param_groups"]}
+
+
 def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
     dist.init_process_group(
         "gloo",
@@ -129,6 +146,15 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
             )
             local = to_local(get_optimizer_state_dict(model, optim))
             torch.save(local, os.path.join(out, f"local{world_size}_{rank}.pt"))
+            famp_file = os.path.join(out, f"famp{world_size}", f"rank{rank:05d}.pt")
+            if os.path.exists(famp_file):  # famp-reshard's rank file, loaded as a user would
+                model = build_model()
+                shard(model)
+                optim = build_optimizer(model, 10.0)
+                osd = from_local(torch.load(famp_file, weights_only=True), model)
+                set_optimizer_state_dict(model, optim, osd)
+                local = to_local(get_optimizer_state_dict(model, optim))
+                torch.save(local, os.path.join(out, f"fromfamp{world_size}_{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

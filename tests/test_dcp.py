@@ -58,6 +58,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A DCP checkpoint saved by real FSDP2 at W=4, and what torch gives at W=4 and W=3."""
     out = tmp_path_factory.mktemp("fsdp2_dcp")
     _job("save", SAVE_W, out)
+    # famp's rank files for W=3, which the load job also feeds to real FSDP2.
+    assert main([str(out / "ckpt"), "-n", str(LOAD_W), "-o", str(out / f"famp{LOAD_W}")]) == 0
     _job("load", LOAD_W, out)
     return out
 
@@ -140,6 +142,16 @@ def test_famp_reshard_cli_writes_what_dcp_loads_on_each_rank(
     for rank in range(SAVE_W):
         expected = _load(real / f"local{SAVE_W}_{rank}.pt")
         assert_osd_bitwise_equal(_load(out4 / f"rank{rank:05d}.pt"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_famp_rank_files_load_into_real_fsdp2_as_dcp_would(real: pathlib.Path) -> None:
+    # Each of 3 real ranks wrapped its famp-reshard file with DTensor.from_local and called
+    # set_optimizer_state_dict; the optimizer then holds what DCP's own load gave it.
+    for rank in range(LOAD_W):
+        expected = _load(real / f"local{LOAD_W}_{rank}.pt")
+        assert_osd_bitwise_equal(_load(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)
 
 
 # --- one process: round trips through dcp.save and bad input ---------------------------------
