@@ -62,7 +62,7 @@ def load_dcp_optim_state(
             that do not tile a tensor; an entry under ``key`` other than ``state`` and
             ``param_groups``; a parameter in two param groups or a state entry in none.
 
-    Example:
+    Examples:
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
         >>> osd = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 3)}},
         ...        "param_groups": [{"lr": 0.1, "params": ["w"]}]}
@@ -103,7 +103,7 @@ def read_dcp_param_shapes(
         ValueError: as for ``famp.load_dcp_optim_state``, or a parameter's state tensors disagree
             on its shape.
 
-    Example:
+    Examples:
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
         >>> msd = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
         >>> osd = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 3)}},

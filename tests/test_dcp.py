@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -312,3 +314,14 @@ def test_read_dcp_param_shapes_needs_a_shape_for_every_parameter(tmp_path: pathl
     _save({"model": model, "optim": osd}, tmp_path / "b")
     shapes = famp.read_dcp_param_shapes(tmp_path / "b")
     assert shapes == {"w": (4, 3), "b": (4,), "frozen": (2, 2)}  # b: from its exp_avg
+
+
+def test_guide_examples_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the guide's mkdtemp() lands here
+    guide = (ROOT / "docs" / "fsdp-dcp.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL)
+    assert len(blocks) == 2
+    namespace: dict[str, object] = {"__name__": "__guide__"}
+    for block in blocks:
+        exec(compile(block, "docs/fsdp-dcp.md", "exec"), namespace)
+    assert callable(namespace["load_shard"])
