@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from famp._fsdp import shard_optim_state, unshard_optim_state
 from famp._fsdp_layout import FSDP2Layout, fsdp2_layout
 
 PROG = "famp-reshard"
+_RANK_FILE = re.compile(r"rank\d+\.pt")
 PROGRESS_AUTO_BYTES = 256 * 2**20
 _MAX_LISTED = 4
 
@@ -95,7 +97,11 @@ def _parser() -> argparse.ArgumentParser:
         "shapes (default: model); without it shapes come from the optimizer state",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and check; write nothing")
-    parser.add_argument("--force", action="store_true", help="replace existing outputs")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --full file, or an --out directory of rank*.pt files",
+    )
     parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -133,8 +139,20 @@ def _check_targets(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"{kind} {path!r}: directory {parent!r} does not exist")
         if os.path.lexists(path) and not args.force:
             raise FileExistsError(f"{kind} {path!r} exists; pass --force to replace it")
-        if kind == "--out" and os.path.lexists(path) and not os.path.isdir(path):
-            raise ValueError(f"--out {path!r} exists and is not a directory")
+        if kind == "--out" and os.path.lexists(path):
+            _check_replaceable(path)
+
+
+def _check_replaceable(out: str) -> None:
+    """``--force`` replaces a directory of rank files only, never one holding anything else."""
+    if not os.path.isdir(out) or os.path.islink(out):
+        raise ValueError(f"--out {out!r} exists and is not a directory")
+    others = [n for n in os.listdir(out) if not _RANK_FILE.fullmatch(n)]
+    if others:
+        raise ValueError(
+            f"--out {out!r} holds files other than rank*.pt ({sorted(others)[:3]}); famp-reshard "
+            "replaces only a directory it wrote"
+        )
 
 
 @dataclass
@@ -177,10 +195,7 @@ def _read(args: argparse.Namespace) -> _Source:
         bar = _Progress("reading", total, _progress_wanted(args, total), _human)
         full = _load_optim_state(path, args.key, bar.update)
         bar.close()
-        try:
-            shapes = _read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
-        except KeyError:
-            shapes = _shapes_from_state(full, path)
+        shapes = _read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
         return _Source(full, shapes, f"DCP checkpoint {path} (key {args.key!r})")
     for path in sources:
         if os.path.isdir(path):
@@ -349,10 +364,15 @@ def _replace(tmp: str, target: str, force: bool) -> None:
         return
     if not force:
         raise FileExistsError(f"{target!r} exists; pass --force to replace it")
+    _check_replaceable(target)
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(tmp))
     moved = os.path.join(old, "x")
     os.rename(target, moved)
-    os.rename(tmp, target)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(moved, target)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

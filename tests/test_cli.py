@@ -165,14 +165,18 @@ def test_existing_outputs_need_force(
     tmp_path: pathlib.Path, full_file: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "o"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    assert main([full_file, "-n", "3", "-o", str(out)]) == 0
     assert main([full_file, "-n", "2", "-o", str(out)]) == 1
     assert "exists; pass --force to replace it" in capsys.readouterr().err
-    assert os.listdir(out) == ["old.txt"]
+    assert len(os.listdir(out)) == 3
     assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 0
     assert sorted(os.listdir(out)) == ["rank00000.pt", "rank00001.pt"]
     assert _leftovers(tmp_path) == []
+    # --force never replaces a directory that holds anything but rank files.
+    (out / "notes.txt").write_text("keep me")
+    assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 1
+    assert "holds files other than rank*.pt" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.parametrize(
@@ -261,6 +265,7 @@ def test_help_documents_sources_outputs_and_safety(capsys: pytest.CaptureFixture
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for needle in [
+        "rank*.pt",
         "DCP checkpoint directory",
         "weights_only=True",
         "--world-size",
