@@ -54,7 +54,12 @@ def _layout_fsdp1(model: torch.nn.Module) -> FSDP1Layout:
             continue  # a unit without parameters of its own
         prefix = module_names[id(module)]
         strategy = module.sharding_strategy
-        if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        sharded = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+        # FSDP1 itself switches to NO_SHARD on one rank
+        if strategy not in sharded and (module.world_size, strategy) != (
+            1,
+            ShardingStrategy.NO_SHARD,
+        ):
             raise ValueError(
                 f"FSDP unit {prefix!r} uses {strategy}; famp supports FULL_SHARD and SHARD_GRAD_OP"
             )

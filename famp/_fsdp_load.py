@@ -56,6 +56,8 @@ def _entries(
     if isinstance(layout, FSDP2Layout):  # the optimizer holds DTensors (global) or local chunks
         return [(repr(f), [f], [layout._specs[f][0], layout.local_shape(f, rank)]) for f in names]
     entries: list[tuple[str, list[str], list[Shape]]] = []
+    if layout.use_orig_params and layout.world_size == 1:  # NO_SHARD: original shapes
+        return [(repr(f), [f], [layout._specs[f][0]]) for f in names]
     if not layout.use_orig_params:  # one flat parameter per unit
         for unit in dict.fromkeys(layout._slices[f].unit for f in names):
             fqns = [s.fqn for s in layout._flat[unit][0]]
@@ -106,6 +108,8 @@ def _keys(
 def _orig_param_state(
     entry: Mapping[str, Any], fqn: str, layout: FSDP1Layout, rank: int, kinds: Kinds, copy: bool
 ) -> dict[str, Any] | None:
+    if layout.world_size == 1:  # FSDP1 runs NO_SHARD: the optimizer sees the original parameters
+        return {k: clone_value(v, copy) for k, v in entry.items()}
     piece = layout._slices[fqn]
     start, end = piece.in_shard(layout.flat_numel(piece.unit), rank)
     if start == end:
@@ -208,7 +212,8 @@ def optim_state_dict_to_load(
     Under FSDP1 this equals ``FullyShardedDataParallel.optim_state_dict_to_load`` on ``rank``:
     one flat state per unit (``use_orig_params=False``; parameters without state are zeros there,
     as FSDP1 fills them) or one 1-D slice per original parameter that intersects the rank's
-    shard (``use_orig_params=True``; no entry for the others). Under FSDP2 it is the rank's chunk
+    shard (``use_orig_params=True``; no entry for the others; at world size 1, where FSDP1
+    switches to ``NO_SHARD``, the original shapes). Under FSDP2 it is the rank's chunk
     of every parameter, as DTensors placed like the optimizer's parameters when they are DTensors.
     Ids follow the optimizer: the i-th param group of ``osd`` must list the parameters of the
     optimizer's i-th group in the same order (FSDP1 without ``use_orig_params``: its units, in the
