@@ -64,8 +64,7 @@ def _entries(
             entries.append((f"FSDP unit {unit}", fqns, [(layout.flat_numel(unit),)]))
         return entries
     for fqn in names:
-        piece = layout._slices[fqn]
-        start, end = piece.in_shard(layout.flat_numel(piece.unit), rank)
+        start, end = layout.param_slice(fqn, rank)
         entries.append((repr(fqn), [fqn], [(end - start,)]))
     return entries
 
@@ -110,8 +109,7 @@ def _orig_param_state(
 ) -> dict[str, Any] | None:
     if layout.world_size == 1:  # FSDP1 runs NO_SHARD: the optimizer sees the original parameters
         return {k: clone_value(v, copy) for k, v in entry.items()}
-    piece = layout._slices[fqn]
-    start, end = piece.in_shard(layout.flat_numel(piece.unit), rank)
+    start, end = layout.param_slice(fqn, rank)
     if start == end:
         return None  # FSDP1 keeps no state for a parameter outside the rank's shard
     return {
@@ -142,6 +140,12 @@ def _flat_state(
         if not tensors:
             out[key] = None
         elif kinds.get((have[0], key)):
+            for fqn, v in zip(have, values, strict=True):
+                if v is not None and v.dtype != tensors[0].dtype:
+                    raise ValueError(
+                        f"state[{fqn!r}][{key!r}] is {v.dtype} but FSDP unit {unit} flattens "
+                        f"{tensors[0].dtype} for {have[0]!r}: one flat state has one dtype"
+                    )
             out[key] = _flat_tensor(state, slices, numel, rank, key, tensors[0].dtype, copy)
         else:
             for fqn, v in zip(have, values, strict=True):
@@ -174,8 +178,6 @@ def _flat_tensor(
         if value is None:  # FSDP1 fills a parameter without this state with zeros
             pieces.append(torch.zeros(end - start, dtype=dtype))
             continue
-        if value.dtype != dtype:
-            raise ValueError(f"state[{s.fqn!r}][{key!r}] is {value.dtype}; its unit has {dtype}")
         pieces.append(value.reshape(-1)[start:end])
     filled = sum(p.numel() for p in pieces)
     if filled < numel:  # padding at the end of the flat parameter
