@@ -84,8 +84,13 @@ def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded
     kinds[(fqn, key)] = sharded
 
 
-def check_full(osd: object, layout: Layout, what: str = "full_osd") -> tuple[State, Groups, Kinds]:
-    """Validate a full state dict against ``layout``; return its parts and which entries shard."""
+def check_full(
+    osd: object, layout: Layout, what: str = "full_osd", local_rank: int | None = None
+) -> tuple[State, Groups, Kinds]:
+    """Validate a full state dict against ``layout``; return its parts and which entries shard.
+
+    With ``local_rank``, a tensor may also be that rank's chunk already (FSDP2 only).
+    """
     state, groups = split_osd(osd, what)
     check_names(state, groups, layout, what)
     kinds: Kinds = {}
@@ -96,11 +101,15 @@ def check_full(osd: object, layout: Layout, what: str = "full_osd") -> tuple[Sta
             if value is None:
                 continue
             sharded = isinstance(value, torch.Tensor) and value.dim() > 0
-            if sharded and tuple(value.shape) != shape:
+            shapes = (
+                [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
+            )
+            if sharded and tuple(value.shape) not in shapes:
+                local = "" if local_rank is None else f" or rank {local_rank}'s chunk {shapes[1]}"
                 raise ValueError(
                     f"{what}['state'][{fqn!r}][{key!r}] has shape {tuple(value.shape)} but the "
-                    f"layout says {fqn!r} is {shape}; only 0-d and parameter-shaped tensors are "
-                    "supported"
+                    f"layout says {fqn!r} is {shape}{local}; only 0-d and parameter-shaped "
+                    "tensors are supported"
                 )
             _check_kind(kinds, first, fqn, key, sharded)
     return {f: dict(e) for f, e in state.items()}, [dict(g) for g in groups], kinds

@@ -186,6 +186,15 @@ def _flat_tensor(
     return torch.cat(pieces) if len(pieces) > 1 else narrow(pieces[0], 0, 0, numel, copy)
 
 
+def _chunk(
+    value: torch.Tensor, shape: Shape, dim: int, start: int, length: int, copy: bool
+) -> torch.Tensor:
+    """The rank's chunk of a full tensor, or the tensor itself when it is that chunk already."""
+    if tuple(value.shape) == shape:
+        return narrow(value, dim, start, length, copy)
+    return value.clone() if copy else value
+
+
 def _wrap_like(value: Any, param: torch.Tensor | None) -> Any:
     """A local chunk as a DTensor placed like the FSDP2 parameter ``param``, if it is one."""
     if param is None or not hasattr(param, "device_mesh") or not hasattr(param, "to_local"):
@@ -222,7 +231,9 @@ def optim_state_dict_to_load(
     order of their first parameter), as DCP assumes; their local shapes are checked.
 
     Args:
-        osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``).
+        osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``);
+            under FSDP2 also the rank's own shard (:func:`famp.shard_optim_state`'s result, or
+            one file of a per-rank checkpoint), so a rank never needs the full state.
         layout: the rank's :class:`famp.FSDP1Layout` or :class:`famp.FSDP2Layout`.
         rank: the rank to load.
         optimizer: the rank's optimizer, to check the ids and shapes against (and for FSDP2, to
@@ -251,7 +262,8 @@ def optim_state_dict_to_load(
     """
     layout = check_layout(layout)
     check_rank(rank, layout.world_size)
-    state, groups, kinds = check_full(osd, layout, "osd")
+    local_rank = rank if isinstance(layout, FSDP2Layout) else None
+    state, groups, kinds = check_full(osd, layout, "osd", local_rank)
     opt_groups = _optimizer_groups(optimizer, len(groups))
     key_of, group_keys, params = _keys(groups, layout, rank, opt_groups)
     out: dict[int, dict[str, Any]] = {}
@@ -260,7 +272,7 @@ def optim_state_dict_to_load(
             shape, dim = layout._specs[fqn]
             start, length = chunk_range(shape[dim], layout.world_size, rank)
             out[key_of[fqn]] = {
-                k: _wrap_like(narrow(v, dim, start, length, copy), params[key_of[fqn]])
+                k: _wrap_like(_chunk(v, shape, dim, start, length, copy), params[key_of[fqn]])
                 if kinds.get((fqn, k))
                 else clone_value(v, copy)
                 for k, v in entry.items()

@@ -91,7 +91,9 @@ def test_fsdp2_layout_equals_fully_shard(world_size: int, rank: int) -> None:
         # the to-load dict goes into a real optimizer over the DTensor parameters
         optim = torch.optim.Adam(model.parameters())
         full = adam_like_state(shapes)
-        optim.load_state_dict(famp.optim_state_dict_to_load(full, layout, rank, optim))
+        # from this rank's shard alone, as a per-rank checkpoint holds it
+        shard = famp.shard_optim_state(full, layout, rank)
+        optim.load_state_dict(famp.optim_state_dict_to_load(shard, layout, rank, optim))
         loaded = optim.state_dict()
         for key, entry in loaded["state"].items():
             fqn = list(shapes)[key]

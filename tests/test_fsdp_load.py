@@ -69,8 +69,10 @@ def test_per_parameter_to_load_tiles_the_full_state(data: st.DataObject) -> None
             if ids[fqn] in to_load["state"]:
                 slices[fqn].append(to_load["state"][ids[fqn]])
         if isinstance(layout, famp.FSDP2Layout):  # every parameter's chunk, even empty ones
-            shard = famp.shard_optim_state(full, layout, rank, copy=True)["state"]
-            assert_same_osd(to_load["state"], {ids[f]: e for f, e in shard.items()})
+            shard = famp.shard_optim_state(full, layout, rank, copy=True)
+            assert_same_osd(to_load["state"], {ids[f]: e for f, e in shard["state"].items()})
+            # a rank can load from its own shard, without the full state
+            assert_same_osd(famp.optim_state_dict_to_load(shard, layout, rank), to_load)
             local = {ids[f]: layout.local_shape(f, rank) for f in ids}
         elif layout.world_size == 1:  # FSDP1 runs NO_SHARD: original shapes
             local = {ids[f]: layout.shapes[layout.fqns.index(f)] for f in ids}
