@@ -32,7 +32,7 @@ Groups = list[dict[str, Any]]
 Kinds = dict[tuple[str, str], bool]  # (fqn, state name) -> sharded?
 
 
-def split_osd(osd: object, what: str) -> tuple[Mapping[str, Mapping[str, Any]], Sequence[Any]]:
+def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], Sequence[Any]]:
     """``(state, param_groups)`` of an optimizer state dict, or an error naming what is wrong."""
     if not isinstance(osd, Mapping):
         raise TypeError(f"{what} must be an optimizer state dict, got {type(osd).__name__}")
@@ -84,8 +84,13 @@ def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded
     kinds[(fqn, key)] = sharded
 
 
-def check_full(osd: object, layout: Layout, what: str = "full_osd") -> tuple[State, Groups, Kinds]:
-    """Validate a full state dict against ``layout``; return its parts and which entries shard."""
+def check_full(
+    osd: object, layout: Layout, what: str = "full_osd", local_rank: int | None = None
+) -> tuple[State, Groups, Kinds]:
+    """Validate a full state dict against ``layout``; return its parts and which entries shard.
+
+    With ``local_rank``, a tensor may also be that rank's chunk already (FSDP2 only).
+    """
     state, groups = split_osd(osd, what)
     check_names(state, groups, layout, what)
     kinds: Kinds = {}
@@ -96,11 +101,15 @@ def check_full(osd: object, layout: Layout, what: str = "full_osd") -> tuple[Sta
             if value is None:
                 continue
             sharded = isinstance(value, torch.Tensor) and value.dim() > 0
-            if sharded and tuple(value.shape) != shape:
+            shapes = (
+                [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
+            )
+            if sharded and tuple(value.shape) not in shapes:
+                local = "" if local_rank is None else f" or rank {local_rank}'s chunk {shapes[1]}"
                 raise ValueError(
                     f"{what}['state'][{fqn!r}][{key!r}] has shape {tuple(value.shape)} but the "
-                    f"layout says {fqn!r} is {shape}; only 0-d and parameter-shaped tensors are "
-                    "supported"
+                    f"layout says {fqn!r} is {shape}{local}; only 0-d and parameter-shaped "
+                    "tensors are supported"
                 )
             _check_kind(kinds, first, fqn, key, sharded)
     return {f: dict(e) for f, e in state.items()}, [dict(g) for g in groups], kinds
@@ -122,14 +131,15 @@ def same(a: object, b: object) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
-def _clone(value: Any, copy: bool) -> Any:
+def clone_value(value: Any, copy: bool) -> Any:
+    """``value.clone()`` for a tensor when ``copy``, else ``value``."""
     return value.clone() if copy and isinstance(value, torch.Tensor) else value
 
 
 def copy_groups(groups: Sequence[Mapping[str, Any]], copy: bool) -> Groups:
     """New param-group dicts (new ``params`` lists; tensors cloned when ``copy``)."""
     return [
-        {k: list(v) if k == "params" else _clone(v, copy) for k, v in group.items()}
+        {k: list(v) if k == "params" else clone_value(v, copy) for k, v in group.items()}
         for group in groups
     ]
 
@@ -185,7 +195,7 @@ def shard_optim_state(
         out[fqn] = {
             key: narrow(value, dim, start, length, copy)
             if kinds.get((fqn, key))
-            else _clone(value, copy)
+            else clone_value(value, copy)
             for key, value in entry.items()
         }
     return {"state": out, "param_groups": copy_groups(groups, copy)}
@@ -294,7 +304,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
         out[fqn] = {
             key: torch.cat([s[fqn][key] for s in states], dim)
             if kinds.get((fqn, key))
-            else _clone(value, True)
+            else clone_value(value, True)
             for key, value in entry.items()
         }
     return {"state": out, "param_groups": copy_groups(groups, False)}
@@ -388,7 +398,7 @@ def reshard_optim_state(
                 pieces = [s[fqn][key] for s in states]
                 chunks = _new_chunks(pieces, old_layout, new_layout, fqn, copy)
             else:
-                chunks = [_clone(value, copy) for _ in outs]
+                chunks = [clone_value(value, copy) for _ in outs]
             for out, chunk in zip(outs, chunks, strict=True):
                 out[fqn][key] = chunk
     return [{"state": out, "param_groups": copy_groups(groups, copy)} for out in outs]

@@ -235,6 +235,17 @@ class FSDP1Layout:
         """Elements of unit ``unit``'s flat parameter on each rank (padding included)."""
         return self._flat[unit][1]
 
+    def param_slice(self, fqn: str, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` of ``fqn``'s flattened elements in ``rank``'s shard; equal if none.
+
+        With ``use_orig_params=True`` this 1-D slice is the parameter ``rank``'s optimizer sees.
+        """
+        if fqn not in self._slices:
+            raise KeyError(f"parameter {fqn!r} is not in the layout")
+        check_rank(rank, self.world_size)
+        piece = self._slices[fqn]
+        return piece.in_shard(self.flat_numel(piece.unit), rank)
+
     def __repr__(self) -> str:
         units = ", ".join(_repr_params(f"{f!r}: {s}" for f, s in unit) for unit in self.units)
         return (
