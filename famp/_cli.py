@@ -219,9 +219,11 @@ def _load_file(path: str) -> Mapping[str, Any]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", str(err))
+        reason = found.group(1) if found else str(err).splitlines()[0]
         raise ValueError(
-            f"SOURCE {path!r} holds more than plain data (torch.load(weights_only=True) refused "
-            f"it): {str(err).splitlines()[0]}"
+            f"SOURCE {path!r} is not a torch.save file of plain data; "
+            f"torch.load(weights_only=True) refused it: {reason}"
         ) from err
     if not isinstance(obj, Mapping):
         raise ValueError(f"SOURCE {path!r} holds a {type(obj).__name__}, not a state dict")
@@ -230,24 +232,37 @@ def _load_file(path: str) -> Mapping[str, Any]:
 
 def _pick_optim(obj: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
     if "state" in obj and "param_groups" in obj:
-        return dict(obj)
-    if key in obj and isinstance(obj[key], Mapping):
-        return dict(obj[key])
-    raise KeyError(
-        f"SOURCE {path!r} is neither an optimizer state dict ('state' and 'param_groups') nor a "
-        f"dict with one under --key {key!r}; its keys are {sorted(map(str, obj))}"
-    )
+        osd, where = obj, path
+    elif key in obj and isinstance(obj[key], Mapping):
+        osd, where = obj[key], f"{path}[{key!r}]"
+    else:
+        raise KeyError(
+            f"SOURCE {path!r} is neither an optimizer state dict ('state' and 'param_groups') "
+            f"nor a dict with one under --key {key!r}; its keys are {sorted(map(str, obj))}"
+        )
+    state = osd.get("state")
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where}['state'] must be a dict, got {type(state).__name__}")
+    for fqn, entry in state.items():
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}['state'][{fqn!r}] must be a dict, got {entry!r}")
+    return dict(osd)
 
 
 def _fqns(osd: Mapping[str, Any], where: str) -> list[str]:
     groups = osd.get("param_groups")
     if not isinstance(groups, list):
         raise ValueError(f"{where}: param_groups must be a list, got {type(groups).__name__}")
-    fqns = []
+    fqns: list[str] = []
     for i, group in enumerate(groups):
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
             raise ValueError(f"{where}: param_groups[{i}] must be a dict with a 'params' list")
-        fqns += [str(f) for f in group["params"]]
+        for fqn in group["params"]:
+            if not isinstance(fqn, str):
+                raise ValueError(
+                    f"{where}: param_groups[{i}]['params'] must hold FQN strings, got {fqn!r}"
+                )
+            fqns.append(fqn)
     return fqns
 
 

@@ -63,6 +63,10 @@ _METADATA_CLASSES = {
 }
 
 
+class _RefusedGlobalError(ValueError):
+    """A global that the metadata unpickler does not build."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata classes and plain data only."""
 
@@ -73,7 +77,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return getattr(torch, name)
-        raise ValueError(f"DCP .metadata refers to {module}.{name}, which famp does not unpickle")
+        msg = f"DCP .metadata refers to {module}.{name}, which famp does not unpickle"
+        raise _RefusedGlobalError(msg)
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -86,8 +91,11 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = _MetadataUnpickler(stream).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as err:
-                raise ValueError(f"DCP metadata {str(path)!r} is not readable: {err}") from err
+            except _RefusedGlobalError:
+                raise
+            except Exception as err:  # whatever a malformed pickle makes the unpickler raise
+                msg = f"DCP metadata {str(path)!r} is not readable: {type(err).__name__}: {err}"
+                raise ValueError(msg) from err
         if not isinstance(metadata, Metadata):
             raise ValueError(f"DCP metadata {str(path)!r} holds a {type(metadata).__name__}")
         for index, info in (metadata.storage_data or {}).items():
