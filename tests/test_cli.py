@@ -192,6 +192,9 @@ def test_existing_outputs_need_force(
         (["{full}", "-n", "2", "-o", "{nodir}/out"], "does not exist"),
         (["{dcp}", "--key", "opt", "-n", "2", "-o", "{out}"], "key 'opt' is not in DCP"),
         (["{short}", "-n", "2", "-o", "{out}"], "'2.weight'"),
+        (["{garbage}", "-n", "2", "-o", "{out}"], "refused it: Unsupported operand"),
+        (["{badfqn}", "-n", "2", "-o", "{out}"], "['params'] must hold FQN strings, got 3"),
+        (["{badentry}", "-n", "2", "-o", "{out}"], "['state']['w'] must be a dict, got 5"),
     ],
 )
 def test_bad_input_exits_1_naming_it_and_writes_nothing(
@@ -212,6 +215,9 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
     torch.save(short, tmp_path / "s")
     other_lr = [{**g, "lr": 1.0} for g in trained[1]["param_groups"]]
     torch.save({**trained[1], "param_groups": other_lr}, tmp_path / "g")
+    (tmp_path / "garbage").write_bytes(b"garbage")
+    torch.save({"state": {}, "param_groups": [{"params": [3]}]}, tmp_path / "f")
+    torch.save({"state": {"w": 5}, "param_groups": [{"params": ["w"]}]}, tmp_path / "e")
     paths = {
         "missing": tmp_path / "missing.pt",
         "full": full_file,
@@ -222,6 +228,9 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
         "dcp": dcp_dir,
         "short": tmp_path / "s",
         "groups": tmp_path / "g",
+        "garbage": tmp_path / "garbage",
+        "badfqn": tmp_path / "f",
+        "badentry": tmp_path / "e",
     }
     before = sorted(os.listdir(tmp_path))
     assert main([a.format(**paths) for a in argv]) == 1

@@ -270,6 +270,13 @@ def test_metadata_naming_other_classes_is_never_unpickled(tmp_path: pathlib.Path
     assert not marker.exists()
 
 
+def test_unreadable_metadata_is_a_value_error(tmp_path: pathlib.Path) -> None:
+    _save({"optim": _osd()}, tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"\.metadata' is not readable"):
+        famp.load_dcp_optim_state(tmp_path)
+
+
 def test_non_tensor_items_are_read_with_weights_only(tmp_path: pathlib.Path) -> None:
     import fractions
 
