@@ -104,7 +104,7 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
             2-d mesh (HSDP, tensor parallel), ``NO_SHARD`` or ``HYBRID_SHARD``, or its FSDP1 units
             differ in world size, ``use_orig_params`` or ``param_dtype``.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> famp.layout_of(torch.nn.Linear(2, 2))
         Traceback (most recent call last):

@@ -177,7 +177,7 @@ def shard_optim_state(
             state name that is a tensor for one parameter and not for another, a parameter in two
             param groups or in none.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> layout = famp.fsdp2_layout({"w": (3, 2)}, world_size=2)
         >>> full = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(3, 2)}},
@@ -287,7 +287,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
             differ, non-tensor state where other ranks hold tensors.
         TypeError: ``shards`` is not a list.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> layout = famp.fsdp2_layout({"w": (3,)}, world_size=2)
         >>> groups = [{"lr": 0.1, "params": ["w"]}]
@@ -369,7 +369,7 @@ def reshard_optim_state(
         ValueError: layouts with different parameters or shapes, and everything
             :func:`famp.unshard_optim_state` rejects.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> full = {"state": {"w": {"m": torch.arange(5.0)}}, "param_groups": [{"params": ["w"]}]}
         >>> old, new = famp.fsdp2_layout({"w": (5,)}, 2), famp.fsdp2_layout({"w": (5,)}, 4)

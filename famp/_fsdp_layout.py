@@ -296,7 +296,7 @@ def fsdp2_layout(
         ValueError: a bad world size or shape, an out-of-range dim, or uneven sharding on dim > 0.
         KeyError: ``shard_dims`` names a parameter that is not in ``params``.
 
-    Example:
+    Examples:
         >>> import famp
         >>> layout = famp.fsdp2_layout({"w": (5, 4), "b": (1,)}, world_size=4)
         >>> [layout.local_shape("w", r) for r in range(4)]
@@ -343,7 +343,7 @@ def fsdp1_layout(
         ValueError: a bad world size, shape or dtype, an empty unit, a name in two units.
         TypeError: ``units`` is not a sequence of mappings.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> layout = famp.fsdp1_layout([{"w": (7, 10), "b": (7,)}], 2, param_dtype=torch.bfloat16)
         >>> layout.flat_numel(0)  # 70 + 2 alignment + 7 = 79, padded to 80 over 2 ranks

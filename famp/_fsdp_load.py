@@ -251,7 +251,7 @@ def optim_state_dict_to_load(
             an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP1 unit
             whose parameters have differing state names or values.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> layout = famp.fsdp1_layout([{"w": (3, 2), "b": (3,)}], 2, use_orig_params=False)
         >>> osd = {"state": {n: {"step": torch.tensor(1.0), "m": torch.ones(s)}

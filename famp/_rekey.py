@@ -87,7 +87,7 @@ def optim_state_by_fqn(
         ValueError: param groups that disagree with the optimizer's, an optimizer parameter that
             is not in ``model``, an FSDP1 flat parameter.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -144,7 +144,7 @@ def optim_state_by_id(
         ValueError: a parameter in the wrong group or in none, a group count or size that
             differs from the optimizer's, a name for a parameter the optimizer does not update.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> model = torch.nn.Linear(2, 1)
         >>> groups = [{"params": [model.weight]}, {"params": [model.bias], "lr": 1.0}]
