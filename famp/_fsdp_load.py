@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from famp._fsdp import Kinds, State, check_full, clone_value, copy_groups, narrow, same
+from famp._fsdp import clone_value, copy_groups, narrow
 from famp._fsdp_layout import (
     FlatSlice,
     FSDP1Layout,
@@ -30,6 +30,7 @@ from famp._fsdp_layout import (
     check_rank,
     chunk_range,
 )
+from famp._osd import Kinds, State, check_full, same
 
 __all__ = ["optim_state_dict_to_load"]
 
@@ -136,17 +137,17 @@ def _flat_state(
     out: dict[str, Any] = {}
     for key in names:
         values = [state[f][key] for f in have]
-        tensors = [v for v in values if v is not None]
-        if not tensors:
+        present = [v for v in values if v is not None]
+        if not present:
             out[key] = None
         elif kinds.get((have[0], key)):
             for fqn, v in zip(have, values, strict=True):
-                if v is not None and v.dtype != tensors[0].dtype:
+                if v is not None and v.dtype != present[0].dtype:
                     raise ValueError(
                         f"state[{fqn!r}][{key!r}] is {v.dtype} but FSDP unit {unit} flattens "
-                        f"{tensors[0].dtype} for {have[0]!r}: one flat state has one dtype"
+                        f"{present[0].dtype} for {have[0]!r}: one flat state has one dtype"
                     )
-            out[key] = _flat_tensor(state, slices, numel, rank, key, tensors[0].dtype, copy)
+            out[key] = _flat_tensor(state, slices, numel, rank, key, present[0], copy)
         else:
             for fqn, v in zip(have, values, strict=True):
                 if len(have) < len(slices) or not same(v, values[0]):
@@ -166,9 +167,10 @@ def _flat_tensor(
     numel: int,
     rank: int,
     key: str,
-    dtype: torch.dtype,
+    like: torch.Tensor,
     copy: bool,
 ) -> torch.Tensor:
+    """Concatenate the rank's part of every parameter's state, zeros for missing and padding."""
     pieces = []
     for s in slices:
         start, end = s.in_shard(numel, rank)
@@ -176,13 +178,12 @@ def _flat_tensor(
             continue
         value = state.get(s.fqn, {}).get(key)
         if value is None:  # FSDP1 fills a parameter without this state with zeros
-            pieces.append(torch.zeros(end - start, dtype=dtype))
+            pieces.append(like.new_zeros(end - start))
             continue
         pieces.append(value.reshape(-1)[start:end])
     filled = sum(p.numel() for p in pieces)
     if filled < numel:  # padding at the end of the flat parameter
-        device = pieces[0].device if pieces else None
-        pieces.append(torch.zeros(numel - filled, dtype=dtype, device=device))
+        pieces.append(like.new_zeros(numel - filled))
     return torch.cat(pieces) if len(pieces) > 1 else narrow(pieces[0], 0, 0, numel, copy)
 
 

@@ -15,65 +15,7 @@ import torch
 from hypothesis import given
 
 import famp
-from tests.fsdp_helpers import assert_same_osd
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float64]
-
-
-@st.composite
-def shapes(draw: st.DrawFn) -> dict[str, tuple[int, ...]]:
-    n = draw(st.integers(1, 4))
-    dims = st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple)
-    return {f"layer{i}.{kind}": draw(dims) for i in range(n) for kind in ("weight", "bias")}
-
-
-@st.composite
-def layouts(draw: st.DrawFn, params: dict[str, tuple[int, ...]]) -> Any:
-    world = draw(st.integers(1, 8))
-    if draw(st.booleans()):
-        dims = {}
-        for fqn, shape in params.items():
-            even = [d for d in range(1, len(shape)) if shape[d] % world == 0]
-            if even and draw(st.booleans()):
-                dims[fqn] = draw(st.sampled_from(even))
-        return famp.fsdp2_layout(params, world, shard_dims=dims)
-    names = list(params)
-    cuts = (
-        sorted(draw(st.sets(st.integers(1, len(names) - 1), max_size=3))) if len(names) > 1 else []
-    )
-    units = [
-        {n: params[n] for n in names[a:b]}
-        for a, b in zip([0, *cuts], [*cuts, len(names)], strict=True)
-    ]
-    return famp.fsdp1_layout(
-        units,
-        world,
-        use_orig_params=draw(st.booleans()),
-        param_dtype=draw(st.sampled_from(DTYPES)),
-    )
-
-
-@st.composite
-def full_states(draw: st.DrawFn, params: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """An Adam-like full state; some parameters without state, two param groups."""
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    dtype = draw(st.sampled_from(DTYPES))
-    state = {
-        fqn: {
-            "step": torch.tensor(float(draw(st.integers(1, 9)))),
-            "exp_avg": torch.randn(shape, generator=gen).to(dtype),
-            "exp_avg_sq": torch.rand(shape, generator=gen).to(dtype),
-            "count": 7,  # a non-tensor entry (not a str: Optimizer.load_state_dict mangles those)
-        }
-        for fqn, shape in params.items()
-        if draw(st.booleans())
-    }
-    names = list(params)
-    groups = [
-        {"lr": 0.1, "betas": (0.9, 0.99), "params": names[::2]},
-        {"lr": 0.01, "betas": (0.8, 0.9), "params": names[1::2]},
-    ]
-    return {"state": state, "param_groups": groups}
+from tests.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
 
 
 @given(st.data())

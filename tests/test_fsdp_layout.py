@@ -239,3 +239,25 @@ def test_negative_shard_dims_count_from_the_end() -> None:
 def test_layout_of_rejects_unwrapped_models() -> None:
     with pytest.raises(ValueError, match="no FSDP1 or FSDP2"):
         famp.layout_of(nn.Linear(2, 2))
+
+
+def test_layout_of_rejects_partly_sharded_and_mixed_models() -> None:
+    with fake_rank(2, 0):
+        model = odd_model()
+        fully_shard(model[0])  # the other layers keep plain parameters
+        with pytest.raises(ValueError, match=r"'1\.weight' is not sharded by fully_shard"):
+            famp.layout_of(model)
+        model[1] = FullyShardedDataParallel(model[1], device_id=torch.device("cpu"))
+        with pytest.raises(ValueError, match="mixes FSDP1 and FSDP2"):
+            famp.layout_of(model)
+
+
+def test_layout_of_rejects_fsdp1_units_with_different_compute_dtypes() -> None:
+    with fake_rank(2, 1):
+        model = odd_model()
+        cpu = torch.device("cpu")
+        bf16 = MixedPrecision(param_dtype=torch.bfloat16)
+        model[3] = FullyShardedDataParallel(model[3], device_id=cpu, mixed_precision=bf16)
+        wrapped = FullyShardedDataParallel(model, device_id=cpu)
+        with pytest.raises(ValueError, match=r"FSDP units differ.*torch\.bfloat16"):
+            famp.layout_of(wrapped)

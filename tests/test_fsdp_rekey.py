@@ -75,6 +75,8 @@ def test_by_fqn_equals_get_optimizer_state_dict(trained: Any) -> None:
     assert [g["lr"] for g in by_fqn["param_groups"]] == [1e-2, 5e-3, 1.0]
 
 
+# torch.compile's first use imports torch.jit code that warns about its own deprecation
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_by_fqn_strips_the_compile_wrapper(trained: Any) -> None:
     model, optim = trained
     compiled = torch.compile(model)  # parameters are named "_orig_mod.a.weight", ...

@@ -1,0 +1,182 @@
+"""Optimizer state dicts checked against a layout: their parts, which entries shard, and errors.
+
+Every check runs before any output is built, and every error names the parameter and the state key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from famp._fsdp_layout import Layout, local_shape
+
+__all__ = ["check_full", "check_names", "check_shards", "same", "split_osd"]
+
+State = dict[str, dict[str, Any]]
+Groups = list[dict[str, Any]]
+Kinds = dict[tuple[str, str], bool]  # (fqn, state name) -> sharded?
+
+
+def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], Sequence[Any]]:
+    """``(state, param_groups)`` of an optimizer state dict, or an error naming what is wrong."""
+    if not isinstance(osd, Mapping):
+        raise TypeError(f"{what} must be an optimizer state dict, got {type(osd).__name__}")
+    for key in ("state", "param_groups"):
+        if key not in osd:
+            raise KeyError(f"{what} has no {key!r} entry")
+    state, groups = osd["state"], osd["param_groups"]
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{what}['state'] must be a dict, got {type(state).__name__}")
+    for fqn, entry in state.items():
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{what}['state'][{fqn!r}] must be a dict, got {type(entry).__name__}")
+    if not isinstance(groups, Sequence) or isinstance(groups, str):
+        raise ValueError(f"{what}['param_groups'] must be a list, got {type(groups).__name__}")
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
+            raise ValueError(f"{what}['param_groups'][{i}] must be a dict with a 'params' list")
+    return state, groups
+
+
+def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout, what: str) -> None:
+    """Every name is in the layout, in one param group at most, and every state is in a group."""
+    group_of: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        for fqn in group["params"]:
+            if fqn not in layout._specs:
+                raise KeyError(
+                    f"{what}['param_groups'][{i}] names {fqn!r}, which is not in the layout"
+                )
+            if fqn in group_of:
+                raise ValueError(f"parameter {fqn!r} is in param_groups {group_of[fqn]} and {i}")
+            group_of[fqn] = i
+    for fqn in state:
+        if fqn not in layout._specs:
+            raise KeyError(f"{what}['state'] has parameter {fqn!r}, which is not in the layout")
+        if fqn not in group_of:
+            raise ValueError(f"{what}['state'][{fqn!r}] belongs to no param group")
+
+
+def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded: bool) -> None:
+    """One state name is parameter-shaped for every parameter or for none (None aside)."""
+    other = first.setdefault(key, fqn)
+    if other != fqn and kinds[(other, key)] != sharded:
+        tensor_fqn, plain_fqn = (fqn, other) if sharded else (other, fqn)
+        raise ValueError(
+            f"state[{plain_fqn!r}][{key!r}] is not a tensor of the parameter's shape, but "
+            f"state[{tensor_fqn!r}][{key!r}] is: a state name must be sharded for every parameter"
+        )
+    kinds[(fqn, key)] = sharded
+
+
+def check_full(
+    osd: object, layout: Layout, what: str = "full_osd", local_rank: int | None = None
+) -> tuple[State, Groups, Kinds]:
+    """Validate a full state dict against ``layout``; return its parts and which entries shard.
+
+    With ``local_rank``, a tensor may also be that rank's chunk already (FSDP2 only).
+    """
+    state, groups = split_osd(osd, what)
+    check_names(state, groups, layout, what)
+    kinds: Kinds = {}
+    first: dict[str, str] = {}
+    for fqn, entry in state.items():
+        shape = layout._specs[fqn][0]
+        for key, value in entry.items():
+            if value is None:
+                continue
+            sharded = isinstance(value, torch.Tensor) and value.dim() > 0
+            shapes = (
+                [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
+            )
+            if sharded and tuple(value.shape) not in shapes:
+                local = "" if local_rank is None else f" or rank {local_rank}'s chunk {shapes[1]}"
+                raise ValueError(
+                    f"{what}['state'][{fqn!r}][{key!r}] has shape {tuple(value.shape)} but the "
+                    f"layout says {fqn!r} is {shape}{local}; only 0-d and parameter-shaped "
+                    "tensors are supported"
+                )
+            _check_kind(kinds, first, fqn, key, sharded)
+    return {f: dict(e) for f, e in state.items()}, [dict(g) for g in groups], kinds
+
+
+def same(a: object, b: object) -> bool:
+    """Equal values, tensors bit for bit (dtype and shape included), containers recursively."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and bool(a == b)
+
+
+def check_shards(shards: object, layout: Layout, what: str) -> tuple[list[State], Groups, Kinds]:
+    """Validate one local state dict per rank; return their states, rank 0's groups, and kinds."""
+    if not isinstance(shards, Sequence) or isinstance(shards, (str, Mapping)):
+        raise TypeError(
+            f"{what} must be a list of per-rank state dicts, got {type(shards).__name__}"
+        )
+    if len(shards) != layout.world_size:
+        raise ValueError(
+            f"{what} has {len(shards)} state dicts but the layout has world_size "
+            f"{layout.world_size}: one per rank is needed"
+        )
+    parts = [split_osd(s, f"{what}[{r}]") for r, s in enumerate(shards)]
+    states = [{f: dict(e) for f, e in state.items()} for state, _ in parts]
+    groups = [dict(g) for g in parts[0][1]]
+    check_names(states[0], groups, layout, f"{what}[0]")
+    for r, (state, rank_groups) in enumerate(parts[1:], 1):
+        if not same(list(rank_groups), groups):
+            raise ValueError(f"{what}[{r}]['param_groups'] differs from {what}[0]['param_groups']")
+        for fqn in set(state) ^ set(states[0]):
+            has, lacks = (r, 0) if fqn in state else (0, r)
+            if fqn not in layout._specs:
+                raise KeyError(f"{what}[{has}]['state'] has parameter {fqn!r}, not in the layout")
+            raise ValueError(f"parameter {fqn!r} has state on rank {has} but not on rank {lacks}")
+    kinds: Kinds = {}
+    first: dict[str, str] = {}
+    for fqn, entry in states[0].items():
+        for r, state in enumerate(states[1:], 1):
+            if state[fqn].keys() != entry.keys():
+                raise ValueError(
+                    f"state[{fqn!r}] has keys {sorted(state[fqn])} on rank {r} but "
+                    f"{sorted(entry)} on rank 0"
+                )
+        for key, value in entry.items():
+            sharded = isinstance(value, torch.Tensor) and value.dim() > 0
+            for r, state in enumerate(states):
+                _check_shard_value(state[fqn][key], value, sharded, layout, fqn, key, r, what)
+            if value is not None:
+                _check_kind(kinds, first, fqn, key, sharded)
+    return states, groups, kinds
+
+
+def _check_shard_value(
+    value: Any, first: Any, sharded: bool, layout: Layout, fqn: str, key: str, r: int, what: str
+) -> None:
+    where = f"{what}[{r}]['state'][{fqn!r}][{key!r}]"
+    if not sharded:
+        if not same(value, first):
+            raise ValueError(
+                f"{where} = {value!r} differs from rank 0's {first!r}; 0-d tensors "
+                "and non-tensors must be replicated"
+            )
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}, but rank 0 holds a tensor shard")
+    expected = local_shape(layout, fqn, r)
+    if tuple(value.shape) != expected:
+        raise ValueError(
+            f"{where} has shape {tuple(value.shape)}, but the layout gives rank {r} the chunk "
+            f"{expected} of {fqn!r} {layout._specs[fqn][0]}"
+        )
+    if value.dtype != first.dtype:
+        raise ValueError(f"{where} is {value.dtype} but rank 0's is {first.dtype}")
