@@ -1,0 +1,192 @@
+"""One rank of tests/test_distributed_step.py, started by torchrun on 2 gloo ranks.
+
+Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
+
+- ``fsdp1``: FSDP1 with an inf injected into rank 1's gradient shard at one step. famp
+  (``unscale_and_check(group=)`` + the fused SGD bridge), ``ShardedGradScaler`` with plain SGD (the
+  oracle), and two torch setups that let the ranks diverge: plain ``GradScaler``, and
+  ``ShardedGradScaler`` with a fused SGD (its fused path never all-reduces found_inf).
+- ``fsdp2``: FSDP2 (``fully_shard``, DTensor grads) trained by ``examples/fsdp_train.py``'s
+  ``train`` with an inf in the last rank's shard, next to ``GradScaler`` + fused AdamW (the oracle).
+  A DCP checkpoint at step 3; torch's own full state at step 3 (for the W=1 resume in the test);
+  a fresh model and optimizer resumed from the checkpoint at W=2 and trained to the end.
+- Finally the example's ``main`` runs at W=2 (its own process group), writing ``OUT/cli``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import math
+import pathlib
+import sys
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import famp  # noqa: E402
+
+FSDP1_STEPS, FSDP1_BAD_STEP = 5, 2
+FSDP2_STEPS, CHECKPOINT_STEP, FSDP2_BAD_STEPS = 6, 3, frozenset({2, 4})
+
+
+def load_example() -> Any:
+    path = ROOT / "examples" / "fsdp_train.py"
+    spec = importlib.util.spec_from_file_location("famp_example_fsdp_train", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    out: dict[str, Any] = {}
+    for name in ["famp", "sharded", "gradscaler", "sharded_fused"]:
+        model = FullyShardedDataParallel(ex.build_model(), device_id=torch.device("cpu"))
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=0.1, fused=name in ("famp", "sharded_fused")
+        )
+        kwargs = {"init_scale": 2.0**10, "growth_interval": 2}
+        scaler: Any = (
+            torch.amp.GradScaler("cpu", **kwargs)
+            if name == "gradscaler"
+            else ShardedGradScaler("cpu", **kwargs)
+        )
+        state = famp.init_scaler(**kwargs)
+        scales, found_infs = [], []
+        for step in range(FSDP1_STEPS):
+            x, y = ex.batch(step, rank, 2)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            (famp.scale(state, loss) if name == "famp" else scaler.scale(loss)).backward()
+            if step == FSDP1_BAD_STEP and rank == 1:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            if name == "famp":
+                params = list(model.parameters())
+                grads, found_inf = famp.unscale_and_check(
+                    state, [p.grad for p in params], group=dist.group.WORLD
+                )
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+                famp.optimizer_step(optimizer, found_inf=found_inf)
+                state = famp.update_scale(state, found_inf)
+                scales.append(state.scale)
+                found_infs.append(found_inf)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+                scales.append(scaler._scale.clone())
+        out[name] = {
+            "scales": torch.stack(scales),
+            "found_infs": torch.stack(found_infs) if found_infs else None,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    return out
+
+
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": [ex_local(p).detach().clone() for p in model.parameters()],
+        "optim": {
+            i: {k: ex_local(v).clone() for k, v in s.items()}
+            for i, s in enumerate(optimizer.state[p] for p in model.parameters())
+        },
+    }
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's own full state dicts, copied (``step`` would alias the live optimizer state)."""
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    copy = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (msd, osd))
+    return {"model": copy[0], "optim": copy[1]}
+
+
+def ex_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fsdp2(ex: Any, rank: int, out_dir: pathlib.Path) -> dict[str, Any]:
+    ckpt = out_dir / "ckpt"
+    # famp, through the example's own functions, with a DCP checkpoint at CHECKPOINT_STEP
+    model = ex.shard(ex.build_model(), 2)
+    optimizer = ex.make_optimizer(model)
+    state = famp.init_scaler(2.0**16, growth_interval=2)
+    kwargs = {"rank": rank, "world": 2, "overflow_at": FSDP2_BAD_STEPS}
+    state, first = ex.train(
+        model, optimizer, state, range(CHECKPOINT_STEP), checkpoint_every=0, out=ckpt, **kwargs
+    )
+    at_checkpoint = {**full_state(model, optimizer), "scaler": famp.to_state_dict(state)}
+    state, second = ex.train(model, optimizer, state, range(CHECKPOINT_STEP, FSDP2_STEPS), **kwargs)
+    famp_run = {
+        "found_infs": torch.stack(first + second),
+        "scaler": famp.to_state_dict(state),
+        "local": local_state(model, optimizer),
+        "full": full_state(model, optimizer),
+    }
+
+    # the oracle: GradScaler with the fused AdamW (DTensor dispatch reduces found_inf)
+    model = ex.shard(ex.build_model(), 2)
+    optimizer = ex.make_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    forward = famp.autocast(
+        model, famp.get_policy("params=float32,compute=bfloat16,output=float32")
+    )
+    scales = []
+    for step in range(FSDP2_STEPS):
+        x, y = ex.batch(step, rank, 2)
+        optimizer.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(forward(x), y)).backward()
+        if step in FSDP2_BAD_STEPS and rank == 1:
+            ex.local(next(model.parameters()).grad).view(-1)[0] = math.inf
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler._scale.clone())
+    oracle = {
+        "scales": torch.stack(scales),
+        "scaler": scaler.state_dict(),
+        "local": local_state(model, optimizer),
+    }
+
+    # resume from the checkpoint at W=2 in fresh objects
+    model = ex.shard(ex.build_model(), 2)
+    optimizer = ex.make_optimizer(model)
+    state, step = ex.load_checkpoint(ckpt / f"step-{CHECKPOINT_STEP}", model, optimizer, rank, 2)
+    state, _ = ex.train(model, optimizer, state, range(step, FSDP2_STEPS), **kwargs)
+    resumed = {
+        "step": step,
+        "scaler": famp.to_state_dict(state),
+        "local": local_state(model, optimizer),
+    }
+    return {
+        "famp": famp_run,
+        "oracle": oracle,
+        "resumed": resumed,
+        "at_checkpoint": at_checkpoint,
+    }
+
+
+def main() -> None:
+    out_dir = pathlib.Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    ex = load_example()
+    try:
+        record = {"fsdp1": fsdp1(ex, rank), "fsdp2": fsdp2(ex, rank, out_dir)}
+    finally:
+        dist.destroy_process_group()
+    torch.save(record, out_dir / f"rank{rank}.pt")
+    ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])
+
+
+if __name__ == "__main__":
+    main()

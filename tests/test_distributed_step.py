@@ -1,0 +1,185 @@
+"""Distributed steps on 2 real gloo ranks: overflow on one rank, FSDP1 and FSDP2, DCP resume.
+
+One torchrun job (tests/step_worker.py) records both ranks; the tests compare the records, and
+resume the job's DCP checkpoint at world size 1 in this process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = pathlib.Path(__file__).with_name("step_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict[str, Any]], str]:
+    out = tmp_path_factory.mktemp("step_job")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(WORKER),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, ranks, proc.stdout
+
+
+def load_example() -> Any:
+    path = ROOT / "examples" / "fsdp_train.py"
+    spec = importlib.util.spec_from_file_location("famp_example_fsdp_train", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) -> None:
+    from tests.step_worker import FSDP1_BAD_STEP, FSDP1_STEPS
+
+    _, ranks, _ = job
+    expected_found = torch.tensor([float(s == FSDP1_BAD_STEP) for s in range(FSDP1_STEPS)])
+    for record in ranks:
+        famp_run, oracle = record["fsdp1"]["famp"], record["fsdp1"]["sharded"]
+        assert famp_run["found_infs"].dtype == torch.float32
+        assert_bitwise_equal(famp_run["found_infs"], expected_found)  # rank 0 too: reduced
+        assert_bitwise_equal(famp_run["scales"], oracle["scales"].reshape(-1))
+        for p, q in zip(famp_run["params"], oracle["params"], strict=True):
+            assert_bitwise_equal(p, q)
+    assert_bitwise_equal(ranks[0]["fsdp1"]["famp"]["scales"], ranks[1]["fsdp1"]["famp"]["scales"])
+    assert ranks[0]["fsdp1"]["famp"]["scales"][FSDP1_BAD_STEP].item() == 2.0**10  # backed off
+
+
+def test_fsdp1_torch_scalers_that_let_the_ranks_diverge(job: Any) -> None:
+    """Plain GradScaler under FSDP1 checks only the local shard, and so does ShardedGradScaler
+    with a fused optimizer (its fused path skips the all-reduce): rank 0 never backs off."""
+    from tests.step_worker import FSDP1_BAD_STEP
+
+    _, ranks, _ = job
+    for name in ["gradscaler", "sharded_fused"]:
+        rank0, rank1 = (r["fsdp1"][name]["scales"] for r in ranks)
+        assert rank1[FSDP1_BAD_STEP].item() < rank0[FSDP1_BAD_STEP].item(), name  # 1 backed off
+        assert not torch.equal(rank0, rank1), name
+
+
+def test_fsdp2_dtensor_grads_equal_gradscaler_with_fused_adamw(job: Any) -> None:
+    from tests.step_worker import FSDP2_BAD_STEPS, FSDP2_STEPS
+
+    _, ranks, _ = job
+    expected_found = torch.tensor([float(s in FSDP2_BAD_STEPS) for s in range(FSDP2_STEPS)])
+    for record in ranks:
+        famp_run, oracle = record["fsdp2"]["famp"], record["fsdp2"]["oracle"]
+        assert_bitwise_equal(famp_run["found_infs"], expected_found)
+        assert famp_run["scaler"] == oracle["scaler"]
+        for p, q in zip(famp_run["local"]["params"], oracle["local"]["params"], strict=True):
+            assert p.dtype == torch.float32
+            assert_bitwise_equal(p, q)
+        for i, entry in oracle["local"]["optim"].items():
+            for key, value in entry.items():
+                assert_bitwise_equal(famp_run["local"]["optim"][i][key], value)
+        steps = famp_run["local"]["optim"][0]["step"].item()
+        assert steps == FSDP2_STEPS - len(FSDP2_BAD_STEPS)  # skipped steps do not count
+    assert ranks[0]["fsdp2"]["famp"]["scaler"] == ranks[1]["fsdp2"]["famp"]["scaler"]
+
+
+def test_dcp_resume_at_the_same_world_size_is_bitwise_exact(job: Any) -> None:
+    from tests.step_worker import CHECKPOINT_STEP
+
+    _, ranks, _ = job
+    for record in ranks:
+        famp_run, resumed = record["fsdp2"]["famp"], record["fsdp2"]["resumed"]
+        assert resumed["step"] == CHECKPOINT_STEP
+        assert resumed["scaler"] == famp_run["scaler"]
+        for p, q in zip(resumed["local"]["params"], famp_run["local"]["params"], strict=True):
+            assert_bitwise_equal(p, q)
+        for i, entry in famp_run["local"]["optim"].items():
+            for key, value in entry.items():
+                assert_bitwise_equal(resumed["local"]["optim"][i][key], value)
+
+
+def test_dcp_checkpoint_resumes_at_world_size_one(job: Any) -> None:
+    """famp reads the W=2 optimizer state offline; W=1 continues with the same scale trajectory."""
+    from tests.step_worker import CHECKPOINT_STEP, FSDP2_BAD_STEPS, FSDP2_STEPS
+
+    out, ranks, _ = job
+    ex = load_example()
+    model = ex.build_model()
+    optimizer = ex.make_optimizer(model)
+    state, step = ex.load_checkpoint(
+        out / "ckpt" / f"step-{CHECKPOINT_STEP}", model, optimizer, 0, 1
+    )
+    saved = ranks[0]["fsdp2"]["at_checkpoint"]
+    assert step == CHECKPOINT_STEP
+    assert famp.to_state_dict(state) == saved["scaler"]
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(value, saved["model"][name])
+    loaded = famp.optim_state_by_fqn(optimizer.state_dict(), model, optimizer)
+    assert set(loaded["state"]) == set(saved["optim"]["state"])
+    for fqn, entry in saved["optim"]["state"].items():
+        for key, value in entry.items():
+            assert_bitwise_equal(loaded["state"][fqn][key], value)
+
+    state, found_infs = ex.train(
+        model,
+        optimizer,
+        state,
+        range(step, FSDP2_STEPS),
+        rank=0,
+        world=1,
+        overflow_at=FSDP2_BAD_STEPS,
+    )
+    w2 = ranks[0]["fsdp2"]["famp"]
+    assert famp.to_state_dict(state) == w2["scaler"]  # same skips and scale as at W=2
+    assert_bitwise_equal(torch.stack(found_infs), w2["found_infs"][step:])
+    for name, value in model.state_dict().items():
+        # W=1 sums the batch in another order than W=2's two halves: close, not bitwise
+        torch.testing.assert_close(value, w2["full"]["model"][name], rtol=1e-3, atol=1e-3)
+
+
+def test_fsdp_train_example_runs_at_two_ranks_and_resumes_at_one(
+    job: Any, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _, stdout = job
+    assert "rank 0/2: steps 0..4" in stdout
+    assert "rank 1/2: steps 0..4" in stdout
+    lines = sorted(
+        line.split(": ", 1)[1] for line in stdout.splitlines() if line.startswith("rank")
+    )
+    assert lines[0] == lines[1]  # both ranks skipped the same steps and hold the same scale
+    ex = load_example()
+    state = ex.main(
+        ["--steps", "4", "--resume", str(out / "cli" / "step-2"), "--out", str(tmp_path)]
+    )
+    printed = capsys.readouterr().out
+    assert "rank 0/1: steps 2..4" in printed
+    assert famp.to_state_dict(state)["scale"] == float(lines[0].split("scale ")[1].split(",")[0])
+    assert (tmp_path / "step-4" / ".metadata").exists()
