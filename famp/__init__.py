@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
+from famp._autocast import autocast
 from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
 # isort: split
@@ -28,6 +29,7 @@ __all__: list[str] = [
     "OpRules",
     "Policy",
     "Rule",
+    "autocast",
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",
