@@ -21,7 +21,14 @@ import torch.nn.modules.module as torch_module
 from torch.utils import _pytree as pytree
 
 from famp._autocast_mode import CastCache as _CastCache
-from famp._autocast_mode import FampMode, apply_rule, call, op_name, overrides_for
+from famp._autocast_mode import (
+    FampMode,
+    apply_rule,
+    call,
+    op_name,
+    overrides_for,
+    writes_first_arg,
+)
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
 
@@ -125,17 +132,18 @@ class _Call:
         self.overrides = transform.overrides
         self.patterns = transform.patterns
         self.policies = transform.policies
+        # Eagerly, in-place writes are watched so that no stale weight cast is read; compiled
+        # graphs carry their casts explicitly and have no cache.
         self.track = not torch.compiler.is_compiling()
+        self.plain = self.overrides is None and not self.patterns  # FampMode's fast path
+        self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
 
-    def is_innermost(self) -> bool:
-        return _calls()[-1] is self
-
     def needs_mode(self) -> bool:
-        return self.overrides is not None or bool(self.patterns) or self.track
+        return not self.plain or self.track
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
@@ -169,44 +177,36 @@ class _Call:
         if self.track and before[0] and after[0] and before[1] != after[1]:
             torch.clear_autocast_cache()
 
-    # One op call (from FampMode).
+    # One op call (from FampMode, when there are overrides or module rules).
 
     def run_op(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         dev = self.device_type
         scope = self.scopes[-1] if self.scopes else None
-        if scope is not None or self.overrides is not None:
-            state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-            if state != self.base:
-                scope = None  # the function entered its own torch.autocast: it governs its body
-            enabled, lower = scope or state
-            packet, overload = op_name(func)
-            rule = None
-            if self.overrides is not None and enabled:
-                rule = self.overrides.rule(packet, overload, args, kwargs)
-            if rule is not None:
-                out = apply_rule(
-                    rule, func, packet, args, kwargs, dev, lower, self.cache, self._off
-                )
-            elif scope is not None:
-                with region(dev, *scope):
-                    out = call(func, args, kwargs)
-            else:
+        state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        if state != self.base:
+            scope = None  # the function entered its own torch.autocast: it governs its body
+        enabled, lower = scope or state
+        packet, overload = op_name(func)
+        rule = None
+        if self.overrides is not None and enabled:
+            rule = self.overrides.rule(packet, overload, args, kwargs)
+        if rule is not None:
+            out = apply_rule(rule, func, packet, args, kwargs, dev, lower, self.cache, self._off)
+        elif scope is not None:
+            with region(dev, *scope):
                 out = call(func, args, kwargs)
         else:
             out = call(func, args, kwargs)
-            if not self.track:
-                return out
-            packet, _ = op_name(func)
-        if self.track and _writes(packet, kwargs):
-            self._invalidate(args[0] if args else None)
+        if self.track and writes_first_arg(packet, kwargs):
+            self.invalidate(args[0] if args else None)
         return out
 
     def _off(self) -> Any:
         return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))
 
-    def _invalidate(self, target: object) -> None:
+    def invalidate(self, target: object) -> None:
         """After an in-place write: drop every weight cast if `target` may have been cached."""
         tensors = target if isinstance(target, (list, tuple)) else (target,)
         for t in tensors:
@@ -214,12 +214,6 @@ class _Call:
                 torch.clear_autocast_cache()
                 self.cache.entries.clear()
                 return
-
-
-def _writes(packet: str, kwargs: dict[str, Any]) -> bool:
-    if packet.endswith("_") and not packet.endswith("__"):
-        return True
-    return packet in ("__setitem__", "__set__", "set_") or kwargs.get("out") is not None
 
 
 # --- module hooks ---------------------------------------------------------------------------------
@@ -264,12 +258,25 @@ def _remove_hooks() -> None:
 # --- the transform --------------------------------------------------------------------------------
 
 
+def _devices(tree: Any, found: set[str]) -> None:
+    # The common containers directly (fast); anything else through torch's pytree registry.
+    if isinstance(tree, torch.Tensor):
+        found.add(tree.device.type)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _devices(item, found)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _devices(item, found)
+    elif tree is not None and not isinstance(tree, (int, float, str, bool)):
+        leaves = pytree.tree_leaves(tree)
+        found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+
+
 def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    found = {
-        leaf.device.type
-        for leaf in pytree.tree_leaves((args, kwargs))
-        if isinstance(leaf, torch.Tensor)
-    }
+    found: set[str] = set()
+    _devices(args, found)
+    _devices(kwargs, found)
     accelerators = sorted(found - {"cpu", "meta"})
     if len(accelerators) > 1:
         raise ValueError(
@@ -314,15 +321,16 @@ class _Transform:
         if torch.compiler.is_compiling() or not (
             self.compile or (self.compile is None and device_type == "cuda")
         ):
-            return self.run(*args, **kwargs)
+            return self.run(device_type, *args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.run, fullgraph=True)
-        return self.compiled(*args, **kwargs)
+        return self.compiled(device_type, *args, **kwargs)
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        device_type = self.device_type or _infer_device(args, kwargs)
+    def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = _Call(self, device_type)
         calls = _calls()
+        for outer in calls:
+            outer.suspended += 1
         calls.append(record)
         if self.patterns:
             _add_hooks()
@@ -335,6 +343,8 @@ class _Transform:
                     out = self.fn(*args, **kwargs)
         finally:
             calls.pop()
+            for outer in calls:
+                outer.suspended -= 1
             if self.patterns:
                 _remove_hooks()
         return self.policy.cast_to_output(out)

@@ -97,20 +97,34 @@ _DUNDERS = {
 _WRITES = frozenset({"__setitem__", "__set__", "set_"})
 
 
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
 def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     """(aten packet, overload or None if the call does not name one) of a torch function."""
-    if isinstance(func, torch._ops.OpOverload):
-        return func._schema.name.partition("::")[2], func._overloadname
-    if isinstance(func, torch._ops.OpOverloadPacket):
+    if isinstance(func, _OP_TYPES):
+        if isinstance(func, torch._ops.OpOverload):
+            return func._schema.name.partition("::")[2], func._overloadname
         return func._qualified_op_name.partition("::")[2], None
     name: str = getattr(func, "__name__", "")
     return _DUNDERS.get(name, name), None
 
 
-def _writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
-    if packet.endswith("_") and not packet.endswith("__"):
+def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
+    """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
+    if packet[-1:] == "_" and packet[-2:] != "__":
         return True
-    return packet in _WRITES or kwargs.get("out") is not None
+    return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
+
+
+_WRITERS: dict[Any, bool] = {}  # func -> writes_first_arg without `out=`, memoized (eager only)
+
+
+def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    writes = _WRITERS.get(func)
+    if writes is None:
+        writes = _WRITERS[func] = writes_first_arg(op_name(func)[0], {})
+    return writes or (bool(kwargs) and kwargs.get("out") is not None)
 
 
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
@@ -382,8 +396,13 @@ class FampMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         owner = self.owner
-        if not owner.is_innermost():
+        if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
+        if owner.plain:
+            out = call(func, args, kwargs)
+            if owner.track and _writes(func, kwargs):
+                owner.invalidate(args[0] if args else None)
+            return out
         if owner.overrides is not None and func not in self.inside:
             body = _COPIES.get(func)
             if body is not None:
