@@ -11,6 +11,7 @@ from __future__ import annotations
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
 from famp._autocast import autocast
+from famp._custom_fwd import custom_bwd, custom_fwd
 from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
 # isort: split
@@ -33,6 +34,8 @@ __all__: list[str] = [
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",
+    "custom_bwd",
+    "custom_fwd",
     "default_rules",
     "get_policy",
     # FSDP optimizer state

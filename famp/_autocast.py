@@ -109,6 +109,22 @@ def _calls() -> list[_Call]:
     return calls
 
 
+def current_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for the device here, famp's module rules included.
+
+    Inside a module that a famp module rule matches, famp sets the rule's state around each op
+    only, so torch's own state between ops is the transform's; this reports the module's.
+    """
+    state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    calls = _calls()
+    if calls:
+        record = calls[-1]
+        scope = record.scopes[-1] if record.scopes else None
+        if scope is not None and record.device_type == device_type and state == record.base:
+            return scope
+    return state
+
+
 def _first_match(patterns: tuple[str, ...], path: str) -> int:
     """Index of the first glob pattern that matches a module path, or -1."""
     for i, pattern in enumerate(patterns):
@@ -404,9 +420,11 @@ def autocast(
         >>> y = f(torch.randn(2, 4))
         >>> y.dtype, torch.is_autocast_enabled("cpu")
         (torch.float32, False)
+        >>> inner_dtype = lambda x: lin(x).dtype
+        >>> famp.autocast(inner_dtype, "c=bf16")(torch.randn(2, 4))
+        torch.bfloat16
         >>> rules = famp.default_rules("cpu").override({"linear": "float32"})
-        >>> g = famp.autocast(lambda x: lin(x), "c=bf16", rules=rules)
-        >>> g(torch.randn(2, 4)).dtype
+        >>> famp.autocast(inner_dtype, "c=bf16", rules=rules)(torch.randn(2, 4))
         torch.float32
     """
     if not callable(fn):

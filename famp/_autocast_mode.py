@@ -252,7 +252,7 @@ def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
             yield from (a for a in arg if isinstance(a, torch.Tensor))
 
 
-def _promote_dtype(lower: torch.dtype, args: Iterable[Any], device_type: str) -> torch.dtype:
+def promote_dtype(lower: torch.dtype, args: Iterable[Any], device_type: str) -> torch.dtype:
     # torch's at::autocast::prioritize, starting from the lower-precision dtype.
     current = lower
     for t in _tensors(args):
@@ -340,7 +340,7 @@ def apply_rule(
         elif rule == "float32":
             target = torch.float32
         else:
-            target = _promote_dtype(lower, (*args, *kwargs.values()), device_type)
+            target = promote_dtype(lower, (*args, *kwargs.values()), device_type)
         args, kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
