@@ -20,6 +20,8 @@ from famp._serialization import from_state_dict, to_state_dict
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
+from famp._autocast import autocast
+from famp._custom_fwd import custom_bwd, custom_fwd
 from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
 # isort: split
@@ -55,9 +57,12 @@ __all__: list[str] = [
     "OpRules",
     "Policy",
     "Rule",
+    "autocast",
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",
+    "custom_bwd",
+    "custom_fwd",
     "default_rules",
     "get_policy",
     # FSDP optimizer state

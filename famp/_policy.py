@@ -64,13 +64,17 @@ def _as_dtype(field: str, value: object) -> torch.dtype:
     raise TypeError(f"{field} must be a torch.dtype or a dtype name; got {type(value).__name__}")
 
 
-def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dtype in _CASTABLE and leaf.dtype != dtype:
-            return leaf.to(dtype)
-        return leaf
+def cast_leaf(leaf: Any, dtype: torch.dtype) -> Any:
+    """`leaf` cast to `dtype` if it is a float16, bfloat16 or float32 tensor, else `leaf`."""
+    if isinstance(leaf, torch.Tensor) and leaf.dtype in _CASTABLE and leaf.dtype != dtype:
+        return leaf.to(dtype)
+    return leaf
 
-    return pytree.tree_map(cast, tree)  # type: ignore[no-any-return]
+
+def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
+    if isinstance(tree, torch.Tensor):
+        return cast_leaf(tree, dtype)  # type: ignore[no-any-return]
+    return pytree.tree_map(lambda leaf: cast_leaf(leaf, dtype), tree)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,465 @@
+"""`famp.autocast`: autocast as a function transform, with a policy, op rules and module rules.
+
+The transform runs `fn` inside torch's own autocast state for the device, entered with the
+policy's explicit compute dtype (never the ambient one, which `torch.compile` would freeze), so
+that with the default rules every op is cast by torch's C++ kernels exactly as under
+`torch.autocast(device_type, dtype=policy.compute_dtype)`. `famp._autocast_mode.FampMode` adds op
+overrides, module rules and fresh weight casts; this module owns the call records, the autocast
+regions, the module hooks, device inference and compilation.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.modules.module as torch_module
+from torch.utils import _pytree as pytree
+
+from famp._autocast_mode import CastCache as _CastCache
+from famp._autocast_mode import (
+    FampMode,
+    apply_rule,
+    call,
+    op_name,
+    overrides_for,
+    writes_first_arg,
+)
+from famp._policy import Policy, get_policy
+from famp._rules import OpRules
+
+__all__ = ["autocast"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# --- autocast regions -----------------------------------------------------------------------------
+
+_LOWER = (torch.float16, torch.bfloat16)
+
+
+def _state(policy: Policy) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of the autocast state a policy computes in.
+
+    torch.autocast accepts only float16 and bfloat16 and turns itself off (with a warning) for
+    other dtypes; a float32 or float64 compute dtype therefore means autocast off.
+    """
+    return policy.compute_dtype in _LOWER, policy.compute_dtype
+
+
+class _EagerRegion:
+    """`torch.autocast.__enter__/__exit__` without its device checks, and with famp's cache rule.
+
+    It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
+    as in famp's tests), where `torch.autocast` warns and turns itself off. When `switch_cache` is
+    set and autocast is already on with another dtype, torch's weight-cast cache (keyed without the
+    dtype) is cleared on entry and exit, so that no op reads a cast made for the other dtype.
+    """
+
+    __slots__ = ("device_type", "dtype", "enabled", "prev", "switch_cache", "switched")
+
+    def __init__(
+        self, device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool
+    ) -> None:
+        self.device_type, self.enabled, self.dtype = device_type, enabled, dtype
+        self.switch_cache = switch_cache
+        self.switched = False
+        self.prev: tuple[bool, torch.dtype] = (False, dtype)
+
+    def __enter__(self) -> None:
+        dev = self.device_type
+        self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self.switched = (
+            self.switch_cache and self.enabled and self.prev[0] and self.prev[1] != self.dtype
+        )
+        torch.set_autocast_enabled(dev, self.enabled)
+        torch.set_autocast_dtype(dev, self.dtype)
+        torch.autocast_increment_nesting()
+        if self.switched:
+            torch.clear_autocast_cache()
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.autocast_decrement_nesting() == 0 or self.switched:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(self.device_type, self.prev[0])
+        torch.set_autocast_dtype(self.device_type, self.prev[1])
+
+
+def region(device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool = False) -> Any:
+    """A context manager that sets the device's autocast state for its body."""
+    if torch.compiler.is_compiling():
+        # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    return _EagerRegion(device_type, enabled, dtype, switch_cache)
+
+
+# --- the record of one call -----------------------------------------------------------------------
+
+_LOCAL = threading.local()
+
+
+def _calls() -> list[_Call]:
+    calls: list[_Call] | None = getattr(_LOCAL, "calls", None)
+    if calls is None:
+        calls = []
+        _LOCAL.calls = calls
+    return calls
+
+
+def current_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for the device here, famp's module rules included.
+
+    Inside a module that a famp module rule matches, famp sets the rule's state around each op
+    only, so torch's own state between ops is the transform's; this reports the module's.
+    """
+    state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    calls = _calls()
+    if calls:
+        record = calls[-1]
+        scope = record.scopes[-1] if record.scopes else None
+        if scope is not None and record.device_type == device_type and state == record.base:
+            return scope
+    return state
+
+
+def _first_match(patterns: tuple[str, ...], path: str) -> int:
+    """Index of the first glob pattern that matches a module path, or -1."""
+    for i, pattern in enumerate(patterns):
+        if fnmatch.fnmatchcase(path, pattern):
+            return i
+    return -1
+
+
+# Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
+_match: Callable[[tuple[str, ...], str], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _first_match
+)
+
+
+class _Call:
+    """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
+
+    def __init__(self, transform: _Transform, device_type: str) -> None:
+        self.device_type = device_type
+        self.base = _state(transform.policy)
+        self.overrides = transform.overrides
+        self.patterns = transform.patterns
+        self.policies = transform.policies
+        # Eagerly, in-place writes are watched so that no stale weight cast is read; compiled
+        # graphs carry their casts explicitly and have no cache.
+        self.track = not torch.compiler.is_compiling()
+        self.plain = self.overrides is None and not self.patterns  # FampMode's fast path
+        self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.cache = _CastCache()
+        # One entry per module entered: the autocast state in effect inside it, None if famp's own.
+        self.scopes: list[tuple[bool, torch.dtype] | None] = []
+        self.module_policy: dict[torch.nn.Module, Policy | None] = {}
+
+    def needs_mode(self) -> bool:
+        return not self.plain or self.track
+
+    # Module scopes (called from the global forward hooks while this call is innermost).
+
+    def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if not self.scopes and module not in self.module_policy:
+            for path, sub in module.named_modules():  # `module` is a root: its paths start here
+                if sub not in self.module_policy:
+                    i = _match(self.patterns, path)
+                    self.module_policy[sub] = self.policies[i] if i >= 0 else None
+        policy = self.module_policy.get(module)
+        outer = self.scopes[-1] if self.scopes else None
+        if policy is None:
+            self.scopes.append(outer)
+            return None
+        inner = _state(policy)
+        self.scopes.append(inner)
+        self._switch(outer or self.base, inner)
+        return policy.cast_to_compute(args)
+
+    def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        inner = self.scopes.pop() if self.scopes else None
+        policy = self.module_policy.get(module)
+        if policy is None:
+            return None
+        outer = self.scopes[-1] if self.scopes else None
+        self._switch(inner or self.base, outer or self.base)
+        return policy.cast_to_output(output)
+
+    def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
+        # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype.
+        if self.track and before[0] and after[0] and before[1] != after[1]:
+            torch.clear_autocast_cache()
+
+    # One op call (from FampMode, when there are overrides or module rules).
+
+    def run_op(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        dev = self.device_type
+        scope = self.scopes[-1] if self.scopes else None
+        state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        if state != self.base:
+            scope = None  # the function entered its own torch.autocast: it governs its body
+        enabled, lower = scope or state
+        packet, overload = op_name(func)
+        rule = None
+        if self.overrides is not None and enabled:
+            rule = self.overrides.rule(packet, overload, args, kwargs)
+        if rule is not None:
+            out = apply_rule(rule, func, packet, args, kwargs, dev, lower, self.cache, self._off)
+        elif scope is not None:
+            with region(dev, *scope):
+                out = call(func, args, kwargs)
+        else:
+            out = call(func, args, kwargs)
+        if self.track and writes_first_arg(packet, kwargs):
+            self.invalidate(args[0] if args else None)
+        return out
+
+    def _off(self) -> Any:
+        return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))
+
+    def invalidate(self, target: object) -> None:
+        """After an in-place write: drop every weight cast if `target` may have been cached."""
+        tensors = target if isinstance(target, (list, tuple)) else (target,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+                torch.clear_autocast_cache()
+                self.cache.entries.clear()
+                return
+
+
+# --- module hooks ---------------------------------------------------------------------------------
+# Global forward hooks, present only while a call with module rules runs. They are written into
+# torch's hook dicts directly because Dynamo cannot build a RemovableHandle; the key is negative so
+# it never meets a handle id (those count up from 0).
+
+_HOOK_KEY = -0xFA4D
+_hook_users = [0]
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    calls = _calls()
+    if calls and calls[-1].patterns:
+        return calls[-1].enter_module(module, args)
+    return None
+
+
+def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    calls = _calls()
+    if calls and calls[-1].patterns:
+        return calls[-1].exit_module(module, output)
+    return None
+
+
+def _add_hooks() -> None:
+    if _hook_users[0] == 0:
+        torch_module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
+        torch_module._global_forward_hooks[_HOOK_KEY] = _post_hook
+        torch_module._global_forward_hooks_always_called[_HOOK_KEY] = True
+    _hook_users[0] += 1
+
+
+def _remove_hooks() -> None:
+    _hook_users[0] -= 1
+    if _hook_users[0] == 0:
+        del torch_module._global_forward_pre_hooks[_HOOK_KEY]
+        del torch_module._global_forward_hooks[_HOOK_KEY]
+        del torch_module._global_forward_hooks_always_called[_HOOK_KEY]
+
+
+# --- the transform --------------------------------------------------------------------------------
+
+
+def _devices(tree: Any, found: set[str]) -> None:
+    # The common containers directly (fast); anything else through torch's pytree registry.
+    if isinstance(tree, torch.Tensor):
+        found.add(tree.device.type)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _devices(item, found)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _devices(item, found)
+    elif tree is not None and not isinstance(tree, (int, float, str, bool)):
+        leaves = pytree.tree_leaves(tree)
+        found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    found: set[str] = set()
+    _devices(args, found)
+    _devices(kwargs, found)
+    accelerators = sorted(found - {"cpu", "meta"})
+    if len(accelerators) > 1:
+        raise ValueError(
+            f"device_type=None: the arguments hold tensors on several devices {accelerators}; "
+            "pass device_type"
+        )
+    if accelerators:
+        return accelerators[0]
+    if "cpu" in found:
+        return "cpu"
+    raise ValueError("device_type=None needs a tensor among the arguments; pass device_type='cpu'")
+
+
+class _Transform:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        policy: Policy,
+        device_type: str | None,
+        rules: OpRules | None,
+        module_rules: Mapping[str, Policy | str] | None,
+        compile: bool | None,
+    ) -> None:
+        self.fn = fn
+        self.policy = policy
+        self.device_type = device_type
+        self.rules = rules
+        self.overrides = overrides_for(rules)
+        items = list((module_rules or {}).items())
+        self.patterns = tuple(pattern for pattern, _ in items)
+        self.policies = tuple(get_policy(p) for _, p in items)
+        self.compile = compile
+        self.compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        device_type = self.device_type or _infer_device(args, kwargs)
+        if self.rules is not None and self.rules.device_type != device_type:
+            raise ValueError(
+                f"rules are for device_type {self.rules.device_type!r} but the call runs on "
+                f"{device_type!r}; pass famp.default_rules({device_type!r}).override(...)"
+            )
+        if torch.compiler.is_compiling() or not (
+            self.compile or (self.compile is None and device_type == "cuda")
+        ):
+            return self.run(device_type, *args, **kwargs)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.run, fullgraph=True)
+        return self.compiled(device_type, *args, **kwargs)
+
+    def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
+        record = _Call(self, device_type)
+        calls = _calls()
+        for outer in calls:
+            outer.suspended += 1
+        calls.append(record)
+        if self.patterns:
+            _add_hooks()
+        try:
+            with region(device_type, *record.base, switch_cache=True):
+                if record.needs_mode():
+                    with FampMode(record):
+                        out = self.fn(*args, **kwargs)
+                else:
+                    out = self.fn(*args, **kwargs)
+        finally:
+            calls.pop()
+            for outer in calls:
+                outer.suspended -= 1
+            if self.patterns:
+                _remove_hooks()
+        return self.policy.cast_to_output(out)
+
+
+def autocast(
+    fn: F,
+    policy: Policy | str,
+    *,
+    device_type: str | None = None,
+    rules: OpRules | None = None,
+    module_rules: Mapping[str, Policy | str] | None = None,
+    compile: bool | None = None,
+) -> F:
+    """Autocast as a function transform: `fn` computing under a policy and op rules.
+
+    Each op inside the returned function runs under its rule; with the default rules that is
+    exactly what `torch.autocast(device_type, dtype=policy.compute_dtype)` does (same dtype for
+    every op, bitwise-equal outputs and gradients). A float32 or float64 compute dtype turns
+    autocast off, as torch does for those dtypes. float64 and non-floating tensors are never cast.
+    The floating outputs are cast to `policy.output_dtype` (float64 outputs excepted). Nothing
+    leaks: the autocast state is restored after the call or an exception, and a nested transform
+    with another dtype works (torch's weight-cast cache is cleared at the switch).
+
+    `rules` may override ops (`famp.default_rules(d).override({"rms_norm": "lower"})`): an op
+    whose rule differs from the default is cast per its rule and run with autocast off inside it.
+    Overrides apply to ops called from Python, torch's own Python functions included, but not to
+    ops that another op's C++ implementation calls (the `bmm` inside `einsum`).
+
+    `module_rules` maps glob patterns over module paths (`fnmatch`, `*` matches dots too) to
+    policies: inside a matched module each op runs under that policy's compute dtype, the module's
+    positional inputs are cast to it and its outputs to that policy's output dtype; the first
+    matching pattern wins and an inner matched module wins over an outer one. Paths are relative to
+    the outermost module the call enters (with `torch.func.functional_call` too).
+
+    Args:
+        fn: the function (or module) to transform.
+        policy: a `famp.Policy` or a `famp.get_policy` string.
+        device_type: autocast device type, such as "cpu" or "cuda"; None infers it from the
+            arguments' tensors (an accelerator wins over "cpu").
+        rules: op rules for the device (`famp.OpRules`); None means `famp.default_rules`.
+        module_rules: glob pattern over module paths → `Policy` or policy string.
+        compile: True compiles with `torch.compile(fullgraph=True)`; None compiles when the
+            device type is "cuda"; False never compiles.
+
+    Returns:
+        A function with `fn`'s signature.
+
+    Raises:
+        TypeError: `fn` is not callable, or an argument has the wrong type.
+        ValueError: an unknown device type, rules for another device type, or a bad policy.
+
+    Example:
+        >>> import torch, famp
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> f = famp.autocast(lambda x: lin(x).softmax(-1), "c=bf16,o=f32")
+        >>> y = f(torch.randn(2, 4))
+        >>> y.dtype, torch.is_autocast_enabled("cpu")
+        (torch.float32, False)
+        >>> inner_dtype = lambda x: lin(x).dtype
+        >>> famp.autocast(inner_dtype, "c=bf16")(torch.randn(2, 4))
+        torch.bfloat16
+        >>> rules = famp.default_rules("cpu").override({"linear": "float32"})
+        >>> famp.autocast(inner_dtype, "c=bf16", rules=rules)(torch.randn(2, 4))
+        torch.float32
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable; got {type(fn).__name__}")
+    policy = get_policy(policy)
+    if device_type is not None:
+        if not isinstance(device_type, str):
+            raise TypeError(f"device_type must be a str or None; got {type(device_type).__name__}")
+        if not torch.amp.is_autocast_available(device_type):
+            raise ValueError(f"device_type {device_type!r} has no autocast support in torch")
+    if rules is not None:
+        if not isinstance(rules, OpRules):
+            raise TypeError(f"rules must be a famp.OpRules or None; got {type(rules).__name__}")
+        if device_type is not None and rules.device_type != device_type:
+            raise ValueError(
+                f"rules are for device_type {rules.device_type!r}, not {device_type!r}"
+            )
+    if module_rules is not None:
+        if not isinstance(module_rules, Mapping):
+            raise TypeError(
+                f"module_rules must be a mapping of glob pattern to policy; got "
+                f"{type(module_rules).__name__}"
+            )
+        for pattern in module_rules:
+            if not isinstance(pattern, str):
+                raise TypeError(f"module_rules keys must be str patterns; got {pattern!r}")
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"compile must be True, False or None; got {compile!r}")
+    transform = _Transform(fn, policy, device_type, rules, module_rules, compile)
+
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        return transform(*args, **kwargs)
+
+    functools.update_wrapper(transformed, fn, updated=())
+    return transformed  # type: ignore[return-value]
+
+
+autocast.__module__ = "famp"

@@ -1,0 +1,415 @@
+"""The TorchFunctionMode behind `famp.autocast`: op overrides, module scopes, fresh weight casts.
+
+`famp.autocast` runs the user's function inside torch's own autocast state, so that every op the
+default rules cover is cast by torch's C++ kernels exactly as `torch.autocast` casts it. This mode
+adds what torch cannot express, one Python-level op call at a time:
+
+- an op whose rule differs from the default table gets its inputs cast per the rule and runs with
+  autocast off for the device (what torch's C++ wrappers do), so nothing inside it is recast;
+- inside a module that a module rule matches, each op runs under that policy's autocast state;
+- eagerly, an in-place update of a cacheable weight clears the weight-cast cache, so that no op
+  reads a cast made before the update (torch's cache is keyed without the tensor version).
+
+"Op call" means a call of a C++-bound torch function (`torch.*`, `torch.nn.functional.*` builtins,
+`Tensor` methods, `torch.ops.aten.*`). torch's own Python functions (`torch.nn.functional`,
+`torch.functional`, Python `Tensor` methods) are entered, so the ops they call are seen too; calls
+made from inside an op's C++ implementation are not (the `bmm` inside `einsum`, the `linear` inside
+`lstm`): override the outer op instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from famp._rules import OpRules, banned_message, default_rules
+
+# --- entering torch's own Python functions with the mode still active ----------------------------
+# torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
+# which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
+# of such a function whose `has_torch_function*` globals answer False, with the mode pushed again.
+# The copies are made once, at import: Dynamo can call a prebuilt copy but cannot build one.
+
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: object) -> bool:
+    return False
+
+
+def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
+    copies: dict[Callable[..., Any], Callable[..., Any]] = {}
+    patched: dict[int, dict[str, Any]] = {}
+
+    def add(func: object) -> None:
+        if not isinstance(func, types.FunctionType) or func in copies:
+            return
+        if not set(_CHECKS) & set(func.__code__.co_names):
+            return  # not a torch function: the mode never receives it
+        if "__class__" in func.__code__.co_freevars:
+            return  # calls super(): Dynamo cannot trace super() into TensorBase; call it whole
+        key = id(func.__globals__)
+        if key not in patched:
+            patched[key] = {**func.__globals__, **dict.fromkeys(_CHECKS, _never)}
+        copy = types.FunctionType(
+            func.__code__, patched[key], func.__name__, func.__defaults__, func.__closure__
+        )
+        copy.__kwdefaults__ = func.__kwdefaults__
+        copies[func] = copy
+
+    for module in (torch.nn.functional, torch.functional):
+        for value in list(vars(module).values()):
+            add(value)
+    for value in list(vars(torch.Tensor).values()):
+        add(value)
+    return copies
+
+
+_COPIES = _copies()
+
+# --- naming the op of a call ----------------------------------------------------------------------
+
+_DUNDERS = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__add__": "add",
+    "__radd__": "add",
+    "__iadd__": "add_",
+    "__sub__": "sub",
+    "__isub__": "sub_",
+    "__mul__": "mul",
+    "__rmul__": "mul",
+    "__imul__": "mul_",
+    "__truediv__": "div",
+    "__div__": "div",
+    "__itruediv__": "div_",
+    "__idiv__": "div_",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__ipow__": "pow_",
+}
+# Calls that write into their first argument without a trailing-underscore name.
+_WRITES = frozenset({"__setitem__", "__set__", "set_"})
+
+
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
+    """(aten packet, overload or None if the call does not name one) of a torch function."""
+    if isinstance(func, _OP_TYPES):
+        if isinstance(func, torch._ops.OpOverload):
+            return func._schema.name.partition("::")[2], func._overloadname
+        return func._qualified_op_name.partition("::")[2], None
+    name: str = getattr(func, "__name__", "")
+    return _DUNDERS.get(name, name), None
+
+
+def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
+    """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
+    if packet[-1:] == "_" and packet[-2:] != "__":
+        return True
+    return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
+
+
+_WRITERS: dict[Any, bool] = {}  # func -> writes_first_arg without `out=`, memoized (eager only)
+
+
+def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    writes = _WRITERS.get(func)
+    if writes is None:
+        writes = _WRITERS[func] = writes_first_arg(op_name(func)[0], {})
+    return writes or (bool(kwargs) and kwargs.get("out") is not None)
+
+
+# --- overrides: the ops whose rule differs from the device's default table -----------------------
+
+
+def _functional_overloads(packet: str) -> tuple[str, ...]:
+    try:
+        ops = getattr(torch.ops.aten, packet)
+    except (AttributeError, RuntimeError):
+        return ()
+    return tuple(o for o in ops.overloads() if not getattr(ops, o)._schema.is_mutable)
+
+
+class Overrides:
+    """The ops whose rule in `rules` differs from `default_rules(rules.device_type)`."""
+
+    def __init__(self, rules: OpRules) -> None:
+        defaults = default_rules(rules.device_type)
+        packets = {key.partition(".")[0] for key in (*rules, *defaults)}
+        # packet -> the rule if it is the same for every functional overload, else overload -> rule
+        self.uniform: dict[str, str] = {}
+        self.per_overload: dict[str, dict[str, str | None]] = {}
+        for packet in sorted(packets):
+            overloads = _functional_overloads(packet)
+            pairs = {o: (rules.lookup(packet, o), defaults.lookup(packet, o)) for o in overloads}
+            changed: dict[str, str | None] = {
+                o: (r if r != d else None) for o, (r, d) in pairs.items()
+            }
+            if not any(changed.values()):
+                continue
+            if len(set(changed.values())) == 1:
+                rule = next(iter(changed.values()))
+                assert rule is not None
+                self.uniform[packet] = rule
+            else:
+                self.per_overload[packet] = changed
+        self.packets = frozenset(self.uniform) | frozenset(self.per_overload)
+
+    def __bool__(self) -> bool:
+        return bool(self.packets)
+
+    def rule(
+        self, packet: str, overload: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        """The overriding rule for this call, or None where the default rule applies."""
+        if packet not in self.packets or kwargs.get("out") is not None:
+            return None
+        uniform = self.uniform.get(packet)
+        if uniform is not None:
+            return uniform
+        if overload is None:
+            overload = resolve_overload(packet, args, kwargs)
+        return self.per_overload[packet].get(overload)
+
+
+# --- overload resolution (only for packets whose overloads have different overrides) ------------
+
+
+def _fits(type_name: str, value: object) -> bool:
+    optional = type_name.endswith("?")
+    base = type_name.rstrip("?")
+    if value is None:
+        return optional
+    if base == "Tensor":
+        return isinstance(value, torch.Tensor)
+    if base.endswith("]"):
+        inner = base[: base.index("[")]
+        if isinstance(value, (list, tuple)):
+            return all(_fits(inner, v) for v in value)
+        return inner in ("int", "SymInt") and isinstance(value, int)  # int[2] accepts one int
+    if base in ("int", "SymInt"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base == "bool":
+        return isinstance(value, bool)
+    if base in ("str", "Dimname"):
+        return isinstance(value, str)
+    if base == "Scalar":
+        return isinstance(value, (bool, int, float, complex))
+    if base == "ScalarType":
+        return isinstance(value, torch.dtype)
+    return True  # Layout, Device, MemoryFormat, Generator, ...: not used to tell overloads apart
+
+
+def resolve_overload(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The first functional overload of `aten::<packet>` whose schema the call's arguments fit."""
+    ops = getattr(torch.ops.aten, packet)
+    for overload in _functional_overloads(packet):
+        schema = getattr(ops, overload)._schema
+        params = list(schema.arguments)
+        positional = [p for p in params if not p.kwarg_only]
+        if len(args) > len(positional):
+            continue
+        bound = dict(zip((p.name for p in positional), args, strict=False))
+        if set(kwargs) - {p.name for p in params} or set(bound) & set(kwargs):
+            continue
+        bound.update(kwargs)
+        if all(
+            _fits(str(p.type), bound[p.name]) if p.name in bound else p.has_default_value()
+            for p in params
+        ):
+            return overload
+    return "default"
+
+
+# --- casting per rule -----------------------------------------------------------------------------
+
+
+def eligible(value: object, device_type: str) -> bool:
+    """torch's autocast eligibility: a floating, non-float64 tensor on the autocast device."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype != torch.float64
+        and value.device.type == device_type
+    )
+
+
+def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            yield from (a for a in arg if isinstance(a, torch.Tensor))
+
+
+def promote_dtype(lower: torch.dtype, args: Iterable[Any], device_type: str) -> torch.dtype:
+    # torch's at::autocast::prioritize, starting from the lower-precision dtype.
+    current = lower
+    for t in _tensors(args):
+        if not eligible(t, device_type):
+            continue
+        if current == torch.float32 or t.dtype == torch.float32:
+            current = torch.float32
+        elif t.dtype != current:
+            raise RuntimeError(
+                f"promote rule: unexpected floating dtype {t.dtype} among {current} inputs"
+            )
+    return current
+
+
+class CastCache:
+    """famp's own weight-cast cache: reused only for the same tensor, dtype and version."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, lower: torch.dtype) -> torch.Tensor:
+        cacheable = (
+            not torch.compiler.is_compiling()
+            and dtype == lower
+            and t.dtype == torch.float32
+            and t.requires_grad
+            and t.is_leaf
+            and not t._is_view()
+            and torch.is_grad_enabled()
+        )
+        if not cacheable:
+            return t.to(dtype)
+        key = (id(t), dtype)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        out = t.to(dtype)
+        self.entries[key] = (t, t._version, out)
+        return out
+
+
+def cast_args(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    dtype: torch.dtype,
+    lower: torch.dtype,
+    cache: CastCache,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Cast the eligible tensors among the arguments (and in list arguments) to `dtype`."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if eligible(value, device_type) and value.dtype != dtype:
+                return cache.cast(value, dtype, lower)
+            return value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _gives_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+
+
+def apply_rule(
+    rule: str,
+    func: Callable[..., Any],
+    packet: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    lower: torch.dtype,
+    cache: CastCache,
+    autocast_off: Callable[[], Any],
+) -> Any:
+    """Run one call under `rule` with `lower` as the compute dtype, autocast off inside it."""
+    if rule == "banned":
+        raise RuntimeError(banned_message(packet, device_type))
+    if rule in ("lower", "float32", "promote"):
+        if rule == "lower":
+            target = lower
+        elif rule == "float32":
+            target = torch.float32
+        else:
+            target = promote_dtype(lower, (*args, *kwargs.values()), device_type)
+        args, kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
+    elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if eligible(first, device_type) and not _gives_dtype(args, kwargs):
+            kwargs = {**kwargs, "dtype": torch.float32}
+    elif rule != "keep":
+        raise ValueError(f"unknown rule {rule!r} for op {packet!r}")
+    with autocast_off():
+        return call(func, args, kwargs)
+
+
+def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call a torch function; torch's Python `Tensor` methods are called as methods.
+
+    Dynamo traces `t.unflatten(...)` but not `Tensor.unflatten(t, ...)`, whose super() call it
+    cannot follow into TensorBase.
+    """
+    if isinstance(func, types.FunctionType) and args and isinstance(args[0], torch.Tensor):
+        name = func.__name__
+        if getattr(torch.Tensor, name, None) is func:
+            return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+@functools.cache
+def _overrides_for(rules: OpRules) -> Overrides:
+    return Overrides(rules)
+
+
+def overrides_for(rules: OpRules | None) -> Overrides | None:
+    """The overrides `rules` makes against its device's defaults, or None if there are none."""
+    if rules is None:
+        return None
+    found = _overrides_for(rules)
+    return found if found else None
+
+
+class FampMode(TorchFunctionMode):
+    """Applies one `famp.autocast` call's overrides and module scopes; see the module docstring."""
+
+    def __init__(self, owner: Any) -> None:
+        super().__init__()
+        self.owner = owner  # the _Call record of the famp.autocast call this mode serves
+        self.inside: set[Callable[..., Any]] = set()
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        owner = self.owner
+        if owner.suspended:
+            return call(func, args, kwargs)  # a nested famp.autocast call governs this op
+        if owner.plain:
+            out = call(func, args, kwargs)
+            if owner.track and _writes(func, kwargs):
+                owner.invalidate(args[0] if args else None)
+            return out
+        if owner.overrides is not None and func not in self.inside:
+            body = _COPIES.get(func)
+            if body is not None:
+                self.inside.add(func)
+                try:
+                    with self:
+                        return body(*args, **kwargs)
+                finally:
+                    self.inside.discard(func)
+        return owner.run_op(func, args, kwargs)

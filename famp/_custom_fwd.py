@@ -1,0 +1,154 @@
+"""`custom_fwd` / `custom_bwd` for custom autograd Functions under famp's autocast.
+
+torch's `torch.amp.custom_fwd(cast_inputs=dtype)` can only cast to one fixed dtype. famp's version
+gives a custom Function the same rules as ops ("keep", "lower", "float32", "promote"), follows the
+autocast state in effect (a famp policy, a famp module rule, or a `torch.autocast`), and
+`custom_bwd` runs backward under the state the forward ran under.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from famp._autocast import current_state, region
+from famp._autocast_mode import eligible, promote_dtype
+
+__all__ = ["custom_bwd", "custom_fwd"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_RULES = ("keep", "lower", "float32", "promote")
+
+
+def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    # torch.amp.autocast_mode._cast: tensors, and tensors inside mappings and lists/tuples.
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if eligible(value, device_type) else value
+    if isinstance(value, collections.abc.Mapping):
+        return {k: _cast(v, device_type, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, device_type, dtype) for v in value)
+    return value
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, collections.abc.Mapping):
+        return [t for v in value.values() for t in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    for t in _leaves((args, kwargs)):
+        return t.device.type
+    return "cpu"
+
+
+def custom_fwd(
+    forward: F | None = None, *, rule: str = "keep", device_type: str | None = None
+) -> Any:
+    """Decorate a custom autograd Function's `forward` with an autocast rule.
+
+    Where autocast is on for the device (inside `famp.autocast`, a famp module rule, or a
+    `torch.autocast`), the floating, non-float64 tensors among `forward`'s arguments (also inside
+    lists, tuples and dicts) are cast per `rule` and `forward` runs with autocast off: "lower" casts
+    to the autocast dtype in effect, "float32" to float32, "promote" to the widest floating dtype
+    among them; "keep" casts nothing and runs `forward` under the current autocast state. Where
+    autocast is off, `forward` runs unchanged. `rule="float32"` is torch's
+    `custom_fwd(cast_inputs=torch.float32)`, and `rule="keep"` its `cast_inputs=None`.
+
+    Args:
+        forward: the `forward` staticmethod's function (or None, to get a decorator).
+        rule: "keep", "lower", "float32" or "promote".
+        device_type: the autocast device type; None uses the first tensor argument's device.
+
+    Returns:
+        The decorated `forward`, or a decorator.
+
+    Raises:
+        ValueError: an unknown rule.
+
+    Example:
+        >>> import torch, famp
+        >>> class Square(torch.autograd.Function):
+        ...     @staticmethod
+        ...     @famp.custom_fwd(rule="float32")
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     @famp.custom_bwd
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x * g
+        >>> f = famp.autocast(lambda x: Square.apply(x.bfloat16()), "c=bf16,o=bf16")
+        >>> f(torch.ones(2)).dtype
+        torch.bfloat16
+    """
+    if rule not in _RULES:
+        raise ValueError(f"rule must be one of {', '.join(_RULES)}; got {rule!r}")
+    if forward is None:
+        return functools.partial(custom_fwd, rule=rule, device_type=device_type)
+
+    @functools.wraps(forward)
+    def decorated(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        dev = device_type or _device_of(args, kwargs)
+        enabled, dtype = current_state(dev)
+        ctx._famp_autocast = (dev, enabled, dtype)
+        if not enabled or rule == "keep":
+            if enabled:
+                with region(dev, enabled, dtype):
+                    return forward(ctx, *args, **kwargs)
+            return forward(ctx, *args, **kwargs)
+        if rule == "lower":
+            target = dtype
+        elif rule == "float32":
+            target = torch.float32
+        else:
+            target = promote_dtype(dtype, _leaves((args, kwargs)), dev)
+        ctx._famp_autocast = (dev, False, dtype)
+        with region(dev, False, dtype):
+            return forward(ctx, *_cast(args, dev, target), **_cast(kwargs, dev, target))
+
+    return decorated
+
+
+def custom_bwd(backward: F) -> F:
+    """Decorate a custom autograd Function's `backward`: run it under the forward's autocast state.
+
+    Pairs with `famp.custom_fwd`: the backward runs with autocast on (with the same dtype) when the
+    forward ran with it on ("keep" under autocast), and off otherwise, as torch's `custom_bwd`.
+
+    Args:
+        backward: the `backward` staticmethod's function.
+
+    Returns:
+        The decorated `backward`.
+
+    Example:
+        >>> import famp
+        >>> callable(famp.custom_bwd(lambda ctx, g: g))
+        True
+    """
+
+    @functools.wraps(backward)
+    def decorated(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        state = getattr(ctx, "_famp_autocast", None)
+        if state is None:
+            return backward(ctx, *args, **kwargs)
+        dev, enabled, dtype = state
+        with region(dev, enabled, dtype):
+            return backward(ctx, *args, **kwargs)
+
+    return decorated  # type: ignore[return-value]
+
+
+for _obj in (custom_fwd, custom_bwd):
+    _obj.__module__ = "famp"
