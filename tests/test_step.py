@@ -451,7 +451,30 @@ def test_optimizer_step_bad_input() -> None:
 # --- a whole step under torch.compile(fullgraph=True) -------------------------------------------
 
 
+POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
+FORWARD = famp.autocast(lambda params, x: functional_call(MODEL, params, (x,)), POLICY)
+
+
+def famp_loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = FORWARD(params, x)
+    assert logits.dtype == torch.float32  # the policy's output dtype
+    return functional.cross_entropy(logits, y)
+
+
 def whole_step(
+    params: dict[str, torch.Tensor],
+    opt_state: dict[str, Any],
+    state: famp.ScalerState,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[Any, ...]:
+    loss, grads, found_inf, state = famp.value_and_grad(famp_loss_fn)(state, params, x, y)
+    new = adam_update(params, grads, opt_state, schedule(opt_state["count"]))
+    params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
+    return params, opt_state, state, loss, found_inf
+
+
+def whole_step_torch_autocast(
     params: dict[str, torch.Tensor],
     opt_state: dict[str, Any],
     state: famp.ScalerState,
@@ -488,7 +511,15 @@ def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
         for a, b in zip(leaves, compiled_leaves, strict=True):
             assert_bitwise_equal(b, a)
         assert eager_out[4].item() == float(bad)
+        assert eager_out[3].dtype == torch.float32
     assert eager[2].scale.item() == 2.0**16  # backed off once, grown once
+    # famp.autocast gives torch.autocast's numbers: the same step with torch.autocast
+    expected = whole_step_torch_autocast(
+        params, opt_state, famp.init_scaler(2.0**16), *make_batch(0, False)
+    )
+    actual = whole_step(params, opt_state, famp.init_scaler(2.0**16), *make_batch(0, False))
+    for a, b in zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=True):
+        assert_bitwise_equal(a, b)
     assert counter.frame_count == 1  # one graph, no recompilation as the scale changes
 
 
