@@ -14,6 +14,7 @@ an update with ``select_tree``), and ``update(new_scale=...)`` (build a new stat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, cast
@@ -80,16 +81,17 @@ class ScalerState:
     def __post_init__(self) -> None:
         if torch.compiler.is_compiling():  # traced values came from a validated state
             return
-        _check_hyperparameters(
+        statics = (
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
-            enabled=self.enabled,
-            dynamic=self.dynamic,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            hysteresis=self.hysteresis,
+            self.enabled,
+            self.dynamic,
+            self.min_scale,
+            self.max_scale,
+            self.hysteresis,
         )
+        _validate_statics(*statics)
 
 
 _LEAF_NAMES = tuple(f.name for f in dataclasses.fields(ScalerState) if f.metadata.get("leaf"))
@@ -148,11 +150,11 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+@functools.lru_cache(maxsize=256, typed=True)
 def _check_hyperparameters(
     growth_factor: object,
     backoff_factor: object,
     growth_interval: object,
-    *,
     enabled: object,
     dynamic: object,
     min_scale: object,
@@ -181,6 +183,16 @@ def _check_hyperparameters(
         raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
     if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
         raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+
+
+def _validate_statics(*statics: object) -> None:
+    """Validate the static fields, cached: every transition builds (and so validates) a state."""
+    try:
+        hash(statics)
+    except TypeError:  # an unhashable value cannot be valid: the uncached check names it
+        _check_hyperparameters.__wrapped__(*statics)
+        raise
+    _check_hyperparameters(*statics)
 
 
 def init_scaler(
@@ -231,15 +243,15 @@ def init_scaler(
     """
     if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-    _check_hyperparameters(
+    _validate_statics(
         growth_factor,
         backoff_factor,
         growth_interval,
-        enabled=enabled,
-        dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        enabled,
+        dynamic,
+        min_scale,
+        max_scale,
+        hysteresis,
     )
     if min_scale is not None and init_scale < min_scale:
         raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
@@ -275,15 +287,15 @@ def make_state(
     hysteresis: int,
 ) -> ScalerState:
     """Build a validated state from Python values (shared by init_scaler and from_state_dict)."""
-    _check_hyperparameters(
+    _validate_statics(
         growth_factor,
         backoff_factor,
         growth_interval,
-        enabled=enabled,
-        dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        enabled,
+        dynamic,
+        min_scale,
+        max_scale,
+        hysteresis,
     )
     return ScalerState(
         scale=torch.full((), scale_value, dtype=torch.float32, device=device),
@@ -492,8 +504,33 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         )
     if not (state.enabled and state.dynamic):
         return state
+    found_inf = found_inf.to(state.scale.device, non_blocking=True)
+    guarded = state.overflow_count is not None or state.min_scale is not None
+    if guarded or state.max_scale is not None or torch._C._are_functorch_transforms_active():
+        return _update_where(state, found_inf)
+    # No guard: torch's own functional kernel, one call. It has no vmap batching rule, hence the
+    # torch.where formulation under torch.func transforms.
+    if found_inf.dtype != torch.float32:
+        found_inf = (found_inf != 0).to(torch.float32)  # any non-zero, exactly as the kernel reads
+    new_scale, new_tracker = torch.ops.aten._amp_update_scale(
+        state.scale,
+        state.growth_tracker,
+        found_inf,
+        state.growth_factor,
+        state.backoff_factor,
+        state.growth_interval,
+    )
+    return dataclasses.replace(state, scale=new_scale, growth_tracker=new_tracker)
+
+
+def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
+    """``update_scale`` as a branch-free ``torch.where`` program: guards, and vmap-able.
+
+    Equal to the kernel bit for bit when no guard is set (tested): ``f32(f64(scale) * factor)``,
+    ``==`` growth, the finite cap, int32 wrap, any non-zero (NaN too) is an overflow.
+    """
     scale_, tracker = state.scale, state.growth_tracker
-    overflow = (found_inf.to(scale_.device, non_blocking=True) != 0).reshape(scale_.shape)
+    overflow = (found_inf != 0).reshape(scale_.shape)
     wide = scale_.double()
     backed = (wide * state.backoff_factor).float()
     if state.min_scale is not None:
