@@ -128,6 +128,7 @@ EDGE_CASES = [  # (scale, tracker, growth_factor, backoff, interval, found_inf)
     (3.0, 2**31 - 1, 2.0, 0.5, 5, 0.0),  # int32 wrap
     (1.1, 4, 1.37, 0.77, 5, 0.0),  # non-power-of-two factors: f32(f64 * f)
     (1.1, 4, 1.37, 0.77, 5, 1.0),
+    (0.1, 0, 1.1, 0.5, 1, 0.0),  # here a float32 product would round differently
 ]
 
 
