@@ -186,6 +186,9 @@ def _check_hyperparameters(
 
 def _validate_statics(*statics: object) -> None:
     """Validate the static fields, cached: every transition builds (and so validates) a state."""
+    if torch.compiler.is_compiling():  # Dynamo traces through lru_cache (and warns): skip it
+        _check_hyperparameters.__wrapped__(*statics)
+        return
     try:
         hash(statics)
     except TypeError:  # an unhashable value cannot be valid: the uncached check names it
