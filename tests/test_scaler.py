@@ -283,6 +283,23 @@ def test_scale_dtype_and_value_equal_gradscaler(
     assert_bitwise_equal(out, expected)
 
 
+@given(
+    grads=grad_lists((torch.float16, torch.bfloat16, torch.float32, torch.float64)),
+    scale_value=st.one_of(
+        st.sampled_from([65536.0, 3.0]), st.floats(2.0**-100, 2.0**100, width=32)
+    ),
+)
+def test_scale_equals_gradscaler_scale_on_random_trees(
+    grads: list[torch.Tensor], scale_value: float
+) -> None:
+    expected = torch.amp.GradScaler("cpu", init_scale=scale_value).scale(grads)
+    out = famp.scale(famp.init_scaler(scale_value), tuple(grads))
+    assert type(out) is tuple
+    for o, e in zip(out, expected, strict=True):
+        assert o.dtype == e.dtype
+        assert_bitwise_equal(o, e)
+
+
 # --- all_finite, select_tree ---------------------------------------------------------------------
 
 
