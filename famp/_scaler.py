@@ -91,6 +91,11 @@ class ScalerState:
             self.hysteresis,
         )
         _validate_statics(*statics)
+        if (self.overflow_count is None) != (self.hysteresis == 1):
+            raise ValueError(
+                "overflow_count must be a 0-d int32 tensor when hysteresis > 1 and None otherwise, "
+                f"got hysteresis={self.hysteresis!r} and overflow_count={self.overflow_count!r}"
+            )
 
 
 _LEAF_NAMES = tuple(f.name for f in dataclasses.fields(ScalerState) if f.metadata.get("leaf"))
