@@ -7,16 +7,9 @@ FSDP's optimizer-state loading) as pure functions over pytrees with explicit, im
 from __future__ import annotations
 
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
-from famp._scaler import (
-    ScalerState,
-    all_finite,
-    init_scaler,
-    scale,
-    select_tree,
-    unscale_and_check,
-    update_scale,
-)
+from famp._scaler import ScalerState, init_scaler, update_scale
 from famp._serialization import from_state_dict, to_state_dict
+from famp._unscale import all_finite, scale, select_tree, unscale_and_check
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
 
 from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
 from famp._rekey import clean_fqn
@@ -30,6 +31,52 @@ def all_reduce_max(found_inf: torch.Tensor, group: Any) -> torch.Tensor:
     reduced = found_inf.clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return reduced
+
+
+def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a ``DTensor`` (an FSDP2 gradient, say)."""
+    return isinstance(x, DTensor)
+
+
+def local_shard(x: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor."""
+    assert isinstance(x, DTensor)
+    return x.to_local()
+
+
+def dtensor_like(src: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The DTensor with ``src``'s mesh, placements and global shape around ``local``."""
+    assert isinstance(src, DTensor)
+    return DTensor.from_local(
+        local,
+        src.device_mesh,
+        src.placements,
+        run_check=False,
+        shape=src.shape,
+        stride=src.stride(),
+    )
+
+
+def reduce_found_inf_over_meshes(found_inf: torch.Tensor, dtensors: list[Any]) -> torch.Tensor:
+    """Max-reduce ``found_inf`` over every non-replicated mesh dimension of the DTensor grads.
+
+    What ``GradScaler`` gets through DTensor dispatch of the in-place unscale kernel
+    (``torch/distributed/tensor/_dispatch.py``, ``found_inf_reduce_handler``): ``found_inf`` as a
+    ``Partial("max")`` DTensor on the sharded dimensions, made whole with ``full_tensor()``.
+    """
+    seen = set()
+    for grad in dtensors:
+        key = (grad.device_mesh, tuple(grad.placements))
+        if key in seen:
+            continue
+        seen.add(key)
+        placements = [p if p.is_replicate() else Partial("max") for p in grad.placements]
+        if all(p.is_replicate() for p in grad.placements):
+            continue
+        local = found_inf.to(grad.to_local().device)
+        whole = DTensor.from_local(local, grad.device_mesh, placements, run_check=False)
+        found_inf = whole.full_tensor().to(found_inf.device)
+    return found_inf
 
 
 # --- layouts read off live FSDP1 / FSDP2 models (layout_of) --------------------------------------

@@ -1,11 +1,11 @@
-"""Loss scaling: ``ScalerState`` and the pure functions over it.
+"""Loss-scaling state: ``ScalerState``, ``init_scaler`` and ``update_scale``.
 
-The dynamics are ``torch.amp.GradScaler``'s, bit for bit: unscale multiplies by
-``f32(1/f64(scale))``; an update backs off on any non-zero ``found_inf`` and grows only when the
-tracker *equals* the interval, computing ``f32(f64(scale) * factor)`` and never growing to a
-non-finite scale.
-Unlike ``GradScaler`` every function here is pure and branch-free on tensor values, so a whole
-training step compiles with ``torch.compile(fullgraph=True)`` and composes with ``torch.func``.
+The dynamics are ``torch.amp.GradScaler``'s, bit for bit: an update backs off on any non-zero
+``found_inf`` and grows only when the tracker *equals* the interval, computing
+``f32(f64(scale) * factor)`` and never growing to a non-finite scale. Unlike ``GradScaler`` the
+state is an immutable pytree and every transition is pure and branch-free on tensor values, so a
+whole training step compiles with ``torch.compile(fullgraph=True)`` and composes with
+``torch.func``. Applying the scale to trees lives in ``_unscale.py``.
 
 Deliberately not supported: optimizer bookkeeping (``GradScaler.step``'s per-optimizer stages; skip
 an update with ``select_tree``), and ``update(new_scale=...)`` (build a new state instead).
@@ -14,16 +14,16 @@ an update with ``select_tree``), and ``update(new_scale=...)`` (build a new stat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from famp import _distributed
-from famp._typing import DeviceLike, PyTree, Tensor, TreeT
+from famp._typing import DeviceLike, Tensor
 
 _INT32_MAX = 2**31 - 1
 
@@ -80,16 +80,22 @@ class ScalerState:
     def __post_init__(self) -> None:
         if torch.compiler.is_compiling():  # traced values came from a validated state
             return
-        _check_hyperparameters(
+        statics = (
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
-            enabled=self.enabled,
-            dynamic=self.dynamic,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            hysteresis=self.hysteresis,
+            self.enabled,
+            self.dynamic,
+            self.min_scale,
+            self.max_scale,
+            self.hysteresis,
         )
+        _validate_statics(*statics)
+        if (self.overflow_count is None) != (self.hysteresis == 1):
+            raise ValueError(
+                "overflow_count must be a 0-d int32 tensor when hysteresis > 1 and None otherwise, "
+                f"got hysteresis={self.hysteresis!r} and overflow_count={self.overflow_count!r}"
+            )
 
 
 _LEAF_NAMES = tuple(f.name for f in dataclasses.fields(ScalerState) if f.metadata.get("leaf"))
@@ -148,11 +154,11 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+@functools.lru_cache(maxsize=256, typed=True)
 def _check_hyperparameters(
     growth_factor: object,
     backoff_factor: object,
     growth_interval: object,
-    *,
     enabled: object,
     dynamic: object,
     min_scale: object,
@@ -181,6 +187,19 @@ def _check_hyperparameters(
         raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
     if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
         raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+
+
+def _validate_statics(*statics: object) -> None:
+    """Validate the static fields, cached: every transition builds (and so validates) a state."""
+    if torch.compiler.is_compiling():  # Dynamo traces through lru_cache (and warns): skip it
+        _check_hyperparameters.__wrapped__(*statics)
+        return
+    try:
+        hash(statics)
+    except TypeError:  # an unhashable value cannot be valid: the uncached check names it
+        _check_hyperparameters.__wrapped__(*statics)
+        raise
+    _check_hyperparameters(*statics)
 
 
 def init_scaler(
@@ -231,15 +250,15 @@ def init_scaler(
     """
     if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-    _check_hyperparameters(
+    _validate_statics(
         growth_factor,
         backoff_factor,
         growth_interval,
-        enabled=enabled,
-        dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        enabled,
+        dynamic,
+        min_scale,
+        max_scale,
+        hysteresis,
     )
     if min_scale is not None and init_scale < min_scale:
         raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
@@ -275,15 +294,15 @@ def make_state(
     hysteresis: int,
 ) -> ScalerState:
     """Build a validated state from Python values (shared by init_scaler and from_state_dict)."""
-    _check_hyperparameters(
+    _validate_statics(
         growth_factor,
         backoff_factor,
         growth_interval,
-        enabled=enabled,
-        dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        enabled,
+        dynamic,
+        min_scale,
+        max_scale,
+        hysteresis,
     )
     return ScalerState(
         scale=torch.full((), scale_value, dtype=torch.float32, device=device),
@@ -299,156 +318,6 @@ def make_state(
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
-    )
-
-
-def _keystr(path: Sequence[Any]) -> str:
-    return "tree" + "".join(f"[{k!r}]" for k in path)
-
-
-def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"famp.{fn}: the leaf at {_keystr(path)} must be a Tensor or None, "
-                f"got {type(leaf).__name__} {leaf!r}"
-            )
-    return leaves, spec
-
-
-def scale(state: ScalerState, tree: TreeT) -> TreeT:
-    """Multiply every tensor of a pytree by the loss scale, as ``GradScaler.scale``.
-
-    Each leaf becomes ``leaf * state.scale`` (the scale moved to the leaf's device), so the dtypes
-    are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
-    Lists, tuples, dicts and namedtuples keep their type; ``None`` leaves pass through. A disabled
-    state returns ``tree`` itself.
-
-    Args:
-        state: The current ``famp.ScalerState``.
-        tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
-
-    Returns:
-        A tree of the same structure with every tensor scaled.
-
-    Raises:
-        TypeError: A leaf is not a tensor; the message names its path.
-
-    Example:
-        >>> import famp, torch
-        >>> state = famp.init_scaler(1024.0)
-        >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
-        {'loss': tensor(512.)}
-    """
-    if not state.enabled:
-        return tree
-    leaves, spec = _tensor_leaves("scale", tree)
-    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
-    return cast(TreeT, optree.tree_unflatten(spec, out))
-
-
-_UNSCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def unscale_and_check(
-    state: ScalerState, grads: TreeT, *, group: Any = None, donate: bool = False
-) -> tuple[TreeT, Tensor]:
-    """Unscale gradients and report whether any element is non-finite, in one pass.
-
-    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
-    cast back to its dtype, with torch's fused ``_amp_foreach_non_finite_check_and_unscale``
-    kernel, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass through and
-    every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
-    accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
-    torch does); ``None`` leaves pass through.
-
-    Args:
-        state: The ``famp.ScalerState`` whose scale produced the gradients.
-        grads: A pytree of float16/bfloat16/float32/float64 tensors, dense or sparse COO.
-        group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
-            every rank agrees (``None``: no communication).
-        donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
-            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards.
-
-    Returns:
-        ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
-        scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
-        returns ``(grads, 0.0)``.
-
-    Raises:
-        TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
-            its path.
-
-    Example:
-        >>> import famp, torch
-        >>> state = famp.init_scaler(4.0)
-        >>> grads, found_inf = famp.unscale_and_check(state, [torch.tensor([8.0, float("inf")])])
-        >>> grads
-        [tensor([2., inf])]
-        >>> found_inf
-        tensor(1.)
-    """
-    found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-    if not state.enabled:
-        return grads, found_inf
-    paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
-            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
-                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
-            )
-        if leaf.layout not in (torch.strided, torch.sparse_coo):
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
-                f"{leaf.layout}; only strided and sparse_coo are supported"
-            )
-    # Sparse tensors contribute their values; float16 ones are coalesced first because summing
-    # duplicate entries may overflow float16 (torch's _unscale_grads_ does the same).
-    sources = [
-        (x.coalesce() if x.dtype == torch.float16 else x) if x.is_sparse else x for x in leaves
-    ]
-    dense = [x._values() if x.is_sparse else x for x in sources]
-    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    for i, x in enumerate(dense):
-        groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
-    inv_scale = state.scale.double().reciprocal().float()
-    out = list(dense)
-    for device, by_dtype in groups.items():
-        inv = inv_scale.to(device, non_blocking=True)
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        for index in by_dtype.values():
-            tensors = [dense[i] for i in index]
-            if donate:
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
-                new = tensors
-            else:
-                new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
-                    tensors, found, inv
-                )
-            for i, t in zip(index, new, strict=True):
-                out[i] = t
-        # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
-        found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
-    result = []
-    for src, values in zip(sources, out, strict=True):
-        if src.is_sparse:  # donated: its values were unscaled in place
-            values = src if donate else _sparse_like(src, values)
-        result.append(values)
-    if group is not None:
-        found_inf = _distributed.all_reduce_max(found_inf, group)
-    return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
-
-
-def _sparse_like(src: Tensor, values: Tensor) -> Tensor:
-    return torch.sparse_coo_tensor(
-        src._indices(),
-        values,
-        src.shape,
-        is_coalesced=src.is_coalesced(),
-        check_invariants=False,  # indices and size come from a valid tensor
     )
 
 
@@ -492,8 +361,33 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         )
     if not (state.enabled and state.dynamic):
         return state
+    found_inf = found_inf.to(state.scale.device, non_blocking=True)
+    guarded = state.overflow_count is not None or state.min_scale is not None
+    if guarded or state.max_scale is not None or torch._C._are_functorch_transforms_active():
+        return _update_where(state, found_inf)
+    # No guard: torch's own functional kernel, one call. It has no vmap batching rule, hence the
+    # torch.where formulation under torch.func transforms.
+    if found_inf.dtype != torch.float32:
+        found_inf = (found_inf != 0).to(torch.float32)  # any non-zero, exactly as the kernel reads
+    new_scale, new_tracker = torch.ops.aten._amp_update_scale(
+        state.scale,
+        state.growth_tracker,
+        found_inf,
+        state.growth_factor,
+        state.backoff_factor,
+        state.growth_interval,
+    )
+    return dataclasses.replace(state, scale=new_scale, growth_tracker=new_tracker)
+
+
+def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
+    """``update_scale`` as a branch-free ``torch.where`` program: guards, and vmap-able.
+
+    Equal to the kernel bit for bit when no guard is set (tested): ``f32(f64(scale) * factor)``,
+    ``==`` growth, the finite cap, int32 wrap, any non-zero (NaN too) is an overflow.
+    """
     scale_, tracker = state.scale, state.growth_tracker
-    overflow = (found_inf.to(scale_.device, non_blocking=True) != 0).reshape(scale_.shape)
+    overflow = (found_inf != 0).reshape(scale_.shape)
     wide = scale_.double()
     backed = (wide * state.backoff_factor).float()
     if state.min_scale is not None:
@@ -519,94 +413,5 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
     )
 
 
-def all_finite(tree: PyTree) -> Tensor:
-    """Return a 0-d bool tensor: ``True`` iff every element of every tensor in ``tree`` is finite.
-
-    No host sync. An empty tree gives ``True``. Sparse tensors are checked through their values.
-
-    Args:
-        tree: A pytree of tensors (``None`` leaves are skipped).
-
-    Returns:
-        A 0-d ``torch.bool`` tensor on the first leaf's device (CPU for an empty tree).
-
-    Raises:
-        TypeError: A leaf is not a tensor; the message names its path.
-
-    Example:
-        >>> import famp, torch
-        >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
-        tensor(False)
-    """
-    leaves, _ = _tensor_leaves("all_finite", tree)
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    device = leaves[0].device
-    checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
-    return torch.stack(checks).all()
-
-
-def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
-    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
-
-    Each leaf becomes ``torch.where(pred, a, b)``; use it to skip an update after an overflow:
-    ``params = famp.select_tree(famp.all_finite(grads), new_params, params)``. Both trees must have
-    the same structure, and paired leaves the same dtype and shape. ``None`` leaves pass through.
-
-    Args:
-        pred: A 0-d (or one-element) ``torch.bool`` tensor.
-        on_true: The tree chosen where ``pred`` is ``True``.
-        on_false: The tree chosen where ``pred`` is ``False``.
-
-    Returns:
-        A tree with ``on_true``'s structure.
-
-    Raises:
-        TypeError: ``pred`` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
-            in dtype; the message names the path.
-        ValueError: The structures differ, ``pred`` has more than one element, or paired leaves
-            differ in shape.
-
-    Example:
-        >>> import famp, torch
-        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
-        {'w': tensor([0., 0.])}
-    """
-    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
-        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
-        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
-    if pred.numel() != 1:
-        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
-    true_leaves, spec = _tensor_leaves("select_tree", on_true)
-    false_leaves, false_spec = _tensor_leaves("select_tree", on_false)
-    if spec != false_spec:
-        raise ValueError(
-            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
-        )
-    paths = spec.paths()
-    out = []
-    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
-        if a.dtype != b.dtype:
-            raise TypeError(
-                f"famp.select_tree: the leaves at {_keystr(path)} differ in dtype: "
-                f"{a.dtype} and {b.dtype}"
-            )
-        if a.shape != b.shape:
-            raise ValueError(
-                f"famp.select_tree: the leaves at {_keystr(path)} differ in shape: "
-                f"{tuple(a.shape)} and {tuple(b.shape)}"
-            )
-        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
-    return cast(TreeT, optree.tree_unflatten(spec, out))
-
-
-for _public in (
-    ScalerState,
-    init_scaler,
-    scale,
-    unscale_and_check,
-    update_scale,
-    all_finite,
-    select_tree,
-):
+for _public in (ScalerState, init_scaler, update_scale):
     _public.__module__ = "famp"

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 
 import famp
+from famp import _scaler
 from tests.helpers import assert_bitwise_equal
 
 Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -65,6 +66,14 @@ def _update(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerStat
     return famp.update_scale(state, found_inf)
 
 
+def _update_where(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerState:
+    """The torch.where formulation famp uses with guards and under torch.func transforms."""
+    return _scaler._update_where(state, found_inf)
+
+
+UPDATES = [pytest.param(_update, id="kernel"), pytest.param(_update_where, id="where")]
+
+
 factors = st.floats(1.0, 64.0, exclude_min=True, allow_subnormal=False)
 backoffs = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_subnormal=False)
 scales = st.one_of(
@@ -73,6 +82,7 @@ scales = st.one_of(
 )
 
 
+@pytest.mark.parametrize("update", UPDATES)
 @given(
     scale_value=scales,
     tracker=st.one_of(st.integers(0, 10), st.just(2**31 - 1), st.integers(-(2**31), 2**31 - 1)),
@@ -82,6 +92,7 @@ scales = st.one_of(
     found_infs=st.lists(st.sampled_from(FOUND_INF_VALUES), min_size=1, max_size=12),
 )
 def test_update_scale_equals_torch_kernel_on_sequences(
+    update: Callable[..., famp.ScalerState],
     scale_value: float,
     tracker: int,
     growth_factor: float,
@@ -99,7 +110,7 @@ def test_update_scale_equals_torch_kernel_on_sequences(
     s, t = state.scale, state.growth_tracker
     for f in found_infs:
         s, t = torch_update(s, t, f, state)
-        state = famp.update_scale(state, torch.tensor(f))
+        state = update(state, torch.tensor(f))
         assert_bitwise_equal(state.scale, s)
         assert_bitwise_equal(state.growth_tracker, t)
 
@@ -117,16 +128,16 @@ EDGE_CASES = [  # (scale, tracker, growth_factor, backoff, interval, found_inf)
     (3.0, 2**31 - 1, 2.0, 0.5, 5, 0.0),  # int32 wrap
     (1.1, 4, 1.37, 0.77, 5, 0.0),  # non-power-of-two factors: f32(f64 * f)
     (1.1, 4, 1.37, 0.77, 5, 1.0),
+    (0.1, 0, 1.1, 0.5, 1, 0.0),  # here a float32 product would round differently
 ]
 
 
-@pytest.mark.parametrize("found_first", [False, True])
+@pytest.mark.parametrize("update", UPDATES)
 def test_update_scale_edge_cases_equal_torch_kernel(
-    transform: Transform, found_first: bool
+    transform: Transform, update: Callable[..., famp.ScalerState]
 ) -> None:
-    update = transform(_update)
-    cases = EDGE_CASES[::-1] if found_first else EDGE_CASES
-    for scale_value, tracker, gf, bf, gi, f in cases:
+    update = transform(update)
+    for scale_value, tracker, gf, bf, gi, f in EDGE_CASES:
         state = famp.ScalerState(
             scale=torch.tensor(scale_value),
             growth_tracker=torch.tensor(tracker, dtype=torch.int32),
@@ -270,6 +281,23 @@ def test_scale_dtype_and_value_equal_gradscaler(
     out = transform(_scale)(famp.init_scaler(3000.0), loss)
     assert out.dtype == expected.dtype
     assert_bitwise_equal(out, expected)
+
+
+@given(
+    grads=grad_lists((torch.float16, torch.bfloat16, torch.float32, torch.float64)),
+    scale_value=st.one_of(
+        st.sampled_from([65536.0, 3.0]), st.floats(2.0**-100, 2.0**100, width=32)
+    ),
+)
+def test_scale_equals_gradscaler_scale_on_random_trees(
+    grads: list[torch.Tensor], scale_value: float
+) -> None:
+    expected = torch.amp.GradScaler("cpu", init_scale=scale_value).scale(grads)
+    out = famp.scale(famp.init_scaler(scale_value), tuple(grads))
+    assert type(out) is tuple
+    for o, e in zip(out, expected, strict=True):
+        assert o.dtype == e.dtype
+        assert_bitwise_equal(o, e)
 
 
 # --- all_finite, select_tree ---------------------------------------------------------------------

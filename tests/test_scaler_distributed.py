@@ -1,4 +1,4 @@
-"""unscale_and_check(group=...): found_inf is max-reduced across real gloo ranks."""
+"""found_inf is max-reduced across real gloo ranks: group=..., and DTensor (FSDP2) grads."""
 
 from __future__ import annotations
 
@@ -57,8 +57,50 @@ def _worker(rank: int, port: int, results: Any) -> None:
                     grads["w"][1].item(),
                 )
             )
+        results.put(("dtensor", rank, *_dtensor_case(rank)))
     finally:
         dist.destroy_process_group()
+
+
+def _dtensor_case(rank: int) -> tuple[float, float, bool, bool, bool]:
+    """FSDP2-style DTensor grads, an inf on rank 1 only: famp against GradScaler.unscale_."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import famp
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+
+    def grads() -> list[DTensor]:
+        sharded = torch.arange(4.0) + 8 * rank
+        if rank == 1:
+            sharded[2] = math.inf
+        return [
+            DTensor.from_local(sharded, mesh, [Shard(0)], run_check=False),
+            DTensor.from_local(
+                torch.full((3,), 6.0, dtype=torch.bfloat16), mesh, [Replicate()], run_check=False
+            ),
+        ]
+
+    ours = grads()
+    out, found = famp.unscale_and_check(famp.init_scaler(3.0), ours)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads()]
+    for p, g in zip(params, grads(), strict=True):
+        p.grad = g
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    (expected_found,) = scaler._found_inf_per_device(opt).values()
+    same = all(
+        isinstance(o, DTensor)
+        and o.placements == p.grad.placements
+        and o.shape == p.grad.shape
+        and torch.equal(o.to_local().view(-1), p.grad.to_local().view(-1))
+        for o, p in zip(out, params, strict=True)
+    )
+    untouched = ours[0].to_local()[0].item() == 8.0 * rank
+    return found.item(), expected_found.item(), same, untouched, found.dtype == torch.float32
 
 
 @pytest.mark.slow
@@ -71,7 +113,9 @@ def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
     procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)]
     for p in procs:
         p.start()
-    rows = [results.get(timeout=90) for _ in range(WORLD_SIZE * len(CASES))]
+    rows = [results.get(timeout=90) for _ in range(WORLD_SIZE * (len(CASES) + 1))]
+    dtensor_rows = [row for row in rows if row[0] == "dtensor"]
+    rows = [row for row in rows if row[0] != "dtensor"]
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
@@ -85,6 +129,12 @@ def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
         assert (dtype, shape) == (str(torch.float32), ())
         assert same_grads  # the reduction touches found_inf only
         assert w1 == (math.inf if has_inf[rank] and rank == 1 else 8.0)  # input not modified
+    assert len(dtensor_rows) == WORLD_SIZE
+    for _, _, found, expected_found, same, untouched, is_f32 in dtensor_rows:
+        assert found == expected_found == 1.0  # reduced over the mesh, as GradScaler's dispatch
+        assert same  # placements, shapes and local values equal GradScaler.unscale_'s
+        assert untouched
+        assert is_f32
 
 
 def test_group_must_be_a_process_group() -> None:

@@ -220,3 +220,11 @@ def test_all_finite_of_an_empty_tree_is_true() -> None:
     ok = famp.all_finite({"a": [], "b": None})
     assert ok.dtype == torch.bool
     assert bool(ok)
+
+
+def test_hysteresis_and_overflow_count_must_agree() -> None:
+    scale, tracker = torch.tensor(1.0), torch.tensor(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="overflow_count must be"):
+        famp.ScalerState(scale=scale, growth_tracker=tracker, hysteresis=2)
+    with pytest.raises(ValueError, match="overflow_count must be"):
+        famp.ScalerState(scale=scale, growth_tracker=tracker, overflow_count=tracker)

@@ -140,3 +140,16 @@ def test_grad_flows_through_scale() -> None:
     g = torch.func.grad(lambda p: famp.scale(state, (p**2).sum()))(p)
     assert g.dtype == torch.float32
     assert_bitwise_equal(g, 2 * p * state.scale)
+
+
+def _init_inside(x: torch.Tensor) -> tuple[torch.Tensor, famp.ScalerState]:
+    state = famp.init_scaler(8.0, 1.5, growth_interval=3, hysteresis=2, max_scale=64.0)
+    return famp.scale(state, x), state
+
+
+def test_init_scaler_inside_a_compiled_function(transform: Transform) -> None:
+    scaled, state = transform(_init_inside)(torch.ones(2))
+    assert_bitwise_equal(scaled, torch.full((2,), 8.0))
+    assert_same_state(
+        state, famp.init_scaler(8.0, 1.5, growth_interval=3, hysteresis=2, max_scale=64.0)
+    )

@@ -161,3 +161,28 @@ def test_grads_on_several_devices_are_grouped_like_gradscaler() -> None:
     assert sorted(str(d) for d in per_device) == ["cpu", "cuda:0", "cuda:1"]
     assert [(str(o.device), o.dtype) for o in out] == [(str(g.device), g.dtype) for g in grads]
     assert (str(found.device), found.dtype, found.shape) == ("cpu", torch.float32, ())
+
+
+special_or_any = st.one_of(
+    st.sampled_from([math.inf, -math.inf, math.nan, -math.nan, 0.0, -0.0, 65504.0, 1e30]),
+    st.floats(-1e6, 1e6),
+)
+
+
+@given(
+    rows=st.lists(st.lists(special_or_any, min_size=3, max_size=3), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    scale_value=st.sampled_from([3.0, 65536.0, 2.0**-149, 1.0, 0.1]),
+)
+def test_unscale_and_check_under_vmap_equals_the_kernel_per_sample(
+    rows: list[list[float]], dtype: torch.dtype, scale_value: float
+) -> None:
+    state = famp.init_scaler(scale_value)
+    batch = torch.tensor(rows, dtype=torch.float64).to(dtype)
+    out, found = torch.func.vmap(lambda g: famp.unscale_and_check(state, {"g": g}))(batch)
+    assert out["g"].dtype == dtype
+    assert found.dtype == torch.float32
+    for i in range(len(rows)):
+        expected, expected_found = famp.unscale_and_check(state, {"g": batch[i]})  # the kernel
+        assert_bitwise_equal(out["g"][i], expected["g"])
+        assert_bitwise_equal(found[i], expected_found)

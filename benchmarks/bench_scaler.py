@@ -1,0 +1,148 @@
+"""Loss-scaling benchmark: famp ÷ torch, measured side by side in one run (not a test).
+
+On ~75M float32 gradient elements in 50 tensors:
+- famp.unscale_and_check (out of place) vs a plain clone of the grads (the out-of-place memory
+  limit) vs GradScaler.unscale_ (in place);
+- famp.unscale_and_check(donate=True) vs GradScaler.unscale_;
+- famp.update_scale, eager and compiled, vs GradScaler.update.
+Candidates run interleaved, round after round, and each ratio is of medians.
+
+Run: python benchmarks/bench_scaler.py [--elements 75_000_000] [--tensors 50] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import famp
+
+
+def median_times(candidates: dict[str, Callable[[], object]], rounds: int,
+                 before: Callable[[], None] | None = None) -> dict[str, float]:
+    """Run every candidate once per round, interleaved; return the median seconds of each."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def make_grads(elements: int, tensors: int) -> list[torch.Tensor]:
+    sizes = [elements // tensors + (i < elements % tensors) for i in range(tensors)]
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=gen) * 1024 for n in sizes]
+
+
+def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, float]]:
+    grads = make_grads(elements, tensors)
+    originals = [g.clone() for g in grads]
+    state = famp.init_scaler(1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler.scale(torch.ones(()))
+
+    def restore() -> None:  # untimed: in-place candidates must not shrink the values forever
+        torch._foreach_copy_(grads, originals)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        scaler._per_optimizer_states.clear()  # lets unscale_ run again without an update()
+
+    def gradscaler_unscale() -> None:
+        scaler.unscale_(opt)
+        scaler._found_inf_per_device(opt)[torch.device("cpu")].item()
+
+    def famp_unscale() -> None:
+        famp.unscale_and_check(state, grads)[1].item()
+
+    def famp_donate() -> None:
+        famp.unscale_and_check(state, grads, donate=True)[1].item()
+
+    t = median_times(
+        {
+            "clone": lambda: [g.clone() for g in grads],
+            "gradscaler": gradscaler_unscale,
+            "famp": famp_unscale,
+            "famp_donate": famp_donate,
+        },
+        rounds,
+        before=restore,
+    )
+    print(f"  medians (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
+    return [
+        ("unscale_and_check ÷ clone of the grads", t["famp"] / t["clone"]),
+        ("unscale_and_check ÷ GradScaler.unscale_", t["famp"] / t["gradscaler"]),
+        ("unscale_and_check(donate=True) ÷ GradScaler.unscale_", t["famp_donate"] / t["gradscaler"]),
+    ]
+
+
+def bench_update(rounds: int) -> list[tuple[str, float]]:
+    found = torch.zeros(())
+    state = famp.init_scaler(1024.0, growth_interval=10**9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**9)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.empty(0))], lr=0.1)
+    scaler.scale(torch.ones(()))
+    compiled = torch.compile(famp.update_scale, fullgraph=True)
+    compiled(state, found)  # compile outside the timing
+
+    def gradscaler_update() -> None:
+        # What unscale_ records for one optimizer; update() consumes and resets it.
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {found.device: found}
+        scaler.update()
+
+    calls = 200
+
+    def repeat(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+        return run
+
+    t = median_times(
+        {
+            "gradscaler": repeat(gradscaler_update),
+            "famp_eager": repeat(lambda: famp.update_scale(state, found)),
+            "famp_compiled": repeat(lambda: compiled(state, found)),
+        },
+        rounds,
+    )
+    print("  medians (µs per update): "
+          + ", ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in t.items()))
+    return [
+        ("update_scale (eager) ÷ GradScaler.update", t["famp_eager"] / t["gradscaler"]),
+        ("update_scale (compiled) ÷ GradScaler.update", t["famp_compiled"] / t["gradscaler"]),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=75_000_000)
+    parser.add_argument("--tensors", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
+          f"{args.tensors} tensors, {args.rounds} interleaved rounds")
+    print("unscale:")
+    rows = bench_unscale(args.elements, args.tensors, args.rounds)
+    print("update:")
+    rows += bench_update(args.rounds)
+    print()
+    print("| famp ÷ torch | ratio |")
+    print("|---|---|")
+    for name, ratio in rows:
+        print(f"| {name} | {ratio:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Applying a loss scale to pytrees: scale, unscale_and_check, all_finite, select_tree.
+
+``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: one pass over the data
+with torch's fused ``_amp_foreach_non_finite_check_and_unscale`` kernel per (device, dtype) group,
+multiplying by ``f32(1/f64(scale))``. ``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
+
+Deliberately not supported: sparse layouts other than COO; float16 is accepted (torch refuses it
+in ``GradScaler.unscale_``, see docs/loss-scaling.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import optree
+import torch
+
+from famp import _distributed
+from famp._scaler import ScalerState
+from famp._typing import PyTree, Tensor, TreeT
+
+
+def _keystr(path: Sequence[Any]) -> str:
+    return "tree" + "".join(f"[{k!r}]" for k in path)
+
+
+def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"famp.{fn}: the leaf at {_keystr(path)} must be a Tensor or None, "
+                f"got {type(leaf).__name__} {leaf!r}"
+            )
+    return leaves, spec
+
+
+def scale(state: ScalerState, tree: TreeT) -> TreeT:
+    """Multiply every tensor of a pytree by the loss scale, as ``GradScaler.scale``.
+
+    Each leaf becomes ``leaf * state.scale`` (the scale moved to the leaf's device), so the dtypes
+    are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
+    Lists, tuples, dicts and namedtuples keep their type; ``None`` leaves pass through. A disabled
+    state returns ``tree`` itself.
+
+    Args:
+        state: The current ``famp.ScalerState``.
+        tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
+
+    Returns:
+        A tree of the same structure with every tensor scaled.
+
+    Raises:
+        TypeError: A leaf is not a tensor; the message names its path.
+
+    Example:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(1024.0)
+        >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
+        {'loss': tensor(512.)}
+    """
+    if not state.enabled:
+        return tree
+    leaves, spec = _tensor_leaves("scale", tree)
+    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
+    return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+_UNSCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def unscale_and_check(
+    state: ScalerState, grads: TreeT, *, group: Any = None, donate: bool = False
+) -> tuple[TreeT, Tensor]:
+    """Unscale gradients and report whether any element is non-finite, in one pass.
+
+    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
+    cast back to its dtype, with torch's fused ``_amp_foreach_non_finite_check_and_unscale``
+    kernel, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass through and
+    every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
+    accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
+    torch does); ``None`` leaves pass through. DTensor gradients (FSDP2) are unscaled shard by
+    shard and ``found_inf`` is max-reduced over their mesh's non-replicated dimensions, as
+    ``GradScaler`` does through DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic
+    runs as separate ops (bit-equal), and ``found_inf`` is per sample.
+
+    Args:
+        state: The ``famp.ScalerState`` whose scale produced the gradients.
+        grads: A pytree of float16/bfloat16/float32/float64 tensors, dense or sparse COO.
+        group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
+            every rank agrees (``None``: no communication).
+        donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
+            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards.
+
+    Returns:
+        ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
+        scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
+        returns ``(grads, 0.0)``.
+
+    Raises:
+        TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
+            its path.
+
+    Example:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(4.0)
+        >>> grads, found_inf = famp.unscale_and_check(state, [torch.tensor([8.0, float("inf")])])
+        >>> grads
+        [tensor([2., inf])]
+        >>> found_inf
+        tensor(1.)
+    """
+    found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+    if not state.enabled:
+        return grads, found_inf
+    paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
+            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise TypeError(
+                f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
+                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
+            )
+        if leaf.layout not in (torch.strided, torch.sparse_coo):
+            raise TypeError(
+                f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
+                f"{leaf.layout}; only strided and sparse_coo are supported"
+            )
+    dtensors = [x for x in leaves if _distributed.is_dtensor(x)]
+    sources = [_source(x) for x in leaves]
+    dense = [x._values() if x.is_sparse else x for x in sources]
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    for i, x in enumerate(dense):
+        groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
+    inv_scale = state.scale.double().reciprocal().float()
+    # The fused kernel has no vmap batching rule: under torch.func transforms, the same arithmetic
+    # as separate ops (per-sample found_inf under vmap), out of place.
+    transformed = torch._C._are_functorch_transforms_active()
+    in_place = donate and not transformed
+    out = list(dense)
+    for device, by_dtype in groups.items():
+        inv = inv_scale.to(device, non_blocking=True)
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for index in by_dtype.values():
+            tensors = [dense[i] for i in index]
+            if transformed:
+                new, found = _unscale_where(tensors, found, inv)
+            elif in_place:
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+                new = tensors
+            else:
+                new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
+                    tensors, found, inv
+                )
+            for i, t in zip(index, new, strict=True):
+                out[i] = t
+        # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
+        found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
+    result = []
+    for leaf, src, values in zip(leaves, sources, out, strict=True):
+        if src.is_sparse:  # in place: its values were unscaled
+            values = src if in_place else _sparse_like(src, values)
+        if dtensors and _distributed.is_dtensor(leaf):
+            values = leaf if in_place else _distributed.dtensor_like(leaf, values)
+        result.append(values)
+    if dtensors:
+        found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
+    if group is not None:
+        found_inf = _distributed.all_reduce_max(found_inf, group)
+    return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
+
+
+def _source(x: Tensor) -> Tensor:
+    """The tensor whose data the kernel unscales: a DTensor's local shard, a sparse tensor itself.
+
+    Float16 sparse tensors are coalesced first, because summing duplicate entries may overflow
+    float16 (torch's ``_unscale_grads_`` does the same); their values are unscaled later.
+    """
+    if _distributed.is_dtensor(x):
+        return _distributed.local_shard(x)
+    if x.is_sparse and x.dtype == torch.float16:
+        return x.coalesce()
+    return x
+
+
+def _unscale_where(
+    tensors: list[Tensor], found: Tensor, inv: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """The fused kernel's arithmetic as plain ops: ``cast(opmath(x) * inv)``, any non-finite."""
+    out = []
+    for x in tensors:
+        wide = x.double() * inv.double() if x.dtype == torch.float64 else x.float() * inv
+        narrow = wide.to(x.dtype)
+        if x.dtype in _NAN_BITS:  # c10's scalar casts write these NaNs; vectorized .to() differs
+            positive, negative = (
+                torch.tensor(b, dtype=torch.int16, device=x.device).view(x.dtype)
+                for b in _NAN_BITS[x.dtype]
+            )
+            # The sign of a NaN input (read off its bits: widening drops it), else the product's.
+            sign = torch.where(torch.isnan(x), x.view(torch.int16) < 0, torch.signbit(wide))
+            nan = torch.where(sign, negative, positive)
+            narrow = torch.where(torch.isnan(wide), nan, narrow)
+        out.append(narrow)
+        found = torch.maximum(found, (~torch.isfinite(x)).any().to(found.dtype))
+    return out, found
+
+
+# The NaN bit patterns (for a positive and a negative float32 NaN) of c10's float -> half/bfloat16.
+_NAN_BITS = {torch.float16: (0x7E00, -0x200), torch.bfloat16: (0x7FC0, 0x7FC0)}
+
+
+def _sparse_like(src: Tensor, values: Tensor) -> Tensor:
+    return torch.sparse_coo_tensor(
+        src._indices(),
+        values,
+        src.shape,
+        is_coalesced=src.is_coalesced(),
+        check_invariants=False,  # indices and size come from a valid tensor
+    )
+
+
+def all_finite(tree: PyTree) -> Tensor:
+    """Return a 0-d bool tensor: ``True`` iff every element of every tensor in ``tree`` is finite.
+
+    No host sync. An empty tree gives ``True``. Sparse tensors are checked through their values.
+
+    Args:
+        tree: A pytree of tensors (``None`` leaves are skipped).
+
+    Returns:
+        A 0-d ``torch.bool`` tensor on the first leaf's device (CPU for an empty tree).
+
+    Raises:
+        TypeError: A leaf is not a tensor; the message names its path.
+
+    Example:
+        >>> import famp, torch
+        >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
+        tensor(False)
+    """
+    leaves, _ = _tensor_leaves("all_finite", tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
+    return torch.stack(checks).all()
+
+
+def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
+    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
+
+    Each leaf becomes ``torch.where(pred, a, b)``; use it to skip an update after an overflow:
+    ``params = famp.select_tree(famp.all_finite(grads), new_params, params)``. Both trees must have
+    the same structure, and paired leaves the same dtype and shape. ``None`` leaves pass through.
+
+    Args:
+        pred: A 0-d (or one-element) ``torch.bool`` tensor.
+        on_true: The tree chosen where ``pred`` is ``True``.
+        on_false: The tree chosen where ``pred`` is ``False``.
+
+    Returns:
+        A tree with ``on_true``'s structure.
+
+    Raises:
+        TypeError: ``pred`` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
+            in dtype; the message names the path.
+        ValueError: The structures differ, ``pred`` has more than one element, or paired leaves
+            differ in shape.
+
+    Example:
+        >>> import famp, torch
+        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+        {'w': tensor([0., 0.])}
+    """
+    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
+        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
+    if pred.numel() != 1:
+        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
+    true_leaves, spec = _tensor_leaves("select_tree", on_true)
+    false_leaves, false_spec = _tensor_leaves("select_tree", on_false)
+    if spec != false_spec:
+        raise ValueError(
+            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+        )
+    paths = spec.paths()
+    out = []
+    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"famp.select_tree: the leaves at {_keystr(path)} differ in dtype: "
+                f"{a.dtype} and {b.dtype}"
+            )
+        if a.shape != b.shape:
+            raise ValueError(
+                f"famp.select_tree: the leaves at {_keystr(path)} differ in shape: "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
+    return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+for _public in (scale, unscale_and_check, all_finite, select_tree):
+    _public.__module__ = "famp"
