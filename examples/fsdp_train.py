@@ -5,11 +5,12 @@
     torchrun --nproc-per-node 3 examples/fsdp_train.py --steps 30 --resume runs/fsdp/step-20
 
 Each rank runs the forward pass under ``famp.autocast`` (bfloat16), scales the loss with an
-immutable ``famp.ScalerState`` and checks *its own shard* of the gradients: ``group=`` max-reduces
-``found_inf`` over the ranks, so when a single rank overflows (``--overflow-at`` injects an inf
-into the last rank's shard) every rank skips the step and backs off the scale identically. The
-fused AdamW kernel unscales and skips; no ``.item()`` anywhere in the step. (bfloat16 needs no
-loss scaling; it is on here to show the ranks agreeing, as they must with float16 on GPUs.)
+immutable ``famp.ScalerState`` and checks *its own shard* of the gradients (FSDP2's DTensors):
+``found_inf`` is max-reduced over the mesh, so when a single rank overflows (``--overflow-at``
+injects an inf into the last rank's shard) every rank skips the step and backs off the scale
+identically. The fused AdamW kernel unscales and skips; no ``.item()`` anywhere in the step.
+(bfloat16 needs no loss scaling; it is on here to show the ranks agreeing, as they must with
+float16 on GPUs.)
 
 Checkpoints are written with ``torch.distributed.checkpoint`` (DCP): parameters, optimizer state,
 famp's scaler state (a plain dict) and the step. Resuming reads them at any world size: DCP
@@ -147,7 +148,6 @@ def train(
     checkpoint_every: int = 0,
     out: pathlib.Path | None = None,
 ) -> tuple[famp.ScalerState, list[torch.Tensor]]:
-    group = dist.group.WORLD if world > 1 else None
     forward = famp.autocast(
         model, famp.get_policy("params=float32,compute=bfloat16,output=float32")
     )
@@ -159,9 +159,9 @@ def train(
         famp.scale(state, loss).backward()
         if step in overflow_at and rank == world - 1:  # an overflow in one rank's shard only
             local(next(model.parameters()).grad).view(-1)[0] = float("inf")
-        shards = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        _, found_inf = famp.unscale_and_check(state, shards, group=group)  # same on every rank
-        famp.optimizer_step(optimizer, state, found_inf=found_inf)  # unscales, skips if found_inf
+        # One pass over this rank's shards of the scaled DTensor grads: found_inf is max-reduced
+        # over the mesh, so every rank skips together; the fused kernel unscales and skips.
+        found_inf = famp.optimizer_step(optimizer, state)
         state = famp.update_scale(state, found_inf)
         found_infs.append(found_inf)
         due = (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == steps.stop

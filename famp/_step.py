@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from famp._scaler import ScalerState, scale, select_tree, unscale_and_check, update_scale
+from famp._scaler import ScalerState, update_scale
 from famp._typing import Tensor, TreeT
+from famp._unscale import scale, select_tree, unscale_and_check
 
 
 def _check_argnums(argnums: object) -> None:

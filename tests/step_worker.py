@@ -141,18 +141,35 @@ def fsdp2(ex: Any, rank: int, out_dir: pathlib.Path) -> dict[str, Any]:
     forward = famp.autocast(
         model, famp.get_policy("params=float32,compute=bfloat16,output=float32")
     )
-    scales = []
+    scales, found_infs, direct = [], [], []
     for step in range(FSDP2_STEPS):
         x, y = ex.batch(step, rank, 2)
         optimizer.zero_grad()
         scaler.scale(torch.nn.functional.cross_entropy(forward(x), y)).backward()
         if step in FSDP2_BAD_STEPS and rank == 1:
             ex.local(next(model.parameters()).grad).view(-1)[0] = math.inf
+        # famp on the same DTensor grads, no extra argument: unscaled shards and found_inf
+        same = famp.from_state_dict(scaler.state_dict())
+        unscaled, found_inf = famp.unscale_and_check(same, [p.grad for p in model.parameters()])
+        scaler.unscale_(optimizer)
+        direct.append(
+            {
+                "found_inf": found_inf,
+                "type": type(unscaled[0]).__name__,
+                "equal": all(
+                    torch.equal(ex.local(a).view(torch.int32), ex.local(p.grad).view(torch.int32))
+                    for a, p in zip(unscaled, model.parameters(), strict=True)
+                ),
+            }
+        )
         scaler.step(optimizer)
+        found_infs.append(sum(scaler._found_inf_per_device(optimizer).values()))
         scaler.update()
         scales.append(scaler._scale.clone())
     oracle = {
         "scales": torch.stack(scales),
+        "found_infs": torch.stack(found_infs),
+        "direct": direct,
         "scaler": scaler.state_dict(),
         "local": local_state(model, optimizer),
     }

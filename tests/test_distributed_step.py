@@ -99,6 +99,12 @@ def test_fsdp2_dtensor_grads_equal_gradscaler_with_fused_adamw(job: Any) -> None
     for record in ranks:
         famp_run, oracle = record["fsdp2"]["famp"], record["fsdp2"]["oracle"]
         assert_bitwise_equal(famp_run["found_infs"], expected_found)
+        assert_bitwise_equal(oracle["found_infs"], expected_found)
+        for direct, expected in zip(oracle["direct"], expected_found, strict=True):
+            # famp.unscale_and_check on DTensor grads, no group=: GradScaler.unscale_'s numbers
+            assert direct["type"] == "DTensor"
+            assert direct["equal"]
+            assert_bitwise_equal(direct["found_inf"], expected)
         assert famp_run["scaler"] == oracle["scaler"]
         for p, q in zip(famp_run["local"]["params"], oracle["local"]["params"], strict=True):
             assert p.dtype == torch.float32
