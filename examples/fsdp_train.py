@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> famp.ScalerState:
     args = parser.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    owner = world > 1 and not dist.is_initialized()  # torchrun started us: start the group
+    if owner:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank() if world > 1 else 0
     try:
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> famp.ScalerState:
         )
         return state
     finally:
-        if world > 1:
+        if owner:
             dist.destroy_process_group()
 
 

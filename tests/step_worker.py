@@ -10,7 +10,7 @@ Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
   ``train`` with an inf in the last rank's shard, next to ``GradScaler`` + fused AdamW (the oracle).
   A DCP checkpoint at step 3; torch's own full state at step 3 (for the W=1 resume in the test);
   a fresh model and optimizer resumed from the checkpoint at W=2 and trained to the end.
-- Finally the example's ``main`` runs at W=2 (its own process group), writing ``OUT/cli``.
+- Finally the example's ``main`` runs at W=2 in this process group, writing ``OUT/cli``.
 """
 
 from __future__ import annotations
@@ -199,10 +199,10 @@ def main() -> None:
     ex = load_example()
     try:
         record = {"fsdp1": fsdp1(ex, rank), "fsdp2": fsdp2(ex, rank, out_dir)}
+        torch.save(record, out_dir / f"rank{rank}.pt")
+        ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])
     finally:
         dist.destroy_process_group()
-    torch.save(record, out_dir / f"rank{rank}.pt")
-    ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])
 
 
 if __name__ == "__main__":

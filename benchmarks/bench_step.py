@@ -1,0 +1,215 @@
+"""Training-step benchmark: a full AMP step, famp ÷ torch, side by side in one run (not a test).
+
+Two models on CPU with bfloat16 autocast and dynamic loss scaling: the digits CNN of
+examples/train_digits.py (batch 64 of 8×8 images) and a small transformer block
+(``nn.TransformerEncoderLayer(64, 4, 256)`` and a 128-way head, batch 4 × 16 tokens). Each
+candidate does everything a training step does: forward under autocast, scaled backward, unscale
+and check, scale update, AdamW update that is skipped on overflow.
+
+- torch eager: ``torch.autocast`` + ``GradScaler`` (scale, step, update) + ``AdamW(fused=True)``.
+- famp eager: ``famp.autocast`` + ``famp.scale`` + ``backward`` + ``famp.optimizer_step`` (the same
+  fused AdamW) + ``famp.update_scale``.
+- famp functional eager: ``famp.value_and_grad`` + a pure AdamW + ``famp.skip_on_overflow``.
+- torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
+  eagerly (torch.amp cannot be traced: Dynamo skips it).
+- famp compiled: the whole functional step under ``torch.compile(fullgraph=True)`` (inductor).
+
+Candidates run interleaved, round after round; each figure is a median of per-round times.
+
+Run: python benchmarks/bench_step.py [--rounds 10] [--steps 10] [--threads 1]  (about 3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch.func import functional_call
+from torch.nn import functional
+
+import famp
+
+POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
+
+
+def digits_cnn() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 2 * 2, 10),
+    )
+    return model, torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x)).flatten(0, 1)
+
+
+def transformer_block() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    return Block(), torch.randn(4, 16, 64), torch.randint(0, 128, (4 * 16,))
+
+
+def adamw(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], opt: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 1e-2
+    count = opt["count"] + 1
+    mu = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, opt["mu"], grads)
+    nu = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, opt["nu"], grads)
+    c1, c2 = 1 - b1**count, 1 - b2**count
+    new = optree.tree_map(
+        lambda p, m, v: p * (1 - lr * wd) - lr * (m / c1) / ((v / c2).sqrt() + eps),
+        params,
+        mu,
+        nu,
+    )
+    return new, {"count": count, "mu": mu, "nu": nu}
+
+
+def candidates(
+    build: Callable[[], tuple[torch.nn.Module, torch.Tensor, torch.Tensor]], steps: int
+) -> dict[str, Callable[[], object]]:
+    """Each candidate runs ``steps`` training steps on its own copy of the model."""
+    out: dict[str, Callable[[], object]] = {}
+
+    def torch_loop(compiled: bool) -> Callable[[], object]:
+        torch.manual_seed(0)
+        model, x, y = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+        run = torch.compile(model) if compiled else model
+
+        def loop() -> object:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = functional.cross_entropy(run(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            return loss
+
+        return loop
+
+    def famp_loop() -> Callable[[], object]:
+        torch.manual_seed(0)
+        model, x, y = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        forward = famp.autocast(model, POLICY)
+        box = [famp.init_scaler()]
+
+        def loop() -> object:
+            state = box[0]
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                loss = functional.cross_entropy(forward(x), y)
+                famp.scale(state, loss).backward()
+                state = famp.update_scale(state, famp.optimizer_step(opt, state))
+            box[0] = state
+            return loss
+
+        return loop
+
+    def functional_loop(compiled: bool) -> Callable[[], object]:
+        torch.manual_seed(0)
+        model, x, y = build()
+        forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), POLICY)
+
+        def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return functional.cross_entropy(forward(p, x), y)
+
+        grad_fn = famp.value_and_grad(loss_fn)
+
+        def step(params: Any, opt: Any, state: famp.ScalerState, x: Any, y: Any) -> Any:
+            loss, grads, found_inf, state = grad_fn(state, params, x, y)
+            params, opt = famp.skip_on_overflow(found_inf, adamw(params, grads, opt), (params, opt))
+            return params, opt, state, loss
+
+        run = torch.compile(step, fullgraph=True) if compiled else step
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        zeros = optree.tree_map(torch.zeros_like, params)
+        box = [(params, {"count": torch.zeros(()), "mu": zeros, "nu": zeros}, famp.init_scaler())]
+
+        def loop() -> object:
+            params, opt, state = box[0]
+            for _ in range(steps):
+                params, opt, state, loss = run(params, opt, state, x, y)
+            box[0] = (params, opt, state)
+            return loss
+
+        return loop
+
+    out["torch eager"] = torch_loop(compiled=False)
+    out["famp eager (optimizer_step)"] = famp_loop()
+    out["famp functional eager"] = functional_loop(compiled=False)
+    out["torch compiled + GradScaler"] = torch_loop(compiled=True)
+    out["famp compiled fullgraph"] = functional_loop(compiled=True)
+    return out
+
+
+def median_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="training steps per timed round")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps"
+    )
+    rows = []
+    for name, build in [("digits CNN", digits_cnn), ("transformer block", transformer_block)]:
+        fns = candidates(build, args.steps)
+        began = time.perf_counter()
+        for fn in fns.values():  # warm up and compile (twice: the scaler state becomes a tensor)
+            fn()
+            fn()
+        warm = time.perf_counter() - began
+        t = median_times(fns, args.rounds)
+        per_step = {k: v / args.steps * 1e3 for k, v in t.items()}
+        print(f"\n{name} (warm-up and compilation {warm:.0f} s), ms per step:")
+        for k, v in per_step.items():
+            print(f"  {k:32s} {v:8.2f}")
+        eager = per_step["famp eager (optimizer_step)"] / per_step["torch eager"]
+        functional_eager = per_step["famp functional eager"] / per_step["torch eager"]
+        compiled = per_step["famp compiled fullgraph"] / per_step["torch compiled + GradScaler"]
+        rows.append((name, eager, functional_eager, compiled))
+    print(
+        "\n| model | famp eager ÷ torch eager | famp functional eager ÷ torch eager "
+        "| famp compiled fullgraph ÷ torch compiled + GradScaler |"
+    )
+    print("|---|---|---|---|")
+    for name, eager, functional_eager, compiled in rows:
+        print(f"| {name} | {eager:.2f} | {functional_eager:.2f} | {compiled:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
