@@ -2,6 +2,7 @@
 
 Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
 
+- ``value_and_grad``: ``famp.value_and_grad(group=)`` on local shards, rank 1 overflowing.
 - ``fsdp1``: FSDP1 with an inf injected into rank 1's gradient shard at one step. famp
   (``unscale_and_check(group=)`` + the fused SGD bridge), ``ShardedGradScaler`` with plain SGD (the
   oracle), and two torch setups that let the ranks diverge: plain ``GradScaler``, and
@@ -91,6 +92,21 @@ def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
             "found_infs": torch.stack(found_infs) if found_infs else None,
             "params": [p.detach().clone() for p in model.parameters()],
         }
+    return out
+
+
+def value_and_grad_group(rank: int) -> dict[str, Any]:
+    """value_and_grad(group=): each rank differentiates its own shard; rank 1's overflows."""
+    w = torch.full((4,), float(rank + 1))
+    x = torch.arange(4.0)
+    if rank == 1:
+        x[0] = math.inf
+    state = famp.init_scaler(2.0**10)
+    out = {}
+    for name, group in [("local", None), ("group", dist.group.WORLD)]:
+        step = famp.value_and_grad(lambda w, x: (w * x).sum(), group=group)
+        _, _, found_inf, new_state = step(state, w, x)
+        out[name] = (found_inf, new_state.scale)
     return out
 
 
@@ -198,7 +214,11 @@ def main() -> None:
     rank = dist.get_rank()
     ex = load_example()
     try:
-        record = {"fsdp1": fsdp1(ex, rank), "fsdp2": fsdp2(ex, rank, out_dir)}
+        record = {
+            "value_and_grad": value_and_grad_group(rank),
+            "fsdp1": fsdp1(ex, rank),
+            "fsdp2": fsdp2(ex, rank, out_dir),
+        }
         torch.save(record, out_dir / f"rank{rank}.pt")
         ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])
     finally:

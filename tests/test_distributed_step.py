@@ -63,6 +63,18 @@ def load_example() -> Any:
     return module
 
 
+def test_value_and_grad_group_gives_every_rank_the_same_found_inf_and_scale(job: Any) -> None:
+    _, ranks, _ = job
+    for rank, record in enumerate(ranks):
+        local_found, local_scale = record["value_and_grad"]["local"]
+        found, scale = record["value_and_grad"]["group"]
+        assert local_found.item() == float(rank == 1)  # without group=, only rank 1 sees it
+        assert local_scale.item() == (2.0**9 if rank == 1 else 2.0**10)
+        assert found.dtype == torch.float32
+        assert found.item() == 1.0
+        assert scale.item() == 2.0**9
+
+
 def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) -> None:
     from tests.step_worker import FSDP1_BAD_STEP, FSDP1_STEPS
 

@@ -152,6 +152,38 @@ def test_value_and_grad_returns_nonfinite_grads_and_the_backed_off_state() -> No
     assert new_state.growth_tracker.item() == 0
 
 
+def test_value_and_grad_under_vmap_equals_a_loop_over_samples() -> None:
+    """Per-sample grads: each sample gets its own found_inf and its own next scale."""
+    params = clone_params(MODEL)
+    xs, ys = make_batch(0, False)
+    xs[2, 1] = math.inf
+    state = famp.init_scaler(2.0**10, growth_interval=1)
+
+    def sample_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return functional.cross_entropy(functional_call(MODEL, p, (x[None],)), y[None])
+
+    step = famp.value_and_grad(sample_loss)
+    losses, grads, found_infs, states = torch.func.vmap(step, in_dims=(None, None, 0, 0))(
+        state, params, xs, ys
+    )
+    # torch.func's own per-sample grads (a power-of-two scale unscales exactly)
+    expected = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, xs, ys)
+    for k in params:
+        assert_bitwise_equal(grads[k], expected[k])
+    expected_losses = torch.func.vmap(sample_loss, in_dims=(None, 0, 0))(params, xs, ys)
+    torch.testing.assert_close(losses, expected_losses, rtol=0, atol=0, equal_nan=True)
+    assert found_infs.dtype == torch.float32
+    for i in range(len(xs)):
+        loss, grad, found_inf, new_state = step(state, params, xs[i], ys[i])
+        torch.testing.assert_close(losses[i], loss, equal_nan=True)  # vmap sums in another order
+        assert_bitwise_equal(found_infs[i], found_inf)
+        assert found_inf.item() == float(i == 2)
+        assert_bitwise_equal(states.scale[i], new_state.scale)
+        assert_bitwise_equal(states.growth_tracker[i], new_state.growth_tracker)
+        for k in params:  # vmap's batched matmuls sum in another order than one sample's
+            torch.testing.assert_close(grads[k][i], grad[k], equal_nan=True)
+
+
 def test_value_and_grad_bad_input() -> None:
     with pytest.raises(TypeError, match="argnums must be an int"):
         famp.value_and_grad(loss_fn, argnums="0")  # type: ignore[arg-type]
