@@ -8,7 +8,8 @@ and check, scale update, AdamW update that is skipped on overflow.
 
 - torch eager: ``torch.autocast`` + ``GradScaler`` (scale, step, update) + ``AdamW(fused=True)``.
 - famp eager: ``famp.autocast`` + ``famp.scale`` + ``backward`` + ``famp.optimizer_step`` (the same
-  fused AdamW) + ``famp.update_scale``.
+  fused AdamW) + ``famp.update_scale``; and the same with ``torch.autocast``, which isolates the
+  scaler and the optimizer bridge from the autocast transform.
 - famp functional eager: ``famp.value_and_grad`` + a pure AdamW + ``famp.skip_on_overflow``.
 - torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
   eagerly (torch.amp cannot be traced: Dynamo skips it).
@@ -108,7 +109,7 @@ def candidates(
 
         return loop
 
-    def famp_loop() -> Callable[[], object]:
+    def famp_loop(torch_autocast: bool = False) -> Callable[[], object]:
         torch.manual_seed(0)
         model, x, y = build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -119,7 +120,11 @@ def candidates(
             state = box[0]
             for _ in range(steps):
                 opt.zero_grad(set_to_none=True)
-                loss = functional.cross_entropy(forward(x), y)
+                if torch_autocast:  # isolates the scaler and the optimizer bridge
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = functional.cross_entropy(model(x), y)
+                else:
+                    loss = functional.cross_entropy(forward(x), y)
                 famp.scale(state, loss).backward()
                 state = famp.update_scale(state, famp.optimizer_step(opt, state))
             box[0] = state
@@ -158,6 +163,7 @@ def candidates(
 
     out["torch eager"] = torch_loop(compiled=False)
     out["famp eager (optimizer_step)"] = famp_loop()
+    out["famp scaler, torch.autocast"] = famp_loop(torch_autocast=True)
     out["famp functional eager"] = functional_loop(compiled=False)
     out["torch compiled + GradScaler"] = torch_loop(compiled=True)
     out["famp compiled fullgraph"] = functional_loop(compiled=True)

@@ -182,6 +182,33 @@ def _fresh_momentum(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter
     ]
 
 
+_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
+    """found_inf of the scaled grads: one fused pass with a unit scale, no unscaling (the
+    optimizer's kernel unscales), as GradScaler._check_inf_per_device does."""
+    device = state.scale.device
+    if group is None and all(
+        type(g) is torch.Tensor
+        and g.layout == torch.strided
+        and g.device == device
+        and g.dtype in _CHECK_DTYPES
+        for g in grads
+    ):
+        # The common case without unscale_and_check's generality (DTensors, sparse, devices).
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same_dtype in by_dtype.values():  # writes each value back unchanged (x * 1)
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, one)
+        return found_inf
+    unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
+    return unscale_and_check(unit, grads, group=group, donate=True)[1]
+
+
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     state: ScalerState | None = None,
@@ -250,10 +277,7 @@ def optimizer_step(
                 "famp.optimizer_step needs state (scaled grads) or found_inf, got neither"
             )
         if scaled:
-            # One fused pass over the scaled grads with a unit scale: a check, no unscaling (the
-            # optimizer's kernel unscales), exactly GradScaler._check_inf_per_device.
-            unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
-            _, found_inf = unscale_and_check(unit, _grads(optimizer), group=group, donate=True)
+            found_inf = _check(_grads(optimizer), state, group)
         else:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
     if not isinstance(found_inf, torch.Tensor) or found_inf.dtype != torch.float32:

@@ -52,10 +52,10 @@ def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     out: dict[str, Any] = {}
-    for name in ["famp", "sharded", "gradscaler", "sharded_fused"]:
+    for name in ["famp", "famp_bridge", "sharded", "gradscaler", "sharded_fused"]:
         model = FullyShardedDataParallel(ex.build_model(), device_id=torch.device("cpu"))
         optimizer = torch.optim.SGD(
-            model.parameters(), lr=0.1, fused=name in ("famp", "sharded_fused")
+            model.parameters(), lr=0.1, fused=name in ("famp", "famp_bridge", "sharded_fused")
         )
         kwargs = {"init_scale": 2.0**10, "growth_interval": 2}
         scaler: Any = (
@@ -69,7 +69,8 @@ def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
             x, y = ex.batch(step, rank, 2)
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
-            (famp.scale(state, loss) if name == "famp" else scaler.scale(loss)).backward()
+            uses_famp = name.startswith("famp")
+            (famp.scale(state, loss) if uses_famp else scaler.scale(loss)).backward()
             if step == FSDP1_BAD_STEP and rank == 1:
                 next(model.parameters()).grad.view(-1)[0] = math.inf
             if name == "famp":
@@ -80,6 +81,11 @@ def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
                 for p, g in zip(params, grads, strict=True):
                     p.grad = g
                 famp.optimizer_step(optimizer, found_inf=found_inf)
+                state = famp.update_scale(state, found_inf)
+                scales.append(state.scale)
+                found_infs.append(found_inf)
+            elif name == "famp_bridge":  # the scaled grads straight to the fused kernel
+                found_inf = famp.optimizer_step(optimizer, state, group=dist.group.WORLD)
                 state = famp.update_scale(state, found_inf)
                 scales.append(state.scale)
                 found_infs.append(found_inf)

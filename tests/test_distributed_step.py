@@ -7,6 +7,7 @@ resume the job's DCP checkpoint at world size 1 in this process.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import pathlib
 import socket
 import subprocess
@@ -80,8 +81,8 @@ def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) 
 
     _, ranks, _ = job
     expected_found = torch.tensor([float(s == FSDP1_BAD_STEP) for s in range(FSDP1_STEPS)])
-    for record in ranks:
-        famp_run, oracle = record["fsdp1"]["famp"], record["fsdp1"]["sharded"]
+    for record, name in itertools.product(ranks, ["famp", "famp_bridge"]):
+        famp_run, oracle = record["fsdp1"][name], record["fsdp1"]["sharded"]
         assert famp_run["found_infs"].dtype == torch.float32
         assert_bitwise_equal(famp_run["found_infs"], expected_found)  # rank 0 too: reduced
         assert_bitwise_equal(famp_run["scales"], oracle["scales"].reshape(-1))
