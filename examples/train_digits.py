@@ -168,12 +168,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/digits"))
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads; this model is too small to gain from more, and loses a lot when the "
+        "cores are busy with anything else",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return train(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(args: argparse.Namespace) -> float:
     device = torch.device(args.device)
     precision = args.precision
     if precision == "auto":
