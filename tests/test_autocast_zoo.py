@@ -1,4 +1,4 @@
-"""famp.autocast with the default rules equals torch.autocast on a model zoo, op by op and bit for bit.
+"""famp.autocast with the default rules equals torch.autocast on a model zoo, op by op, bitwise.
 
 For every model, dtype (bfloat16, float16 on CPU) and composition (plain autograd, and
 `torch.func.grad_and_value` around both), the dtype of every op's output (forward and backward,
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
