@@ -50,31 +50,51 @@ def _state(policy: Policy) -> tuple[bool, torch.dtype]:
     return policy.compute_dtype in _LOWER, policy.compute_dtype
 
 
+# torch's weight-cast cache is one map for all threads, keyed without the dtype. famp registers
+# the (thread, device type, dtype) of every eager call with autocast on; a call that starts while
+# another thread computes in another dtype on the same device type runs with the cache off.
+_ACTIVE: list[tuple[int, str, torch.dtype]] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
 class _EagerRegion:
-    """`torch.autocast.__enter__/__exit__` without its device checks, and with famp's cache rule.
+    """`torch.autocast.__enter__/__exit__` without its device checks, and with famp's cache rules.
 
     It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
-    as in famp's tests), where `torch.autocast` warns and turns itself off. When `switch_cache` is
-    set and autocast is already on with another dtype, torch's weight-cast cache (keyed without the
-    dtype) is cleared on entry and exit, so that no op reads a cast made for the other dtype.
+    as in famp's tests), where `torch.autocast` warns and turns itself off. A call's region
+    (`call=True`) clears torch's weight-cast cache on entry and exit when autocast is already on
+    with another dtype, and turns the cache off while another thread computes in another dtype.
     """
 
-    __slots__ = ("device_type", "dtype", "enabled", "prev", "switch_cache", "switched")
+    __slots__ = (
+        "call",
+        "device_type",
+        "dtype",
+        "enabled",
+        "entry",
+        "prev",
+        "prev_cache",
+        "switched",
+    )
 
-    def __init__(
-        self, device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool
-    ) -> None:
-        self.device_type, self.enabled, self.dtype = device_type, enabled, dtype
-        self.switch_cache = switch_cache
+    def __init__(self, device_type: str, enabled: bool, dtype: torch.dtype, call: bool) -> None:
+        self.device_type, self.enabled, self.dtype, self.call = device_type, enabled, dtype, call
         self.switched = False
         self.prev: tuple[bool, torch.dtype] = (False, dtype)
+        self.prev_cache = True
+        self.entry: tuple[int, str, torch.dtype] | None = None
 
     def __enter__(self) -> None:
         dev = self.device_type
         self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        self.switched = (
-            self.switch_cache and self.enabled and self.prev[0] and self.prev[1] != self.dtype
-        )
+        self.prev_cache = torch.is_autocast_cache_enabled()
+        if self.call and self.enabled:
+            self.switched = self.prev[0] and self.prev[1] != self.dtype
+            self.entry = (threading.get_ident(), dev, self.dtype)
+            with _ACTIVE_LOCK:
+                if any(t != self.entry[0] and d == dev and x != self.dtype for t, d, x in _ACTIVE):
+                    torch.set_autocast_cache_enabled(False)
+                _ACTIVE.append(self.entry)
         torch.set_autocast_enabled(dev, self.enabled)
         torch.set_autocast_dtype(dev, self.dtype)
         torch.autocast_increment_nesting()
@@ -86,14 +106,18 @@ class _EagerRegion:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled(self.device_type, self.prev[0])
         torch.set_autocast_dtype(self.device_type, self.prev[1])
+        torch.set_autocast_cache_enabled(self.prev_cache)
+        if self.entry is not None:
+            with _ACTIVE_LOCK:
+                _ACTIVE.remove(self.entry)
 
 
-def region(device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool = False) -> Any:
+def region(device_type: str, enabled: bool, dtype: torch.dtype, call: bool = False) -> Any:
     """A context manager that sets the device's autocast state for its body."""
     if torch.compiler.is_compiling():
         # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-    return _EagerRegion(device_type, enabled, dtype, switch_cache)
+    return _EagerRegion(device_type, enabled, dtype, call)
 
 
 # --- the record of one call -----------------------------------------------------------------------
@@ -334,8 +358,10 @@ class _Transform:
                 f"rules are for device_type {self.rules.device_type!r} but the call runs on "
                 f"{device_type!r}; pass famp.default_rules({device_type!r}).override(...)"
             )
-        if torch.compiler.is_compiling() or not (
-            self.compile or (self.compile is None and device_type == "cuda")
+        if (
+            torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()  # torch.compile cannot run in torch.func
+            or not (self.compile or (self.compile is None and device_type == "cuda"))
         ):
             return self.run(device_type, *args, **kwargs)
         if self.compiled is None:
@@ -351,7 +377,7 @@ class _Transform:
         if self.patterns:
             _add_hooks()
         try:
-            with region(device_type, *record.base, switch_cache=True):
+            with region(device_type, *record.base, call=True):
                 if record.needs_mode():
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)
@@ -433,8 +459,15 @@ def autocast(
     if device_type is not None:
         if not isinstance(device_type, str):
             raise TypeError(f"device_type must be a str or None; got {type(device_type).__name__}")
-        if not torch.amp.is_autocast_available(device_type):
-            raise ValueError(f"device_type {device_type!r} has no autocast support in torch")
+        try:
+            available = torch.amp.is_autocast_available(device_type)
+        except RuntimeError:
+            available = False
+        if not available:
+            raise ValueError(
+                f"device_type {device_type!r} has no autocast support in torch; "
+                "use a torch device type such as 'cpu' or 'cuda'"
+            )
     if rules is not None:
         if not isinstance(rules, OpRules):
             raise TypeError(f"rules must be a famp.OpRules or None; got {type(rules).__name__}")

@@ -260,10 +260,8 @@ def promote_dtype(lower: torch.dtype, args: Iterable[Any], device_type: str) -> 
             continue
         if current == torch.float32 or t.dtype == torch.float32:
             current = torch.float32
-        elif t.dtype != current:
-            raise RuntimeError(
-                f"promote rule: unexpected floating dtype {t.dtype} among {current} inputs"
-            )
+        elif t.dtype != current:  # torch's message
+            raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
     return current
 
 
@@ -316,6 +314,20 @@ def cast_args(
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def _spelled_out(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    full, rest = list(args), dict(kwargs)
+    for arg in func._schema.arguments[len(args) :]:
+        if arg.kwarg_only:
+            break
+        if arg.name in rest:
+            full.append(rest.pop(arg.name))
+        elif arg.has_default_value():
+            full.append(arg.default_value)
+    return tuple(full), rest
+
+
 def _gives_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
 
@@ -345,6 +357,13 @@ def apply_rule(
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
+            if isinstance(func, torch._ops.OpOverload) and not any(
+                a.name == "dtype" for a in func._schema.arguments
+            ):
+                # An overload without dtype: redispatch with every positional argument spelled out
+                # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).
+                args, kwargs = _spelled_out(func, args, kwargs)
+                func = getattr(torch.ops.aten, packet)
             kwargs = {**kwargs, "dtype": torch.float32}
     elif rule != "keep":
         raise ValueError(f"unknown rule {rule!r} for op {packet!r}")
