@@ -177,6 +177,7 @@ class _Call:
         self.track = not torch.compiler.is_compiling()
         self.plain = self.overrides is None and not self.patterns  # FampMode's fast path
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []

@@ -417,6 +417,13 @@ class FampMode(TorchFunctionMode):
         owner = self.owner
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
+        if owner.track:
+            # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
+            # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
+            dtype = torch.get_autocast_dtype(owner.device_type)
+            if dtype is not owner.seen_dtype:
+                torch.clear_autocast_cache()
+                owner.seen_dtype = dtype
         if owner.plain:
             out = call(func, args, kwargs)
             if owner.track and _writes(func, kwargs):

@@ -662,3 +662,82 @@ def test_grads_come_back_in_the_parameters_dtype() -> None:
     for name, g in grads.items():
         assert g.dtype == BF16
         assert_bitwise_equal(g, expected[name])
+
+
+# --- torch.autocast inside the transform --------------------------------------------------------
+
+
+def test_torch_autocast_inside_the_transform_behaves_as_nested_torch_autocast() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    rules = _cpu_rules({"layer_norm": "lower"})
+
+    def fn(x: torch.Tensor) -> list[torch.dtype]:
+        dtypes = [lin(x).dtype]
+        with torch.autocast("cpu", dtype=F16):  # an explicit dtype wins inside its region
+            dtypes += [lin(x).dtype, F.layer_norm(x, (4,)).dtype]  # overrides follow it
+        with torch.autocast("cpu"):  # no dtype: the policy's compute dtype
+            dtypes.append(lin(x).dtype)
+        with torch.autocast("cpu", enabled=False):  # off: no casts, no overrides
+            dtypes += [lin(x).dtype, F.layer_norm(x, (4,)).dtype]
+        return [*dtypes, lin(x).dtype]
+
+    # The same weight is cast for bf16, then f16: torch alone fails here (its cache ignores the
+    # dtype); famp drops the cache when the dtype in effect changes.
+    assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [BF16, F16, F16, BF16, F32, F32, BF16]
+    assert _autocast_state() == CLEAN
+
+
+# --- CUDA rules on fake CUDA tensors ------------------------------------------------------------
+# FakeTensorMode reaches torch's CUDA autocast kernels on this CPU-only machine. Tensors must not
+# require grad: torch's weight-cast cache aborts the process for fake CUDA tensors.
+
+
+def _cuda_ops(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> list[torch.dtype]:
+    h = F.linear(x, w)
+    return [
+        out.dtype
+        for out in (
+            h,
+            torch.mm(x, w),
+            F.layer_norm(h, (8,), g, g),
+            F.rms_norm(h, (8,), g),
+            h.softmax(-1),
+            h.log_softmax(-1, dtype=torch.float16),
+            h.sum(),
+            h.exp(),
+            h.cumsum(0),
+            torch.addcmul(h, h, x),
+            F.gelu(h),
+            F.mse_loss(h, x),
+            torch.cat([h, x]),
+        )
+    ]
+
+
+def test_default_cuda_rules_match_torch_cuda_autocast_on_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w, g = (
+            torch.randn(4, 8, device="cuda"),
+            torch.randn(8, 8, device="cuda"),
+            torch.ones(8, device="cuda"),
+        )
+        famp_dtypes = famp.autocast(_cuda_ops, "c=f16", compile=False)(x, w, g)
+        region = famp_autocast.region("cuda", True, F16)
+        with region:
+            torch_dtypes = _cuda_ops(x, w, g)
+        overridden = famp.autocast(
+            _cuda_ops,
+            "c=f16",
+            rules=famp.default_rules("cuda").override(
+                {"rms_norm": "lower", "layer_norm": "lower", "softmax": "keep", "mm": "float32"}
+            ),
+            compile=False,
+        )(x, w, g)
+    assert famp_dtypes == torch_dtypes
+    assert torch_dtypes[:6] == [F16, F16, F32, F32, F32, F16]
+    expected = list(torch_dtypes)
+    expected[1:5] = [F32, F16, F16, F16]
+    assert overridden == expected
+    assert _autocast_state() == CLEAN
