@@ -741,3 +741,187 @@ def test_default_cuda_rules_match_torch_cuda_autocast_on_fake_tensors() -> None:
     expected[1:5] = [F32, F16, F16, F16]
     assert overridden == expected
     assert _autocast_state() == CLEAN
+
+
+# --- custom_fwd / custom_bwd --------------------------------------------------------------------
+
+STATES: list[tuple[str, bool, torch.dtype, tuple[torch.dtype, ...]]] = []
+
+
+def _record(stage: str, *tensors: torch.Tensor) -> None:
+    STATES.append(
+        (
+            stage,
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            tuple(t.dtype for t in tensors),
+        )
+    )
+
+
+def _function(fwd_decorator: Any, bwd_decorator: Any) -> type[torch.autograd.Function]:
+    class ScaledMatmul(torch.autograd.Function):
+        @staticmethod
+        @fwd_decorator
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            _record("forward", a, b)
+            ctx.save_for_backward(a, b)
+            return torch.mm(a, b) * 2
+
+        @staticmethod
+        @bwd_decorator
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            _record("backward", grad)
+            return torch.mm(grad, b.T) * 2, torch.mm(a.T, grad) * 2
+
+    return ScaledMatmul
+
+
+TORCH_BWD = torch.amp.custom_bwd(device_type="cpu")
+
+
+@pytest.mark.parametrize(
+    ("rule", "cast_inputs"), [("float32", F32), ("lower", BF16), ("keep", None)]
+)
+def test_custom_fwd_equals_torch_custom_fwd(rule: str, cast_inputs: torch.dtype | None) -> None:
+    ours = _function(famp.custom_fwd(rule=rule), famp.custom_bwd)
+    theirs = _function(torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs), TORCH_BWD)
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2).to(BF16).requires_grad_()
+    results = []
+    for fn in (theirs, ours):
+        STATES.clear()
+        with torch.autocast("cpu", dtype=BF16):
+            out = fn.apply(a, b)
+        grads = torch.autograd.grad(out.float().sum(), [a, b])
+        results.append((out, grads, list(STATES)))
+    (e_out, e_grads, e_states), (out, grads, states) = results
+    assert states == e_states
+    assert_bitwise_equal(out, e_out)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+    in_famp = famp.autocast(lambda a, b: ours.apply(a, b), "c=bf16,o=bf16")(a, b)
+    assert_bitwise_equal(in_famp, e_out.to(BF16))
+
+
+def test_custom_fwd_follows_module_rules_and_promotes() -> None:
+    class Block(nn.Module):
+        def __init__(self, fn: type[torch.autograd.Function]) -> None:
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.fn.apply(a, b)
+
+    lower = Block(_function(famp.custom_fwd(rule="lower"), famp.custom_bwd))
+    promote = Block(_function(famp.custom_fwd(rule="promote"), famp.custom_bwd))
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2).to(BF16).requires_grad_()
+    STATES.clear()
+    out = famp.autocast(lower, "c=bf16", module_rules={"": "c=f16,o=f16"})(a, b.float())
+    assert out.dtype == BF16  # the transform's output dtype
+    assert STATES[0] == ("forward", False, F16, (F16, F16))  # the module's compute dtype
+    STATES.clear()
+    famp.autocast(promote, "c=bf16")(a, b)
+    assert STATES[0] == ("forward", False, BF16, (F32, F32))  # float32 among the inputs wins
+    STATES.clear()
+    promote(a, b.float())  # outside autocast: a no-op
+    assert STATES[0] == ("forward", False, BF16, (F32, F32))
+    with pytest.raises(ValueError, match="rule must be one of keep, lower, float32, promote"):
+        famp.custom_fwd(rule="float16")
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+torch.manual_seed(0)
+COMPILE_NET = Net()
+COMPILE_X = torch.randn(5, 6)
+COMPILE_CASES = {
+    "default": {},
+    "overrides": {
+        "rules": _cpu_rules({"linear": "float32", "layer_norm": "lower", "gelu": "lower"})
+    },
+    "module_rules": {"module_rules": {"norm": "f32", "head": "c=f16,o=f16"}},
+}
+
+
+def _compile_loss(**kwargs: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    f = famp.autocast(COMPILE_NET, "c=bf16,o=f32", **kwargs)
+    return lambda x: f(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_traces_with_fullgraph_and_no_graph_breaks(case: str) -> None:
+    explanation = torch._dynamo.explain(_compile_loss(**COMPILE_CASES[case]))(COMPILE_X)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    assert _autocast_state() == CLEAN
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_compiled_equals_eager_bitwise_with_aot_eager(case: str) -> None:
+    # aot_eager runs the traced aten graph as is: its values are eager's, cast for cast.
+    loss = _compile_loss(**COMPILE_CASES[case])
+    params = list(COMPILE_NET.parameters())
+    expected = loss(COMPILE_X)
+    e_grads = torch.autograd.grad(expected, params)
+    actual = torch.compile(loss, fullgraph=True, backend="aot_eager")(COMPILE_X)
+    grads = torch.autograd.grad(actual, params)
+    assert_bitwise_equal(actual, expected)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+    assert _autocast_state() == CLEAN
+
+
+def _torch_mlp_loss(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        out = COMPILE_NET(x)
+    return out.float().pow(2).sum()
+
+
+FAMP_MLP = famp.autocast(COMPILE_NET, "c=bf16,o=f32")
+
+
+def _famp_mlp_loss(x: torch.Tensor) -> torch.Tensor:
+    return FAMP_MLP(x).pow(2).sum()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_transform_equals_compiled_torch_autocast(
+    transform: Callable[[Any], Any],
+) -> None:
+    # Inductor fuses and may round differently from eager, for torch.autocast as for famp: the
+    # oracle for a compiled famp function is the compiled torch.autocast function.
+    params = list(COMPILE_NET.parameters())
+    expected = transform(_torch_mlp_loss)(COMPILE_X)
+    e_grads = torch.autograd.grad(expected, params)
+    actual = transform(_famp_mlp_loss)(COMPILE_X)
+    grads = torch.autograd.grad(actual, params)
+    assert_bitwise_equal(actual, expected)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+
+
+def test_compile_argument_decides_when_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[Any] = []
+
+    def fake_compile(fn: Any, **kwargs: Any) -> Any:
+        compiled.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    x = torch.randn(2, 4)
+    famp.autocast(LIN, "c=bf16")(x)
+    famp.autocast(LIN, "c=bf16", compile=False)(x)
+    assert compiled == []
+    famp.autocast(LIN, "c=bf16", compile=True)(x)
+    assert compiled == [{"fullgraph": True}]
+    # Inside torch.func transforms famp does not compile itself (torch.compile cannot run there).
+    torch.func.grad(lambda x: famp.autocast(LIN, "c=bf16", compile=True)(x).float().sum())(x)
+    assert len(compiled) == 1
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_cuda = torch.randn(2, 4, device="cuda")
+        famp.autocast(lambda x: x * 2, "c=f16")(on_cuda)  # compile=None: CUDA inputs compile
+        famp.autocast(lambda x: x * 2, "c=f16", compile=False)(on_cuda)
+    assert len(compiled) == 2
