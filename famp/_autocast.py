@@ -172,19 +172,17 @@ class _Call:
         self.overrides = transform.overrides
         self.patterns = transform.patterns
         self.policies = transform.policies
-        # Eagerly, in-place writes are watched so that no stale weight cast is read; compiled
-        # graphs carry their casts explicitly and have no cache.
+        # With FampMode active (overrides or module rules) and eagerly, in-place writes and
+        # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
+        # compiled graphs carry their casts explicitly and have no cache.
         self.track = not torch.compiler.is_compiling()
-        self.plain = self.overrides is None and not self.patterns  # FampMode's fast path
+        self.intercepts = self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
-
-    def needs_mode(self) -> bool:
-        return not self.plain or self.track
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
@@ -379,7 +377,7 @@ class _Transform:
             _add_hooks()
         try:
             with region(device_type, *record.base, call=True):
-                if record.needs_mode():
+                if record.intercepts:
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)
                 else:

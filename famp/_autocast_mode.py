@@ -117,16 +117,6 @@ def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 
 
-_WRITERS: dict[Any, bool] = {}  # func -> writes_first_arg without `out=`, memoized (eager only)
-
-
-def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
-    writes = _WRITERS.get(func)
-    if writes is None:
-        writes = _WRITERS[func] = writes_first_arg(op_name(func)[0], {})
-    return writes or (bool(kwargs) and kwargs.get("out") is not None)
-
-
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
 
 
@@ -424,11 +414,6 @@ class FampMode(TorchFunctionMode):
             if dtype is not owner.seen_dtype:
                 torch.clear_autocast_cache()
                 owner.seen_dtype = dtype
-        if owner.plain:
-            out = call(func, args, kwargs)
-            if owner.track and _writes(func, kwargs):
-                owner.invalidate(args[0] if args else None)
-            return out
         if owner.overrides is not None and func not in self.inside:
             body = _COPIES.get(func)
             if body is not None:

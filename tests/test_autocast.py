@@ -206,11 +206,19 @@ def test_a_weight_cast_is_not_reused_after_an_in_place_update() -> None:
     with torch.autocast("cpu", dtype=BF16):
         stale_first, stale = two_uses(x)
     assert_bitwise_equal(stale, stale_first)  # torch reads the cast made before the update
-    first, second = famp.autocast(two_uses, "c=bf16,o=bf16")(x)
+    # The default rules add no per-op work, and keep torch's cache as it is within one call.
+    assert_bitwise_equal(*famp.autocast(two_uses, "c=bf16,o=bf16")(x))
+    # With op interception on (any override or module rule), in-place writes are watched.
+    rules = _cpu_rules({"rms_norm": "lower"})
+    first, second = famp.autocast(two_uses, "c=bf16,o=bf16", rules=rules)(x)
     with torch.autocast("cpu", dtype=BF16):
         fresh = F.linear(x, w)
     assert_bitwise_equal(second, fresh)
     assert not torch.equal(second, first)
+    # famp's own casts (of ops it overrides) are keyed by tensor, dtype and version.
+    own = famp.default_rules("cpu").override({"linear": "lower", "mm": "lower"})
+    first, second = famp.autocast(two_uses, "c=f16,o=f16", rules=own)(x)
+    assert_bitwise_equal(second, F.linear(x.half(), w.half()))
 
 
 def test_a_weight_used_several_times_is_cast_once_per_call_as_in_torch() -> None:
@@ -669,7 +677,6 @@ def test_grads_come_back_in_the_parameters_dtype() -> None:
 
 def test_torch_autocast_inside_the_transform_behaves_as_nested_torch_autocast() -> None:
     lin, x = nn.Linear(4, 4), torch.randn(2, 4)
-    rules = _cpu_rules({"layer_norm": "lower"})
 
     def fn(x: torch.Tensor) -> list[torch.dtype]:
         dtypes = [lin(x).dtype]
@@ -681,8 +688,12 @@ def test_torch_autocast_inside_the_transform_behaves_as_nested_torch_autocast() 
             dtypes += [lin(x).dtype, F.layer_norm(x, (4,)).dtype]
         return [*dtypes, lin(x).dtype]
 
-    # The same weight is cast for bf16, then f16: torch alone fails here (its cache ignores the
-    # dtype); famp drops the cache when the dtype in effect changes.
+    # The same weight is cast for bf16, then f16. torch's cache ignores the dtype: torch fails,
+    # and so does famp with the default rules, which leave torch's cache as it is.
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        famp.autocast(fn, "c=bf16")(x)
+    # With op interception on, famp drops the cache whenever the dtype in effect changes.
+    rules = _cpu_rules({"layer_norm": "lower"})
     assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [BF16, F16, F16, BF16, F32, F32, BF16]
     assert _autocast_state() == CLEAN
 
