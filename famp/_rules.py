@@ -9,13 +9,12 @@ Keys are aten op names without the ``aten::`` prefix. A packet key (``"linear"``
 overloads, nor scalar-only ones such as ``pow.int``); a ``"packet.overload"`` key covers that one
 overload and wins over the packet key. Unlisted ops are ``"keep"``.
 
-``python -m famp._rules --markdown`` prints the per-device table that ``docs/autocast.md`` holds.
+``python -m famp._rules_table`` prints the per-device table that ``docs/autocast.md`` holds.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, get_args
@@ -451,31 +450,3 @@ __test__ = {
     f"OpRules.{name}": getattr(OpRules, name)
     for name in ("lookup", "override", "to_dict", "from_dict", "table")
 }
-
-
-def _display_name(packet: str, overload: str) -> str:
-    return packet if overload == "default" else f"{packet}.{overload}"
-
-
-def markdown_table() -> str:
-    """The per-device rule table of ``docs/autocast.md``, one row per listed overload."""
-    tables = {device: default_rules(device) for device in DEVICE_TYPES}
-    rows: set[tuple[str, str]] = set()
-    for rules in tables.values():
-        for key in rules:
-            packet, dot, overload = key.partition(".")
-            rows.update((packet, o) for o in ([overload] if dot else sorted(_covered(packet))))
-    header = "| op | " + " | ".join(f"`{d}`" for d in DEVICE_TYPES) + " |"
-    lines = [header, "|---" * (len(DEVICE_TYPES) + 1) + "|"]
-    for packet, overload in sorted(rows):
-        cells = [tables[d].lookup(packet, overload) for d in DEVICE_TYPES]
-        lines.append(f"| `{_display_name(packet, overload)}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    if sys.argv[1:] == ["--markdown"]:
-        print(markdown_table())
-    else:
-        for _device in DEVICE_TYPES:
-            print(default_rules(_device), end="\n\n")

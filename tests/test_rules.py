@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
 import typing
 
@@ -394,3 +395,13 @@ def test_dtype_rules_only_apply_to_ops_with_a_dtype_argument(
         {"sum": "float32_set_opt_dtype", "norm.Scalar": "float32_append_dtype"}
     )
     assert ok.lookup("sum", "dim_IntList") == "float32_set_opt_dtype"
+
+
+def test_docs_rule_table_is_the_generated_one() -> None:
+    from famp._rules_table import END, START, markdown_table
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
+    assert START in text, "run python -m famp._rules_table into docs/autocast.md"
+    assert END in text, "run python -m famp._rules_table into docs/autocast.md"
+    committed = text.split(START, 1)[1].split(END, 1)[0].strip()
+    assert committed == markdown_table(), "docs/autocast.md is stale: python -m famp._rules_table"
