@@ -405,3 +405,19 @@ def test_docs_rule_table_is_the_generated_one() -> None:
     assert END in text, "run python -m famp._rules_table into docs/autocast.md"
     committed = text.split(START, 1)[1].split(END, 1)[0].strip()
     assert committed == markdown_table(), "docs/autocast.md is stale: python -m famp._rules_table"
+
+
+_TRACED_RULES = famp.default_rules("cpu").override({"relu": "float32"})
+
+
+def _cast_by_rule(x: torch.Tensor) -> torch.Tensor:
+    y = x.to(torch.bfloat16) if _TRACED_RULES.lookup("linear") == "lower" else x
+    if _TRACED_RULES["relu"] == "float32" and "relu" in _TRACED_RULES:
+        y = y * 2
+    return y
+
+
+def test_rules_are_read_inside_a_fullgraph_compiled_function() -> None:
+    out = torch.compile(_cast_by_rule, fullgraph=True, backend="eager")(torch.ones(2))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.full((2,), 2.0, dtype=torch.bfloat16))
