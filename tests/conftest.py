@@ -17,7 +17,9 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.register_profile(
-    "thorough", deadline=None, max_examples=2000,
+    "thorough",
+    deadline=None,
+    max_examples=2000,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile(os.environ.get("FAMP_HYPOTHESIS_PROFILE", "default"))

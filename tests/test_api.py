@@ -26,7 +26,8 @@ def test_public_name_has_docstring_and_public_module(name: str) -> None:
     if inspect.isfunction(obj) or inspect.isclass(obj):
         assert obj.__module__ == "famp", f"famp.{name}.__module__ is {obj.__module__!r}"
         doc = inspect.getdoc(obj)
-        assert doc and len(doc.splitlines()[0]) > 10, f"famp.{name} needs a docstring"
+        assert doc, f"famp.{name} needs a docstring"
+        assert len(doc.splitlines()[0]) > 10, f"famp.{name}'s docstring needs a summary line"
 
 
 @pytest.mark.parametrize("name", PUBLIC)
