@@ -13,6 +13,13 @@ from __future__ import annotations
 from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+from famp._distributed import layout_of
+from famp._fsdp import reshard_optim_state, shard_optim_state, unshard_optim_state
+from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
+from famp._fsdp_load import optim_state_dict_to_load
+from famp._rekey import optim_state_by_fqn, optim_state_by_id
+
+from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes  # isort: skip
 
 # --- training steps: _step.py -------------------------------------------------------------------
 
@@ -26,5 +33,18 @@ __all__: list[str] = [
     "Rule",
     "default_rules",
     # FSDP optimizer state
+    "FSDP1Layout",
+    "FSDP2Layout",
+    "fsdp1_layout",
+    "fsdp2_layout",
+    "layout_of",
+    "load_dcp_optim_state",
+    "optim_state_by_fqn",
+    "optim_state_by_id",
+    "optim_state_dict_to_load",
+    "read_dcp_param_shapes",
+    "reshard_optim_state",
+    "shard_optim_state",
+    "unshard_optim_state",
     # training steps
 ]
