@@ -6,6 +6,123 @@ wrapped models live here, so that the import graph stays a tree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
+from famp._rekey import clean_fqn
+
 # --- found_inf reduction across ranks (used by unscale_and_check's `group=`) ---------------------
 
 # --- layouts read off live FSDP1 / FSDP2 models (layout_of) --------------------------------------
+
+
+def _layout_fsdp2(params: Sequence[tuple[str, torch.Tensor]]) -> FSDP2Layout:
+    from torch.distributed.tensor import DTensor, Shard
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    dims: dict[str, int] = {}
+    world_sizes: dict[int, str] = {}
+    for name, param in params:
+        fqn = clean_fqn(name)
+        if not isinstance(param, DTensor):
+            raise ValueError(f"parameter {fqn!r} is not sharded by fully_shard (not a DTensor)")
+        placements = param.placements
+        if param.device_mesh.ndim != 1 or not isinstance(placements[0], Shard):
+            raise ValueError(
+                f"parameter {fqn!r} has placements {placements} on a {param.device_mesh.ndim}-d "
+                "mesh; famp supports FSDP2's plain Shard(dim) on a 1-d mesh"
+            )
+        world_sizes.setdefault(param.device_mesh.size(), fqn)
+        shapes[fqn] = tuple(param.shape)
+        dims[fqn] = placements[0].dim
+    if len(world_sizes) > 1:
+        raise ValueError(f"parameters are sharded over different world sizes: {world_sizes}")
+    return fsdp2_layout(shapes, next(iter(world_sizes)), shard_dims=dims)
+
+
+def _layout_fsdp1(model: torch.nn.Module) -> FSDP1Layout:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    units: list[dict[str, tuple[int, ...]]] = []
+    settings: dict[tuple[int, bool, torch.dtype], str] = {}
+    module_names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = module._handle
+        if handle is None:
+            continue  # a unit without parameters of its own
+        prefix = module_names[id(module)]
+        strategy = module.sharding_strategy
+        sharded = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+        # FSDP1 itself switches to NO_SHARD on one rank
+        if strategy not in sharded and (module.world_size, strategy) != (
+            1,
+            ShardingStrategy.NO_SHARD,
+        ):
+            raise ValueError(
+                f"FSDP unit {prefix!r} uses {strategy}; famp supports FULL_SHARD and SHARD_GRAD_OP"
+            )
+        flat = handle.flat_param
+        dtype = handle._fwd_bwd_param_dtype
+        assert dtype is not None, "FSDP1 sets the compute dtype at construction"
+        setting = (module.world_size, handle._use_orig_params, dtype)
+        settings.setdefault(setting, prefix)
+        units.append(
+            {
+                (f"{prefix}.{name}" if prefix else name): tuple(shape)
+                for name, shape in zip(flat._fqns, flat._shapes, strict=True)
+            }
+        )
+    if len(settings) != 1:
+        raise ValueError(
+            "FSDP units differ in (world_size, use_orig_params, param_dtype): "
+            f"{sorted(settings.items(), key=lambda kv: kv[1])}; one layout needs them equal"
+        )
+    ((world_size, use_orig_params, param_dtype),) = settings
+    return fsdp1_layout(units, world_size, use_orig_params=use_orig_params, param_dtype=param_dtype)
+
+
+def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
+    """The layout of a live model wrapped by FSDP2's ``fully_shard`` or by FSDP1.
+
+    FSDP2: every parameter is a DTensor sharded on one dim of a 1-d mesh; the layout records its
+    global shape and shard dim. FSDP1: every unit's flat parameter gives its original parameters'
+    names and shapes, and the unit its world size, ``use_orig_params`` and compute dtype.
+    Names are cleaned as in state dicts (no ``_fsdp_wrapped_module.``, ``_orig_mod.`` or
+    ``_checkpoint_wrapped_module.``). Reads metadata only; runs no collective.
+
+    Args:
+        model: the wrapped root module.
+
+    Returns:
+        The :class:`famp.FSDP2Layout` or :class:`famp.FSDP1Layout` equal to the one built from
+        names and shapes with :func:`famp.fsdp2_layout` or :func:`famp.fsdp1_layout`.
+
+    Raises:
+        ValueError: the model is not wrapped, mixes FSDP1 and FSDP2 or plain parameters, uses a
+            2-d mesh (HSDP, tensor parallel), ``NO_SHARD`` or ``HYBRID_SHARD``, or its FSDP1 units
+            differ in world size, ``use_orig_params`` or ``param_dtype``.
+
+    Examples:
+        >>> import famp, torch
+        >>> famp.layout_of(torch.nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: the model has no FSDP1 or FSDP2 sharded parameters
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.named_parameters())
+    fsdp2 = any(isinstance(p, DTensor) for _, p in params)
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        if fsdp2:
+            raise ValueError("the model mixes FSDP1 and FSDP2 (DTensor) parameters")
+        return _layout_fsdp1(model)
+    if not fsdp2:
+        raise ValueError("the model has no FSDP1 or FSDP2 sharded parameters")
+    return _layout_fsdp2(params)
+
+
+layout_of.__module__ = "famp"

@@ -1,0 +1,252 @@
+"""Reading DCP checkpoints into famp's canonical optimizer state, offline, in one process.
+
+``torch.distributed.checkpoint`` (DCP) saves ``{"model": msd, "optim": osd}`` from
+``get_state_dict`` as flattened entries (``optim.state.<fqn>.exp_avg``,
+``optim.param_groups.<i>.<key>``), each tensor as the chunks its ranks held. These functions
+rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint
+through DCP's own reader and load planner, with no process group; ``famp.shard_optim_state`` then
+cuts it for any layout and world size.
+
+DCP's reader lives in ``torch.distributed.checkpoint``; famp confines that import to
+``famp/_dcp_reader.py`` and imports it on the first read, so this module and ``import famp`` stay
+free of it. No collective runs either way.
+
+Not supported: storage other than a local (or mounted) file system; checkpoints written without
+DCP's ``planner_data`` (before torch 2.0); reading only one rank's region (the full state is read).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["load_dcp_optim_state", "read_dcp_param_shapes"]
+
+_OPTIM_KEYS = ("state", "param_groups")
+
+
+def load_dcp_optim_state(
+    checkpoint_id: str | os.PathLike[str], *, key: str = "optim"
+) -> dict[str, Any]:
+    """Read the optimizer state of a DCP checkpoint into the full FQN-keyed form, offline.
+
+    The checkpoint is what ``dcp.save({"model": msd, key: osd}, checkpoint_id=...)`` wrote at any
+    world size, with ``osd`` from ``get_state_dict`` or ``get_optimizer_state_dict`` (FSDP2, or
+    FSDP1 sharded). Every tensor is assembled whole from its saved chunks (empty shards included)
+    by DCP's ``FileSystemReader`` and a load planner, in this process, with no process group.
+
+    The result is what ``get_optimizer_state_dict`` returns with ``full_state_dict=True``:
+    ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, tensors
+    on CPU in their saved dtype. ``state`` follows the ``param_groups`` order; the keys inside each
+    entry and each group come back sorted (``params`` last), as the checkpoint does not keep
+    their order.
+
+    Nothing in the checkpoint is unpickled beyond plain data: the ``.metadata`` file may only name
+    DCP's metadata classes, and non-tensor values are read with ``torch.load(weights_only=True)``.
+
+    Args:
+        checkpoint_id: the checkpoint directory (it holds ``.metadata`` and ``*.distcp`` files).
+        key: the top-level key the optimizer state was saved under.
+
+    Returns:
+        The full optimizer state dict. Pass it to ``famp.shard_optim_state`` for any layout, or to
+        ``set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))``.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_id`` does not exist.
+        KeyError: ``key`` or its ``param_groups`` is not in the checkpoint.
+        ValueError: not a DCP checkpoint; metadata naming a class famp does not unpickle; chunks
+            that do not tile a tensor; an entry under ``key`` other than ``state`` and
+            ``param_groups``; a parameter in two param groups or a state entry in none.
+
+    Examples:
+        >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
+        >>> osd = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 3)}},
+        ...        "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with warnings.catch_warnings():  # one process, no process group: DCP warns
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"optim": osd}, checkpoint_id=tmp.name, no_dist=True)
+        >>> full = famp.load_dcp_optim_state(tmp.name)
+        >>> full["param_groups"], full["state"]["w"]["exp_avg"].shape
+        ([{'lr': 0.1, 'params': ['w']}], torch.Size([2, 3]))
+        >>> tmp.cleanup()
+    """
+    return _load_optim_state(checkpoint_id, key, None)
+
+
+def read_dcp_param_shapes(
+    checkpoint_id: str | os.PathLike[str], *, key: str = "model", optim_key: str = "optim"
+) -> dict[str, torch.Size]:
+    """The shape of every parameter in a DCP checkpoint's optimizer state, for building a layout.
+
+    Reads the metadata and the small ``param_groups`` entries only, no tensor data. For each FQN in
+    the ``param_groups`` (in their order) the shape is that of the model entry ``<key>.<fqn>``;
+    without one, the common shape of the parameter's saved optimizer-state tensors of at least one
+    dimension (``exp_avg``, ``exp_avg_sq``, ...), or ``torch.Size([])`` if all of them are 0-d.
+
+    Args:
+        checkpoint_id: the checkpoint directory.
+        key: the top-level key of the model state dict (``{"model": msd, ...}``).
+        optim_key: the top-level key of the optimizer state dict.
+
+    Returns:
+        ``{fqn: torch.Size}``, ready for ``famp.fsdp2_layout(shapes, world_size)``.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_id`` does not exist.
+        KeyError: ``optim_key`` is not in the checkpoint, or a parameter has neither a model entry
+            nor optimizer state to read its shape from.
+        ValueError: as for ``famp.load_dcp_optim_state``, or a parameter's state tensors disagree
+            on its shape.
+
+    Examples:
+        >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
+        >>> msd = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
+        >>> osd = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 3)}},
+        ...        "param_groups": [{"lr": 0.1, "params": ["w", "b"]}]}
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp.name, no_dist=True)
+        >>> famp.read_dcp_param_shapes(tmp.name)
+        {'w': torch.Size([2, 3]), 'b': torch.Size([2])}
+        >>> tmp.cleanup()
+    """
+    from famp import _dcp_reader as reader
+
+    metadata = reader.read_metadata(checkpoint_id)
+    _check_optim_entries(metadata, checkpoint_id, optim_key)
+    groups = reader.read_entries(checkpoint_id, [(optim_key, "param_groups")])[optim_key]
+    optim = _canonical({"param_groups": groups["param_groups"]}, optim_key)
+    model: dict[str, torch.Size] = {}
+    state: dict[str, list[torch.Size]] = {}
+    for _, md, path in reader.selected_entries(metadata, [(key,), (optim_key, "state")]):
+        if not reader.is_tensor_entry(md):
+            continue
+        if len(path) == 2 and path[0] == key:
+            model[str(path[1])] = torch.Size(md.size)  # type: ignore[union-attr]
+        elif len(path) == 4 and path[0] == optim_key:
+            state.setdefault(str(path[2]), []).append(torch.Size(md.size))  # type: ignore[union-attr]
+    shapes = {}
+    for fqn in _group_fqns(optim["param_groups"]):
+        shape = model.get(fqn)
+        if shape is None:
+            shape = param_shape_from_state(f"{optim_key}.state.{fqn}", state.get(fqn, []))
+        if shape is None:
+            raise KeyError(
+                f"parameter {fqn!r} has no entry {key}.{fqn} and no optimizer state to read its "
+                f"shape from in {os.fspath(checkpoint_id)!r}"
+            )
+        shapes[fqn] = shape
+    return shapes
+
+
+def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Size | None:
+    """A parameter's shape read off its state tensors' shapes; ``None`` if there are none.
+
+    The tensors of one dimension or more must agree (``exp_avg``, ``exp_avg_sq``, ...); if all are
+    0-d, the parameter is 0-d.
+    """
+    shaped = {tuple(s) for s in shapes if len(s) > 0}
+    if len(shaped) > 1:
+        raise ValueError(
+            f"{where}: state tensors disagree on the parameter's shape: {sorted(shaped)}"
+        )
+    if shaped:
+        return torch.Size(shaped.pop())
+    return torch.Size([]) if shapes else None
+
+
+def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
+    """Bytes of the tensors saved under ``key``, from the metadata alone."""
+    from famp import _dcp_reader as reader
+
+    metadata = reader.read_metadata(checkpoint_id)
+    _check_optim_entries(metadata, checkpoint_id, key)
+    total = 0
+    for _, md, _ in reader.selected_entries(metadata, [(key,)]):
+        if reader.is_tensor_entry(md):
+            props, size = md.properties, md.size  # type: ignore[union-attr]
+            total += torch.Size(size).numel() * torch.empty((), dtype=props.dtype).element_size()
+    return total
+
+
+def _load_optim_state(
+    checkpoint_id: str | os.PathLike[str], key: str, progress: Callable[[int], None] | None
+) -> dict[str, Any]:
+    from famp import _dcp_reader as reader
+
+    metadata = reader.read_metadata(checkpoint_id)
+    _check_optim_entries(metadata, checkpoint_id, key)
+    raw = reader.read_entries(checkpoint_id, [(key,)], progress)[key]
+    return _canonical(raw, key)
+
+
+def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> None:
+    from famp import _dcp_reader as reader
+
+    paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]
+    if not any(p[0] == key for p in paths):
+        tops = sorted({str(p[0]) for p in paths})
+        raise KeyError(
+            f"key {key!r} is not in DCP checkpoint {os.fspath(checkpoint_id)!r}; "
+            f"its top-level keys are {tops}"
+        )
+    for p in paths:
+        if p[0] == key and (len(p) < 3 or p[1] not in _OPTIM_KEYS):
+            flat = ".".join(map(str, p))
+            raise ValueError(
+                f"DCP entry {flat!r} is not an optimizer state dict entry "
+                f"({key}.state.<fqn>.<name> or {key}.param_groups.<i>.<name>)"
+            )
+    if not any(p[0] == key and p[1] == "param_groups" for p in paths):
+        raise KeyError(f"{key}.param_groups is not in DCP checkpoint {os.fspath(checkpoint_id)!r}")
+
+
+def _canonical(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Validate and order an optimizer state rebuilt from DCP entries."""
+    groups = raw.get("param_groups")
+    if not isinstance(groups, list) or not groups:
+        raise ValueError(f"{where}.param_groups must be a non-empty list, got {groups!r}")
+    out_groups = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise KeyError(f"{where}.param_groups.{i} has no 'params' entry, got {group!r}")
+        params = group["params"]
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise ValueError(
+                f"{where}.param_groups.{i}.params must be a list of FQNs, got {params!r}"
+            )
+        hyper = {k: group[k] for k in sorted(group) if k != "params"}
+        out_groups.append({**hyper, "params": list(params)})
+    order = _group_fqns(out_groups, where)
+    state = raw.get("state", {})
+    for fqn, entry in state.items():
+        if fqn not in order:
+            raise ValueError(f"{where}.state.{fqn}: parameter {fqn!r} is in no param group")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}.state.{fqn} must be a dict, got {type(entry).__name__}")
+    out_state = {fqn: dict(sorted(state[fqn].items())) for fqn in order if fqn in state}
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _group_fqns(groups: Iterable[dict[str, Any]], where: str = "optim") -> list[str]:
+    order: list[str] = []
+    seen: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        for fqn in group["params"]:
+            if fqn in seen:
+                raise ValueError(
+                    f"{where}.param_groups: parameter {fqn!r} is in groups {seen[fqn]} and {i}"
+                )
+            seen[fqn] = i
+            order.append(fqn)
+    return order
+
+
+for _fn in (load_dcp_optim_state, read_dcp_param_shapes):
+    _fn.__module__ = "famp"

@@ -1,0 +1,296 @@
+"""What a rank's optimizer holds in memory under FSDP1 or FSDP2, from the full FQN-keyed state.
+
+FSDP1 keeps one flat parameter per unit; its optimizer holds either one flat state per unit
+(``use_orig_params=False``) or a 1-D slice of every original parameter that intersects the rank's
+shard (``True``). This module computes those slices without a process group, equal to
+``FullyShardedDataParallel.optim_state_dict_to_load``. Only the rank's slices are built: the full
+flat state is never concatenated.
+
+Where copies happen: by default every tensor of the result owns its memory, as FSDP1's own result
+does. ``optimizer.load_state_dict`` keeps the tensors it is given and the optimizer then updates
+them in place, so views would write through to ``osd`` and keep its full storage alive for the
+whole run (PyTorch #116553). ``copy=False`` returns views where the layout allows (FSDP2 chunks on
+dim 0, ``use_orig_params=True`` slices), for read-only use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from famp._fsdp import Kinds, State, check_full, clone_value, copy_groups, narrow, same
+from famp._fsdp_layout import (
+    FlatSlice,
+    FSDP1Layout,
+    FSDP2Layout,
+    Shape,
+    check_layout,
+    check_rank,
+    chunk_range,
+)
+
+__all__ = ["optim_state_dict_to_load"]
+
+
+def _optimizer_groups(optimizer: object, n_groups: int) -> list[list[torch.Tensor]] | None:
+    if optimizer is None:
+        return None
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if len(groups) != n_groups:
+        raise ValueError(
+            f"the optimizer has {len(groups)} param groups but osd['param_groups'] has {n_groups}"
+        )
+    return [list(g["params"]) for g in groups]
+
+
+def _entries(
+    names: Sequence[str], layout: FSDP1Layout | FSDP2Layout, rank: int
+) -> list[tuple[str, list[str], list[Shape]]]:
+    """Per optimizer parameter of one group: a label, the names it covers, its possible shapes."""
+    if isinstance(layout, FSDP2Layout):  # the optimizer holds DTensors (global) or local chunks
+        return [(repr(f), [f], [layout._specs[f][0], layout.local_shape(f, rank)]) for f in names]
+    entries: list[tuple[str, list[str], list[Shape]]] = []
+    if layout.use_orig_params and layout.world_size == 1:  # NO_SHARD: original shapes
+        return [(repr(f), [f], [layout._specs[f][0]]) for f in names]
+    if not layout.use_orig_params:  # one flat parameter per unit
+        for unit in dict.fromkeys(layout._slices[f].unit for f in names):
+            fqns = [s.fqn for s in layout._flat[unit][0]]
+            entries.append((f"FSDP unit {unit}", fqns, [(layout.flat_numel(unit),)]))
+        return entries
+    for fqn in names:
+        start, end = layout.param_slice(fqn, rank)
+        entries.append((repr(fqn), [fqn], [(end - start,)]))
+    return entries
+
+
+def _keys(
+    groups: list[dict[str, Any]],
+    layout: FSDP1Layout | FSDP2Layout,
+    rank: int,
+    opt: list[list[torch.Tensor]] | None,
+) -> tuple[dict[str, int], list[list[int]], list[torch.Tensor | None]]:
+    """Optimizer ids: per parameter (or FSDP1 unit) its position in the optimizer's groups."""
+    key_of: dict[str, int] = {}
+    group_keys: list[list[int]] = []
+    params: list[torch.Tensor | None] = []
+    for g, group in enumerate(groups):
+        entries = _entries(group["params"], layout, rank)
+        if opt is not None and len(opt[g]) != len(entries):
+            raise ValueError(
+                f"the optimizer's param group {g} has {len(opt[g])} parameters but "
+                f"osd['param_groups'][{g}] gives {len(entries)}"
+            )
+        group_keys.append([])
+        for i, (label, fqns, shapes) in enumerate(entries):
+            param = None if opt is None else opt[g][i]
+            if param is not None and tuple(param.shape) not in shapes:
+                raise ValueError(
+                    f"the optimizer's parameter for {label} on rank {rank} has shape "
+                    f"{tuple(param.shape)}, expected {' or '.join(map(str, shapes))}: do its "
+                    "param_groups list the parameters in the order of osd['param_groups']?"
+                )
+            for fqn in fqns:
+                if fqn in key_of:
+                    raise ValueError(f"{label} has parameters in two param groups")
+                key_of[fqn] = len(params)
+            group_keys[-1].append(len(params))
+            params.append(param)
+    return key_of, group_keys, params
+
+
+def _orig_param_state(
+    entry: Mapping[str, Any], fqn: str, layout: FSDP1Layout, rank: int, kinds: Kinds, copy: bool
+) -> dict[str, Any] | None:
+    if layout.world_size == 1:  # FSDP1 runs NO_SHARD: the optimizer sees the original parameters
+        return {k: clone_value(v, copy) for k, v in entry.items()}
+    start, end = layout.param_slice(fqn, rank)
+    if start == end:
+        return None  # FSDP1 keeps no state for a parameter outside the rank's shard
+    return {
+        k: narrow(v.reshape(-1), 0, start, end - start, copy)
+        if kinds.get((fqn, k))
+        else clone_value(v, copy)
+        for k, v in entry.items()
+    }
+
+
+def _flat_state(
+    state: State, unit: int, layout: FSDP1Layout, rank: int, kinds: Kinds, copy: bool
+) -> dict[str, Any]:
+    """The rank's flat state of one FSDP1 unit (``use_orig_params=False``) that has state."""
+    slices, numel = layout._flat[unit]
+    have = [s.fqn for s in slices if s.fqn in state]
+    names = list(state[have[0]])
+    for fqn in have[1:]:
+        if set(state[fqn]) != set(names):
+            raise ValueError(
+                f"state[{fqn!r}] has keys {sorted(state[fqn])} but state[{have[0]!r}] has "
+                f"{sorted(names)}; one FSDP unit's parameters need the same state names"
+            )
+    out: dict[str, Any] = {}
+    for key in names:
+        values = [state[f][key] for f in have]
+        tensors = [v for v in values if v is not None]
+        if not tensors:
+            out[key] = None
+        elif kinds.get((have[0], key)):
+            for fqn, v in zip(have, values, strict=True):
+                if v is not None and v.dtype != tensors[0].dtype:
+                    raise ValueError(
+                        f"state[{fqn!r}][{key!r}] is {v.dtype} but FSDP unit {unit} flattens "
+                        f"{tensors[0].dtype} for {have[0]!r}: one flat state has one dtype"
+                    )
+            out[key] = _flat_tensor(state, slices, numel, rank, key, tensors[0].dtype, copy)
+        else:
+            for fqn, v in zip(have, values, strict=True):
+                if len(have) < len(slices) or not same(v, values[0]):
+                    missing = [s.fqn for s in slices if s.fqn not in state]
+                    raise ValueError(
+                        f"state[{fqn!r}][{key!r}] = {v!r}: FSDP unit {unit} needs the same 0-d "
+                        f"or non-tensor {key!r} for all of its parameters (got "
+                        f"{values[0]!r} for {have[0]!r}; missing for {missing})"
+                    )
+            out[key] = clone_value(values[0], copy)
+    return out
+
+
+def _flat_tensor(
+    state: State,
+    slices: Sequence[FlatSlice],
+    numel: int,
+    rank: int,
+    key: str,
+    dtype: torch.dtype,
+    copy: bool,
+) -> torch.Tensor:
+    pieces = []
+    for s in slices:
+        start, end = s.in_shard(numel, rank)
+        if start == end:
+            continue
+        value = state.get(s.fqn, {}).get(key)
+        if value is None:  # FSDP1 fills a parameter without this state with zeros
+            pieces.append(torch.zeros(end - start, dtype=dtype))
+            continue
+        pieces.append(value.reshape(-1)[start:end])
+    filled = sum(p.numel() for p in pieces)
+    if filled < numel:  # padding at the end of the flat parameter
+        device = pieces[0].device if pieces else None
+        pieces.append(torch.zeros(numel - filled, dtype=dtype, device=device))
+    return torch.cat(pieces) if len(pieces) > 1 else narrow(pieces[0], 0, 0, numel, copy)
+
+
+def _chunk(
+    value: torch.Tensor, shape: Shape, dim: int, start: int, length: int, copy: bool
+) -> torch.Tensor:
+    """The rank's chunk of a full tensor, or the tensor itself when it is that chunk already."""
+    if tuple(value.shape) == shape:
+        return narrow(value, dim, start, length, copy)
+    return value.clone() if copy else value
+
+
+def _wrap_like(value: Any, param: torch.Tensor | None) -> Any:
+    """A local chunk as a DTensor placed like the FSDP2 parameter ``param``, if it is one."""
+    if param is None or not hasattr(param, "device_mesh") or not hasattr(param, "to_local"):
+        return value
+    dtensor: Any = type(param)
+    return dtensor.from_local(
+        value,
+        getattr(param, "device_mesh"),  # noqa: B009 (mypy: a plain Tensor has no mesh)
+        getattr(param, "placements"),  # noqa: B009
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def optim_state_dict_to_load(
+    osd: Mapping[str, Any],
+    layout: FSDP1Layout | FSDP2Layout,
+    rank: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    copy: bool = True,
+) -> dict[str, Any]:
+    """The int-keyed state dict that ``rank``'s optimizer holds, ready for ``load_state_dict``.
+
+    Under FSDP1 this equals ``FullyShardedDataParallel.optim_state_dict_to_load`` on ``rank``:
+    one flat state per unit (``use_orig_params=False``; parameters without state are zeros there,
+    as FSDP1 fills them) or one 1-D slice per original parameter that intersects the rank's
+    shard (``use_orig_params=True``; no entry for the others; at world size 1, where FSDP1
+    switches to ``NO_SHARD``, the original shapes). Under FSDP2 it is the rank's chunk
+    of every parameter, as DTensors placed like the optimizer's parameters when they are DTensors.
+    Ids follow the optimizer: the i-th param group of ``osd`` must list the parameters of the
+    optimizer's i-th group in the same order (FSDP1 without ``use_orig_params``: its units, in the
+    order of their first parameter), as DCP assumes; their local shapes are checked.
+
+    Args:
+        osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``);
+            under FSDP2 also the rank's own shard (:func:`famp.shard_optim_state`'s result, or
+            one file of a per-rank checkpoint), so a rank never needs the full state.
+        layout: the rank's :class:`famp.FSDP1Layout` or :class:`famp.FSDP2Layout`.
+        rank: the rank to load.
+        optimizer: the rank's optimizer, to check the ids and shapes against (and for FSDP2, to
+            place DTensors); ``None`` numbers parameters by their order in ``osd``'s groups.
+        copy: return tensors that own their memory (the default, as FSDP1 does), so that the
+            optimizer's in-place updates neither write into ``osd`` nor keep its full tensors
+            alive (PyTorch #116553). ``False`` returns views where possible, for read-only use.
+
+    Returns:
+        ``{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}``.
+
+    Raises:
+        KeyError: a name that is not in the layout.
+        ValueError: everything :func:`famp.shard_optim_state` rejects, a rank outside the world,
+            an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP1 unit
+            whose parameters have differing state names or values.
+
+    Examples:
+        >>> import famp, torch
+        >>> layout = famp.fsdp1_layout([{"w": (3, 2), "b": (3,)}], 2, use_orig_params=False)
+        >>> osd = {"state": {n: {"step": torch.tensor(1.0), "m": torch.ones(s)}
+        ...                  for n, s in [("w", (3, 2)), ("b", (3,))]},
+        ...        "param_groups": [{"lr": 0.1, "params": ["w", "b"]}]}
+        >>> famp.optim_state_dict_to_load(osd, layout, rank=1)["state"][0]["m"]
+        tensor([1., 1., 1., 1., 0.])
+    """
+    layout = check_layout(layout)
+    check_rank(rank, layout.world_size)
+    local_rank = rank if isinstance(layout, FSDP2Layout) else None
+    state, groups, kinds = check_full(osd, layout, "osd", local_rank)
+    opt_groups = _optimizer_groups(optimizer, len(groups))
+    key_of, group_keys, params = _keys(groups, layout, rank, opt_groups)
+    out: dict[int, dict[str, Any]] = {}
+    if isinstance(layout, FSDP2Layout):
+        for fqn, entry in state.items():
+            shape, dim = layout._specs[fqn]
+            start, length = chunk_range(shape[dim], layout.world_size, rank)
+            out[key_of[fqn]] = {
+                k: _wrap_like(_chunk(v, shape, dim, start, length, copy), params[key_of[fqn]])
+                if kinds.get((fqn, k))
+                else clone_value(v, copy)
+                for k, v in entry.items()
+            }
+    elif layout.use_orig_params:
+        for fqn, entry in state.items():
+            local = _orig_param_state(entry, fqn, layout, rank, kinds, copy)
+            if local is not None:
+                out[key_of[fqn]] = local
+    else:
+        for fqn in state:
+            unit = layout._slices[fqn].unit
+            if key_of[fqn] not in out:
+                out[key_of[fqn]] = _flat_state(state, unit, layout, rank, kinds, copy)
+    param_groups = copy_groups(groups, copy)
+    for group, keys in zip(param_groups, group_keys, strict=True):
+        group["params"] = keys
+    return {"state": dict(sorted(out.items())), "param_groups": param_groups}
+
+
+optim_state_dict_to_load.__module__ = "famp"

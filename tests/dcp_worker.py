@@ -1,0 +1,180 @@
+"""Real FSDP2 + DCP jobs for tests/test_dcp.py: ``python tests/dcp_worker.py MODE W DIR``.
+
+``save``: W gloo ranks train a small FSDP2 model with AdamW (two param groups, odd sizes so some
+shards are empty) for two steps and ``dcp.save`` ``{"model": msd, "optim": osd}`` from
+``get_state_dict`` into ``DIR/ckpt``. Every rank writes its local optimizer state (as for
+``load``) to ``DIR/local{W}_{rank}.pt``; rank 0 writes the full optimizer state dict
+(``get_optimizer_state_dict(full_state_dict=True)``) to ``DIR/full.pt``.
+
+``load``: W gloo ranks build the same model, ``dcp.load`` + ``set_state_dict`` from ``DIR/ckpt``
+(DCP reshards), and every rank writes its ``get_optimizer_state_dict`` with each DTensor replaced
+by its local tensor to ``DIR/local{W}_{rank}.pt``. If ``DIR/famp{W}/rank{rank:05d}.pt`` exist
+(``famp-reshard`` output), a fresh model and optimizer also load them as a user would
+(``DTensor.from_local`` + ``set_optimizer_state_dict``) and record the result the same way in
+``DIR/fromfamp{W}_{rank}.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class Block(nn.Module):
+    """A 3-D parameter with 3 rows (empty on rank 3 of 4) next to a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(3, 2, 2))
+        self.proj = nn.Linear(4, 4)  # 4 rows: [2, 2, 0] at W=3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("bi,kij->bkj", x[:, :2], self.kernel).flatten(1)[:, :4]
+        return self.proj(y + x[:, :4])
+
+
+def build_model() -> nn.Sequential:
+    """Odd sizes: 5 rows ([2,2,1,0] at W=4), 1 row ([1,0,0,0]), 6 rows ([2,2,2,0]), 3-D, 4 rows."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 5),
+        nn.Tanh(),
+        nn.Linear(5, 1),
+        nn.Linear(1, 6, bias=False),
+        Block(),
+    )
+
+
+def build_optimizer(model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """AdamW with two param groups, each with its own hyperparameters."""
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1, "lr": 0.01 * lr_scale},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 0.005 * lr_scale, "betas": (0.8, 0.95)},
+        ]
+    )
+
+
+def shard(model: nn.Module) -> None:
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+
+
+def to_local(osd: dict[str, Any]) -> dict[str, Any]:
+    state = {
+        fqn: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+        for fqn, s in osd["state"].items()
+    }
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def from_local(local: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A local optimizer state (plain tensors) as DTensors placed like the model's parameters."""
+    params = dict(model.named_parameters())
+    state = {}
+    for fqn, entry in local["state"].items():
+        p = params[fqn]
+        assert isinstance(p, DTensor)
+        state[fqn] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+            else v
+            for k, v in entry.items()
+        }
+    return {"state": state, "param_groups": local["param_groups"]}
+
+
+def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=TIMEOUT,
+    )
+    try:
+        model = build_model()
+        shard(model)
+        # The loading job starts from other learning rates: the checkpoint's must win.
+        optim = build_optimizer(model, 1.0 if mode == "save" else 10.0)
+        ckpt = os.path.join(out, "ckpt")
+        if mode == "save":
+            torch.manual_seed(1 + rank)
+            for _ in range(2):
+                loss = model(torch.randn(8, 6)).square().mean()
+                loss.backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+            msd, osd = get_state_dict(model, optim)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+            torch.save(to_local(osd), os.path.join(out, f"local{world_size}_{rank}.pt"))
+            full = get_optimizer_state_dict(
+                model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if rank == 0:
+                torch.save(full, os.path.join(out, "full.pt"))
+        else:
+            msd, osd = get_state_dict(model, optim)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=ckpt)
+            set_state_dict(
+                model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            local = to_local(get_optimizer_state_dict(model, optim))
+            torch.save(local, os.path.join(out, f"local{world_size}_{rank}.pt"))
+            famp_file = os.path.join(out, f"famp{world_size}", f"rank{rank:05d}.pt")
+            if os.path.exists(famp_file):  # famp-reshard's rank file, loaded as a user would
+                model = build_model()
+                shard(model)
+                optim = build_optimizer(model, 10.0)
+                osd = from_local(torch.load(famp_file, weights_only=True), model)
+                set_optimizer_state_dict(model, optim, osd)
+                local = to_local(get_optimizer_state_dict(model, optim))
+                torch.save(local, os.path.join(out, f"fromfamp{world_size}_{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    mode, world_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if mode not in ("save", "load"):
+        raise ValueError(f"mode must be 'save' or 'load', got {mode!r}")
+    torch.set_num_threads(1)
+    mp.start_processes(
+        run, args=(world_size, mode, out, free_port()), nprocs=world_size, start_method="fork"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""One multi-process job recording what real FSDP2 and FSDP1 produce, for test_fsdp_real.py.
+
+Run as ``python tests/fsdp_worker.py WORLD_SIZE OUT_DIR PORT``: it spawns WORLD_SIZE gloo ranks on
+127.0.0.1, trains small models with odd sizes (so that some ranks hold empty shards) under
+``fully_shard`` and ``FullyShardedDataParallel``, and writes what torch produced on each rank to
+``OUT_DIR/rank{r}.pt``. Process start-up dominates the cost, so one job covers every configuration;
+pytest then compares famp against these records. A few checks need the live objects (loading
+famp's result into a real optimizer, ``famp.layout_of``); their inputs and outputs are recorded too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import famp
+
+
+def _local(tree: Any) -> Any:
+    """DTensors as local tensors, ShardedTensors as their local shard (None when they have none)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local().clone()
+    if isinstance(tree, ShardedTensor):
+        shards = tree.local_shards()
+        return (
+            (shards[0].tensor.clone(), list(shards[0].metadata.shard_offsets)) if shards else None
+        )
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return tree
+
+
+def fsdp2_model(shard_dim1: bool) -> nn.Module:
+    torch.manual_seed(0)
+    # out features 7, 3, 6, 1: uneven chunks and, at W >= 2, empty shards (the (1,) bias)
+    return nn.Sequential(
+        nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 6, bias=False), nn.Linear(6, 1)
+    )
+
+
+def fsdp2_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW(
+        [
+            {"params": weights, "weight_decay": 0.1},
+            {"params": biases, "weight_decay": 0.0, "lr": 5e-3},
+        ],
+        lr=1e-2,
+    )
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 10, generator=gen)).square().sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
+def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    out: dict[str, Any] = {}
+    for shard_dim1 in (False, True):
+        # Shard(1) on the (1, 6) weight: 6 divides evenly over 2 and 3 ranks, as FSDP2 requires
+        placement = (lambda p: Shard(1) if p.shape == (1, 6) else None) if shard_dim1 else None
+        for kind in ("adam", "adamw2"):
+            name = f"{kind}{'-dim1' if shard_dim1 else ''}"
+            model = fsdp2_model(shard_dim1)
+            params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            for layer in (model[0], model[2], model[3], model[4]):
+                fully_shard(layer, shard_placement_fn=placement)
+            fully_shard(model, shard_placement_fn=placement)
+            optim = fsdp2_optimizer(model, kind)
+            _train(model, optim, steps=2, seed=1)
+            sharded = get_optimizer_state_dict(model, optim)
+            full = get_optimizer_state_dict(
+                model, optim, options=StateDictOptions(full_state_dict=True)
+            )
+            layout = famp.layout_of(model)
+            record: dict[str, Any] = {
+                "params": params,
+                "layout_of": layout,
+                "sharded": _local(sharded),
+                "full": _local(full),
+                "raw": _local(optim.state_dict()),
+                # famp's rekeying of the raw int-keyed state, against DCP's FQN form above
+                "by_fqn": _local(famp.optim_state_by_fqn(optim.state_dict(), model, optim)),
+                "by_id": _local(
+                    famp.optim_state_by_id(
+                        famp.optim_state_by_fqn(optim.state_dict(), model, optim), model, optim
+                    )
+                ),
+            }
+            # famp's to-load dict into a fresh optimizer, then one more step on both
+            fresh = fsdp2_model(shard_dim1)
+            for layer in (fresh[0], fresh[2], fresh[3], fresh[4]):
+                fully_shard(layer, shard_placement_fn=placement)
+            fully_shard(fresh, shard_placement_fn=placement)
+            fresh.load_state_dict(model.state_dict())
+            fresh_optim = fsdp2_optimizer(fresh, kind)
+            fresh_optim.load_state_dict(
+                famp.optim_state_dict_to_load(full, layout, rank, fresh_optim)
+            )
+            record["loaded"] = _local(fresh_optim.state_dict())
+            _train(model, optim, steps=1, seed=2)
+            _train(fresh, fresh_optim, steps=1, seed=2)
+            record["after_step"] = _local(dict(model.named_parameters()))
+            record["after_step_loaded"] = _local(dict(fresh.named_parameters()))
+            out[name] = record
+    return out
+
+
+def fsdp1_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 5, bias=False), nn.Linear(5, 2)
+    )
+
+
+def run_fsdp1(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        MixedPrecision,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+    for use_orig_params, dtype in ((False, None), (True, None), (True, torch.bfloat16)):
+        name = f"orig{int(use_orig_params)}-{dtype or 'fp32'}"
+        mp_policy = MixedPrecision(param_dtype=dtype) if dtype else None
+        kwargs = {
+            "device_id": cpu,
+            "use_orig_params": use_orig_params,
+            "mixed_precision": mp_policy,
+        }
+        model = fsdp1_model()
+        units = [
+            {n: tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("4.")},
+            {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("4.")},
+        ]
+        model[4] = FSDP(model[4], **kwargs)
+        model = FSDP(model, **kwargs)
+        if use_orig_params:  # two groups: weights and biases, with their own hyperparameters
+            named = list(model.named_parameters())
+            optim: torch.optim.Optimizer = torch.optim.AdamW(
+                [
+                    {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+                    {"params": [p for n, p in named if n.endswith("bias")], "lr": 5e-3},
+                ],
+                lr=1e-2,
+            )
+        else:  # one flat parameter per unit: the root's and the child's, in two groups
+            flats = list(model.parameters())
+            optim = torch.optim.Adam(
+                [{"params": flats[:1]}, {"params": flats[1:], "lr": 5e-3}], lr=1e-2
+            )
+        _train(model, optim, steps=2, seed=1)
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(rank0_only=False),
+            FullOptimStateDictConfig(rank0_only=False, offload_to_cpu=False),
+        ):
+            full = FSDP.optim_state_dict(model, optim)
+            to_load = FSDP.optim_state_dict_to_load(model, optim, full)
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(),
+            ShardedOptimStateDictConfig(),
+        ):
+            sharded = FSDP.optim_state_dict(model, optim)
+        layout = famp.layout_of(model)
+        out[name] = {
+            "units": units,
+            "use_orig_params": use_orig_params,
+            "param_dtype": dtype or torch.float32,
+            "layout_of": layout,
+            "full": _local(full),
+            "to_load": _local(to_load),
+            "raw": _local(optim.state_dict()),
+            "sharded": _local(sharded),
+            "famp_to_load": _local(famp.optim_state_dict_to_load(full, layout, rank, optim)),
+        }
+    return out
+
+
+def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    # torch's own deprecation chatter (FSDP.state_dict_type, _get_pg_default_device)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        torch.set_num_threads(1)
+        result = {"fsdp2": run_fsdp2(rank, world_size), "fsdp1": run_fsdp1(rank, world_size)}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, out_dir, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    mp.spawn(main, args=(world, out_dir, port), nprocs=world, join=True)

@@ -1,0 +1,333 @@
+"""``famp-reshard`` through ``main(argv)`` and as a process: formats, summaries, errors, atomicity.
+
+Its agreement with real FSDP2 + DCP on every rank is in tests/test_dcp.py; here the inputs are a
+real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=True)``), saved with
+``torch.save`` and single-process ``dcp.save``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+import famp
+from famp._cli import main
+from tests.helpers import assert_bitwise_equal
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _trained() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and full optimizer state of a real AdamW with two param groups after one step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1), nn.Linear(1, 7))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    optim = torch.optim.AdamW([{"params": decay}, {"params": rest, "lr": 0.5}])
+    model(torch.randn(3, 6)).square().sum().backward()
+    optim.step()
+    options = StateDictOptions(full_state_dict=True)
+    return get_model_state_dict(model), get_optimizer_state_dict(model, optim, options=options)
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _trained()
+
+
+@pytest.fixture
+def full_file(tmp_path: pathlib.Path, trained: tuple[dict[str, Any], dict[str, Any]]) -> str:
+    path = tmp_path / "optim.pt"
+    torch.save(trained[1], path)
+    return str(path)
+
+
+@pytest.fixture
+def dcp_dir(tmp_path: pathlib.Path, trained: tuple[dict[str, Any], dict[str, Any]]) -> str:
+    path = tmp_path / "ckpt"
+    with warnings.catch_warnings():  # one process, no process group: DCP warns
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": trained[0], "optim": trained[1]}, checkpoint_id=path, no_dist=True)
+    return str(path)
+
+
+def _load(path: pathlib.Path | str) -> dict[str, Any]:
+    obj = torch.load(path, weights_only=True)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def _assert_same_osd(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert list(actual["state"]) == list(expected["state"])
+    for fqn, entry in expected["state"].items():
+        assert sorted(actual["state"][fqn]) == sorted(entry)
+        for name, value in entry.items():
+            assert_bitwise_equal(actual["state"][fqn][name], value)
+    assert actual["param_groups"] == expected["param_groups"]
+
+
+def _shapes(osd: dict[str, Any]) -> dict[str, torch.Size]:
+    return {f: e["exp_avg"].shape for f, e in osd["state"].items()}
+
+
+def _leftovers(parent: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_rank_files_are_compact_shards_and_round_trip(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    full = trained[1]
+    out = tmp_path / "w3"
+    assert main([full_file, "-n", "3", "-o", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "parameters  6 in 2 param groups, 6 with state" in summary
+    assert "2: 2.weight, 2.bias" in summary  # 1-row parameters: empty on ranks 1 and 2
+    assert sorted(os.listdir(out)) == ["rank00000.pt", "rank00001.pt", "rank00002.pt"]
+    layout = famp.fsdp2_layout(_shapes(full), 3)
+    for rank in range(3):
+        shard = _load(out / f"rank{rank:05d}.pt")
+        _assert_same_osd(shard, famp.shard_optim_state(full, layout, rank))
+        for entry in shard["state"].values():  # saved compact, not the full storage of a view
+            exp_avg = entry["exp_avg"]
+            assert exp_avg.dtype == torch.float32
+            assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * 4
+    back = tmp_path / "back.pt"
+    files = [str(out / f"rank{r:05d}.pt") for r in range(3)]
+    assert main([*files, "--full", str(back)]) == 0
+    _assert_same_osd(_load(back), full)
+    assert _leftovers(tmp_path) == []
+
+
+def test_dcp_checkpoint_dry_run_writes_nothing(
+    tmp_path: pathlib.Path, dcp_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = sorted(os.listdir(tmp_path))
+    assert main([dcp_dir, "-n", "8", "--dry-run"]) == 0
+    summary = capsys.readouterr().out
+    assert f"source      DCP checkpoint {dcp_dir} (key 'optim')" in summary
+    assert "target      FSDP2, dim-0 chunks on 8 ranks" in summary
+    assert "dry run: nothing written" in summary
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_dcp_to_torch_save_output_is_a_source_too(
+    tmp_path: pathlib.Path, dcp_dir: str, trained: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    # torch's own converter nests {"model": ..., "optim": ...}; shapes come from "model".
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(dcp_dir, converted)
+    out = tmp_path / "w2"
+    assert main([str(converted), "-n", "2", "-o", str(out), "--key", "optim"]) == 0
+    from_dcp = tmp_path / "from_dcp"
+    assert main([dcp_dir, "-n", "2", "-o", str(from_dcp)]) == 0
+    for rank in range(2):
+        expected = famp.shard_optim_state(
+            trained[1], famp.fsdp2_layout(_shapes(trained[1]), 2), rank
+        )
+        _assert_same_osd(_load(out / f"rank{rank:05d}.pt"), expected)
+        _assert_same_osd(_load(from_dcp / f"rank{rank:05d}.pt"), expected)
+
+
+def test_progress_bar_goes_to_stderr(
+    tmp_path: pathlib.Path, dcp_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([dcp_dir, "-n", "2", "-o", str(tmp_path / "o"), "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "reading [#########################] 100%" in captured.err
+    assert "writing ranks [#########################] 100% 2/2" in captured.err
+    assert "%" not in captured.out
+    assert main([dcp_dir, "-n", "2", "--dry-run"]) == 0  # small state, no terminal: no bar
+    assert capsys.readouterr().err == ""
+
+
+def test_existing_outputs_need_force(
+    tmp_path: pathlib.Path, full_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    assert main([full_file, "-n", "3", "-o", str(out)]) == 0
+    assert main([full_file, "-n", "2", "-o", str(out)]) == 1
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert len(os.listdir(out)) == 3
+    assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 0
+    assert sorted(os.listdir(out)) == ["rank00000.pt", "rank00001.pt"]
+    assert _leftovers(tmp_path) == []
+    # --force never replaces a directory that holds anything but rank files.
+    (out / "notes.txt").write_text("keep me")
+    assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 1
+    assert "holds files other than rank*.pt" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["{missing}", "--dry-run"], "does not exist"),
+        (["{full}"], "nothing to do"),
+        (["{full}", "-n", "2"], "--world-size needs --out DIR"),
+        (["{full}", "-o", "{out}"], "--out needs --world-size"),
+        (["{full}", "{groups}", "-n", "2", "-o", "{out}"], "differs from shards[0]"),
+        (["{pickle}", "-n", "2", "-o", "{out}"], "refused it"),
+        (["{notosd}", "-n", "2", "-o", "{out}"], "keys are ['a', 'b']"),
+        (["{full}", "-n", "2", "-o", "{nodir}/out"], "does not exist"),
+        (["{dcp}", "--key", "opt", "-n", "2", "-o", "{out}"], "key 'opt' is not in DCP"),
+        (["{short}", "-n", "2", "-o", "{out}"], "'2.weight'"),
+        (["{garbage}", "-n", "2", "-o", "{out}"], "refused it: Unsupported operand"),
+        (["{badfqn}", "-n", "2", "-o", "{out}"], "['params'] must hold FQN strings, got 3"),
+        (["{badentry}", "-n", "2", "-o", "{out}"], "['state']['w'] must be a dict, got 5"),
+    ],
+)
+def test_bad_input_exits_1_naming_it_and_writes_nothing(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    dcp_dir: str,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    import fractions
+
+    torch.save({"state": {}, "param_groups": [{"lr": fractions.Fraction(1, 3)}]}, tmp_path / "p")
+    torch.save({"a": 1, "b": 2}, tmp_path / "n")
+    short = {**trained[1], "state": dict(trained[1]["state"])}
+    short["state"]["2.weight"] = {**short["state"]["2.weight"], "exp_avg_sq": torch.zeros(1, 4)}
+    torch.save(short, tmp_path / "s")
+    other_lr = [{**g, "lr": 1.0} for g in trained[1]["param_groups"]]
+    torch.save({**trained[1], "param_groups": other_lr}, tmp_path / "g")
+    (tmp_path / "garbage").write_bytes(b"garbage")
+    torch.save({"state": {}, "param_groups": [{"params": [3]}]}, tmp_path / "f")
+    torch.save({"state": {"w": 5}, "param_groups": [{"params": ["w"]}]}, tmp_path / "e")
+    paths = {
+        "missing": tmp_path / "missing.pt",
+        "full": full_file,
+        "out": tmp_path / "out",
+        "pickle": tmp_path / "p",
+        "notosd": tmp_path / "n",
+        "nodir": tmp_path / "nodir",
+        "dcp": dcp_dir,
+        "short": tmp_path / "s",
+        "groups": tmp_path / "g",
+        "garbage": tmp_path / "garbage",
+        "badfqn": tmp_path / "f",
+        "badentry": tmp_path / "e",
+    }
+    before = sorted(os.listdir(tmp_path))
+    assert main([a.format(**paths) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("famp-reshard: error: "), err
+    assert message in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_failure_while_writing_leaves_nothing(
+    tmp_path: pathlib.Path, full_file: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save = torch.save
+    calls = []
+
+    def failing_save(obj: object, path: Any) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_save(obj, path)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    assert main([full_file, "-n", "3", "-o", str(tmp_path / "o")]) == 1
+    assert len(calls) == 2
+    assert sorted(os.listdir(tmp_path)) == ["optim.pt"]
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["x", "-n", "0"])
+    assert exit_info.value.code == 2
+    assert "must be an int >= 1, got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+
+
+def test_help_documents_sources_outputs_and_safety(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for needle in [
+        "rank*.pt",
+        "DCP checkpoint directory",
+        "weights_only=True",
+        "--world-size",
+        "--full",
+        "--dry-run",
+        "--force",
+        "--progress",
+        "exit status",
+    ]:
+        assert needle in text
+
+
+def test_python_m_famp_needs_the_reshard_subcommand(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["famp", "convert"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("famp", run_name="__main__")
+    assert exit_info.value.code == 2
+    assert "python -m famp reshard" in capsys.readouterr().err
+
+
+def test_console_script_points_at_main() -> None:
+    found = re.search(
+        r'^famp-reshard = "([\w.]+):(\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M
+    )
+    assert found is not None
+    module, name = found.groups()
+    assert getattr(__import__(module, fromlist=[name]), name) is main
+
+
+@pytest.mark.slow
+def test_python_m_famp_reshard_runs_as_a_process(tmp_path: pathlib.Path, dcp_dir: str) -> None:
+    out = tmp_path / "o"
+    ok = subprocess.run(
+        [sys.executable, "-m", "famp", "reshard", dcp_dir, "-n", "2", "-o", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "wrote 2 rank files" in ok.stdout
+    assert sorted(os.listdir(out)) == ["rank00000.pt", "rank00001.pt"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "famp", "reshard", str(tmp_path / "nope"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert "famp-reshard: error: SOURCE" in bad.stderr
+    assert "Traceback" not in bad.stderr

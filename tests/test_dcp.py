@@ -1,0 +1,334 @@
+"""famp's DCP reader against real FSDP2 + torch.distributed.checkpoint, and its bad-input checks.
+
+The oracle: ``tests/dcp_worker.py`` saves a DCP checkpoint from real FSDP2 at W=4 (gloo, forked
+ranks), then DCP itself loads it at W=3 (``dcp.load`` + ``set_state_dict``) and every rank records
+``get_optimizer_state_dict`` with DTensors as local tensors. famp reads the same checkpoint
+offline, in this process, and must give the same tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import hypothesis
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import strategies as st
+
+import famp
+from famp._cli import main
+from tests.helpers import assert_bitwise_equal
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dcp_worker.py"
+SAVE_W, LOAD_W = 4, 3
+PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in order
+    "0.weight": (5, 6),
+    "0.bias": (5,),
+    "2.weight": (1, 5),
+    "2.bias": (1,),
+    "3.weight": (6, 1),
+    "4.kernel": (3, 2, 2),
+    "4.proj.weight": (4, 4),
+    "4.proj.bias": (4,),
+}
+
+
+def _job(mode: str, world_size: int, out: pathlib.Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), mode, str(world_size), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{mode} job failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A DCP checkpoint saved by real FSDP2 at W=4, and what torch gives at W=4 and W=3."""
+    out = tmp_path_factory.mktemp("fsdp2_dcp")
+    _job("save", SAVE_W, out)
+    # famp's rank files for W=3, which the load job also feeds to real FSDP2.
+    assert main([str(out / "ckpt"), "-n", str(LOAD_W), "-o", str(out / f"famp{LOAD_W}")]) == 0
+    _job("load", LOAD_W, out)
+    return out
+
+
+def _load(path: pathlib.Path) -> dict[str, Any]:
+    obj = torch.load(path, weights_only=True)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def assert_osd_bitwise_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Same FQNs in the same order, same state names, tensors bit for bit, equal param_groups."""
+    assert list(actual["state"]) == list(expected["state"])
+    for fqn, entry in expected["state"].items():
+        assert sorted(actual["state"][fqn]) == sorted(entry), fqn
+        for name, value in entry.items():
+            assert_bitwise_equal(actual["state"][fqn][name], value)
+    assert actual["param_groups"] == expected["param_groups"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_load_dcp_optim_state_equals_full_state_dict_of_real_fsdp2(real: pathlib.Path) -> None:
+    full = famp.load_dcp_optim_state(real / "ckpt")
+    expected = _load(real / "full.pt")
+    assert_osd_bitwise_equal(full, expected)
+    assert full["state"]["0.weight"]["exp_avg"].dtype == torch.float32
+    assert full["state"]["0.weight"]["step"].dtype == torch.float32
+    assert full["state"]["0.weight"]["step"].shape == ()
+    assert [g["lr"] for g in full["param_groups"]] == [0.01, 0.005]  # two groups kept apart
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_read_dcp_param_shapes_reads_the_model_entries(real: pathlib.Path) -> None:
+    shapes = famp.read_dcp_param_shapes(real / "ckpt")
+    full = _load(real / "full.pt")
+    order = [fqn for group in full["param_groups"] for fqn in group["params"]]
+    assert list(shapes) == order
+    assert {f: tuple(s) for f, s in shapes.items()} == PARAMS
+    # Without the model entry the shapes come from the optimizer state, and agree.
+    assert famp.read_dcp_param_shapes(real / "ckpt", key="no_such_key") == shapes
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [LOAD_W, SAVE_W])
+def test_reshard_offline_equals_what_real_fsdp2_holds(real: pathlib.Path, world_size: int) -> None:
+    # W=3: what DCP's own load + set_state_dict gave each of 3 real ranks (DCP resharded);
+    # W=4: what the 4 saving ranks held.
+    full = famp.load_dcp_optim_state(real / "ckpt")
+    layout = famp.fsdp2_layout(famp.read_dcp_param_shapes(real / "ckpt"), world_size)
+    for rank in range(world_size):
+        expected = _load(real / f"local{world_size}_{rank}.pt")
+        assert_osd_bitwise_equal(famp.shard_optim_state(full, layout, rank), expected)
+    if world_size == LOAD_W:  # empty shards on the trailing rank, with their trailing dims
+        last = _load(real / f"local{LOAD_W}_{LOAD_W - 1}.pt")["state"]
+        assert last["2.weight"]["exp_avg"].shape == (0, 5)
+        assert last["4.proj.weight"]["exp_avg_sq"].shape == (0, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_famp_reshard_cli_writes_what_dcp_loads_on_each_rank(
+    real: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out3, full_file = tmp_path / "w3", tmp_path / "full.pt"
+    assert main([str(real / "ckpt"), "-n", "3", "-o", str(out3), "--full", str(full_file)]) == 0
+    summary = capsys.readouterr().out
+    assert "8 in 2 param groups" in summary
+    assert "2: 2.weight, 2.bias" in summary  # rank 1 of 3 holds no row of the 1-row params
+    for rank in range(LOAD_W):
+        expected = _load(real / f"local{LOAD_W}_{rank}.pt")
+        assert_osd_bitwise_equal(_load(out3 / f"rank{rank:05d}.pt"), expected)
+    assert_osd_bitwise_equal(_load(full_file), _load(real / "full.pt"))
+    # The rank files themselves reshard back to what the 4 saving ranks held.
+    out4 = tmp_path / "w4"
+    files = [str(out3 / f"rank{r:05d}.pt") for r in range(LOAD_W)]
+    assert main([*files, "-n", "4", "-o", str(out4)]) == 0
+    for rank in range(SAVE_W):
+        expected = _load(real / f"local{SAVE_W}_{rank}.pt")
+        assert_osd_bitwise_equal(_load(out4 / f"rank{rank:05d}.pt"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_famp_rank_files_load_into_real_fsdp2_as_dcp_would(real: pathlib.Path) -> None:
+    # Each of 3 real ranks wrapped its famp-reshard file with DTensor.from_local and called
+    # set_optimizer_state_dict; the optimizer then holds what DCP's own load gave it.
+    for rank in range(LOAD_W):
+        expected = _load(real / f"local{LOAD_W}_{rank}.pt")
+        assert_osd_bitwise_equal(_load(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)
+
+
+# --- one process: round trips through dcp.save and bad input ---------------------------------
+
+
+def _save(state_dict: dict[str, Any], path: pathlib.Path) -> None:
+    with warnings.catch_warnings():  # no process group: DCP warns that it saves in one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state_dict, checkpoint_id=path, no_dist=True)
+
+
+def _osd() -> dict[str, Any]:
+    return {
+        "state": {
+            "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
+            "b": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)},
+        },
+        "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
+    }
+
+
+_DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+
+
+@st.composite
+def _osds(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(1, 4))
+    groups: list[dict[str, Any]] = [{"lr": 0.1, "params": []}, {"lr": 0.2, "params": []}]
+    state = {}
+    for i in range(n):
+        fqn = f"layers.{i}.weight"
+        groups[draw(st.integers(0, 1))]["params"].append(fqn)
+        if draw(st.booleans()):  # a parameter without state
+            continue
+        shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+        dtype = draw(_DTYPES)
+        bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16)
+        raw = bits.view(torch.float16).to(dtype) if dtype.itemsize != 2 else bits.view(dtype)
+        state[fqn] = {"step": torch.tensor(float(i)), "exp_avg": raw, "count": i}
+    order = [f for g in groups for f in g["params"]]
+    return {"state": {f: state[f] for f in order if f in state}, "param_groups": groups}
+
+
+@hypothesis.settings(max_examples=15)
+@hypothesis.given(osd=_osds())
+def test_load_dcp_optim_state_round_trips_dcp_save(
+    osd: dict[str, Any], tmp_path_factory: Any
+) -> None:
+    # NaN payloads, signed zeros, bf16/fp16/fp64, non-tensor state and stateless parameters.
+    path = tmp_path_factory.mktemp("roundtrip")
+    _save({"optim": osd}, path)
+    loaded = famp.load_dcp_optim_state(path)
+    assert list(loaded["state"]) == list(osd["state"])
+    for fqn, entry in osd["state"].items():
+        assert loaded["state"][fqn]["count"] == entry["count"]
+        for name in ("step", "exp_avg"):
+            assert loaded["state"][fqn][name].dtype == entry[name].dtype
+            assert_bitwise_equal(loaded["state"][fqn][name], entry[name])
+    assert loaded["param_groups"] == osd["param_groups"]
+
+
+def test_load_dcp_optim_state_names_a_missing_key(tmp_path: pathlib.Path) -> None:
+    _save({"optimizer": _osd()}, tmp_path)
+    with pytest.raises(KeyError, match=r"key 'optim' is not in DCP checkpoint .*\['optimizer'\]"):
+        famp.load_dcp_optim_state(tmp_path)
+    assert famp.load_dcp_optim_state(tmp_path, key="optimizer")["param_groups"][1]["lr"] == 0.2
+
+
+def test_load_dcp_optim_state_rejects_a_path_that_is_no_checkpoint(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        famp.load_dcp_optim_state(tmp_path / "nope")
+    with pytest.raises(ValueError, match="is not a DCP checkpoint"):
+        famp.load_dcp_optim_state(tmp_path)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a DCP checkpoint directory"):
+        famp.load_dcp_optim_state(tmp_path / "file")
+
+
+def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(
+    tmp_path: pathlib.Path,
+) -> None:
+    osd = _osd()
+    _save({"optim": {**osd, "extra": torch.zeros(2)}}, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"'optim\.extra' is not an optimizer state dict entry"):
+        famp.load_dcp_optim_state(tmp_path / "a")
+    twice = {**osd, "param_groups": [{"lr": 0.1, "params": ["w", "b"]}, {"params": ["b"]}]}
+    _save({"optim": twice}, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"parameter 'b' is in groups 0 and 1"):
+        famp.load_dcp_optim_state(tmp_path / "b")
+    orphan = {**osd, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+    _save({"optim": orphan}, tmp_path / "c")
+    with pytest.raises(ValueError, match=r"optim\.state\.b: parameter 'b' is in no param group"):
+        famp.load_dcp_optim_state(tmp_path / "c")
+
+
+def _tamper(path: pathlib.Path, edit: Any) -> None:
+    metadata_file = path / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # the test's own trusted file
+    edit(metadata)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+def test_metadata_naming_other_classes_is_never_unpickled(tmp_path: pathlib.Path) -> None:
+    _save({"optim": _osd()}, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ValueError, match=r"refers to (posix|nt)\.system, which famp does not"):
+        famp.load_dcp_optim_state(tmp_path)
+    assert not marker.exists()
+
+
+def test_unreadable_metadata_is_a_value_error(tmp_path: pathlib.Path) -> None:
+    _save({"optim": _osd()}, tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"\.metadata' is not readable"):
+        famp.load_dcp_optim_state(tmp_path)
+
+
+def test_non_tensor_items_are_read_with_weights_only(tmp_path: pathlib.Path) -> None:
+    import fractions
+
+    osd = _osd()
+    osd["param_groups"][0]["lr"] = fractions.Fraction(1, 10)  # pickled as a global
+    _save({"optim": osd}, tmp_path)
+    with pytest.raises(ValueError, match=r"'optim\.param_groups\.0\.lr' is not plain data"):
+        famp.load_dcp_optim_state(tmp_path)
+
+
+def test_chunks_that_do_not_tile_a_tensor_are_rejected(tmp_path: pathlib.Path) -> None:
+    _save({"optim": _osd()}, tmp_path)
+
+    def drop_rows(metadata: Any) -> None:
+        chunk = metadata.state_dict_metadata["optim.state.w.exp_avg"].chunks[0]
+        chunk.sizes = torch.Size([3, 3])
+
+    _tamper(tmp_path, drop_rows)
+    with pytest.raises(ValueError, match=r"'optim\.state\.w\.exp_avg' .* cover 9 of 12 elements"):
+        famp.load_dcp_optim_state(tmp_path)
+
+
+def test_storage_paths_outside_the_checkpoint_are_rejected(tmp_path: pathlib.Path) -> None:
+    _save({"optim": _osd()}, tmp_path)
+
+    def escape(metadata: Any) -> None:
+        for info in metadata.storage_data.values():
+            info.relative_path = "../" + info.relative_path
+
+    _tamper(tmp_path, escape)
+    with pytest.raises(ValueError, match="points outside the checkpoint"):
+        famp.load_dcp_optim_state(tmp_path)
+
+
+def test_read_dcp_param_shapes_needs_a_shape_for_every_parameter(tmp_path: pathlib.Path) -> None:
+    osd = _osd()
+    osd["param_groups"][1]["params"].append("frozen")  # in a group, no state, no model entry
+    _save({"model": {"w": torch.zeros(4, 3)}, "optim": osd}, tmp_path / "a")
+    with pytest.raises(KeyError, match=r"parameter 'frozen' has no entry model\.frozen"):
+        famp.read_dcp_param_shapes(tmp_path / "a")
+    model = {"w": torch.zeros(4, 3), "frozen": torch.zeros(2, 2)}
+    _save({"model": model, "optim": osd}, tmp_path / "b")
+    shapes = famp.read_dcp_param_shapes(tmp_path / "b")
+    assert shapes == {"w": (4, 3), "b": (4,), "frozen": (2, 2)}  # b: from its exp_avg
+
+
+def test_guide_examples_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the guide's mkdtemp() lands here
+    guide = (ROOT / "docs" / "fsdp-dcp.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL)
+    assert len(blocks) == 2
+    namespace: dict[str, object] = {"__name__": "__guide__"}
+    for block in blocks:
+        exec(compile(block, "docs/fsdp-dcp.md", "exec"), namespace)
+    assert callable(namespace["load_shard"])

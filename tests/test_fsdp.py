@@ -1,0 +1,328 @@
+"""shard / unshard / reshard: round trips and resharding over random layouts, views, bad input.
+
+Real FSDP is the oracle for the layouts themselves (test_fsdp_real.py, test_fsdp_layout.py); these
+properties pin the maps to each other over shapes and world sizes those runs do not reach.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import famp
+from tests.fsdp_helpers import assert_same_osd
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+@st.composite
+def shapes(draw: st.DrawFn) -> dict[str, tuple[int, ...]]:
+    n = draw(st.integers(1, 4))
+    dims = st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple)
+    return {f"layer{i}.{kind}": draw(dims) for i in range(n) for kind in ("weight", "bias")}
+
+
+@st.composite
+def layouts(draw: st.DrawFn, params: dict[str, tuple[int, ...]]) -> Any:
+    world = draw(st.integers(1, 8))
+    if draw(st.booleans()):
+        dims = {}
+        for fqn, shape in params.items():
+            even = [d for d in range(1, len(shape)) if shape[d] % world == 0]
+            if even and draw(st.booleans()):
+                dims[fqn] = draw(st.sampled_from(even))
+        return famp.fsdp2_layout(params, world, shard_dims=dims)
+    names = list(params)
+    cuts = (
+        sorted(draw(st.sets(st.integers(1, len(names) - 1), max_size=3))) if len(names) > 1 else []
+    )
+    units = [
+        {n: params[n] for n in names[a:b]}
+        for a, b in zip([0, *cuts], [*cuts, len(names)], strict=True)
+    ]
+    return famp.fsdp1_layout(
+        units,
+        world,
+        use_orig_params=draw(st.booleans()),
+        param_dtype=draw(st.sampled_from(DTYPES)),
+    )
+
+
+@st.composite
+def full_states(draw: st.DrawFn, params: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """An Adam-like full state; some parameters without state, two param groups."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    dtype = draw(st.sampled_from(DTYPES))
+    state = {
+        fqn: {
+            "step": torch.tensor(float(draw(st.integers(1, 9)))),
+            "exp_avg": torch.randn(shape, generator=gen).to(dtype),
+            "exp_avg_sq": torch.rand(shape, generator=gen).to(dtype),
+            "count": 7,  # a non-tensor entry (not a str: Optimizer.load_state_dict mangles those)
+        }
+        for fqn, shape in params.items()
+        if draw(st.booleans())
+    }
+    names = list(params)
+    groups = [
+        {"lr": 0.1, "betas": (0.9, 0.99), "params": names[::2]},
+        {"lr": 0.01, "betas": (0.8, 0.9), "params": names[1::2]},
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+@given(st.data())
+def test_unshard_inverts_shard(data: st.DataObject) -> None:
+    params = data.draw(shapes())
+    layout = data.draw(layouts(params))
+    full = data.draw(full_states(params))
+    shards = [famp.shard_optim_state(full, layout, r) for r in range(layout.world_size)]
+    for shard in shards:
+        for fqn, entry in shard["state"].items():
+            assert entry["step"] is full["state"][fqn]["step"]  # replicated, not copied
+    assert_same_osd(famp.unshard_optim_state(shards, layout), full)
+    copies = [famp.shard_optim_state(full, layout, r, copy=True) for r in range(layout.world_size)]
+    assert_same_osd(copies, shards)
+
+
+@given(st.data())
+def test_reshard_equals_shard_of_unshard(data: st.DataObject) -> None:
+    params = data.draw(shapes())
+    old, new = data.draw(layouts(params)), data.draw(layouts(params))
+    full = data.draw(full_states(params))
+    shards = [famp.shard_optim_state(full, old, r) for r in range(old.world_size)]
+    expected = [famp.shard_optim_state(full, new, r) for r in range(new.world_size)]
+    assert_same_osd(famp.reshard_optim_state(shards, old, new), expected)
+    assert_same_osd(famp.reshard_optim_state(shards, old, new, copy=True), expected)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_shards_on_dim_0_are_views_and_copies_own_compact_storage() -> None:
+    full_m = torch.randn(7, 10)
+    full = {
+        "state": {"w": {"step": torch.tensor(1.0), "m": full_m}},
+        "param_groups": [{"params": ["w"]}],
+    }
+    layout = famp.fsdp2_layout({"w": (7, 10)}, 3)
+    for rank in range(3):
+        view = famp.shard_optim_state(full, layout, rank)["state"]["w"]
+        assert _shares_storage(view["m"], full_m)
+        assert view["m"].is_contiguous()
+        owned = famp.shard_optim_state(full, layout, rank, copy=True)["state"]["w"]
+        assert not _shares_storage(owned["m"], full_m)
+        assert owned["m"].untyped_storage().nbytes() == owned["m"].numel() * 4
+        assert not _shares_storage(owned["step"], full["state"]["w"]["step"])
+    # a shard on dim 1 cannot be a contiguous view: it is a compact copy
+    dim1 = famp.fsdp2_layout({"w": (7, 10)}, 2, shard_dims={"w": 1})
+    piece = famp.shard_optim_state(full, dim1, 1)["state"]["w"]["m"]
+    assert piece.is_contiguous()
+    assert not _shares_storage(piece, full_m)
+    assert torch.equal(piece, full_m[:, 5:])
+
+
+def test_reshard_cuts_views_from_old_shards_where_a_new_chunk_fits_in_one() -> None:
+    full = {"state": {"w": {"m": torch.arange(12.0)}}, "param_groups": [{"params": ["w"]}]}
+    old = famp.fsdp2_layout({"w": (12,)}, 2)  # [0, 6), [6, 12)
+    new = famp.fsdp2_layout({"w": (12,)}, 4)  # [0, 3), [3, 6), [6, 9), [9, 12)
+    shards = [famp.shard_optim_state(full, old, r, copy=True) for r in range(2)]
+    for r, out in enumerate(famp.reshard_optim_state(shards, old, new)):
+        assert _shares_storage(out["state"]["w"]["m"], shards[r // 2]["state"]["w"]["m"])
+    for r, out in enumerate(famp.reshard_optim_state(shards, old, new, copy=True)):
+        assert not _shares_storage(out["state"]["w"]["m"], shards[r // 2]["state"]["w"]["m"])
+    back = famp.reshard_optim_state(famp.reshard_optim_state(shards, old, new), new, old)
+    assert torch.equal(back[1]["state"]["w"]["m"], torch.arange(6.0, 12.0))  # spans two: a cat
+
+
+def test_unshard_always_copies() -> None:
+    full = {
+        "state": {"w": {"step": torch.tensor(2.0), "m": torch.randn(5)}},
+        "param_groups": [{"params": ["w"]}],
+    }
+    layout = famp.fsdp2_layout({"w": (5,)}, 1)
+    shard = famp.shard_optim_state(full, layout, 0)
+    back = famp.unshard_optim_state([shard], layout)
+    for key in ("step", "m"):
+        assert not _shares_storage(back["state"]["w"][key], full["state"]["w"][key])
+
+
+# --- bad input: an error naming the parameter and key, nothing returned, input untouched --------
+
+LAYOUT = famp.fsdp2_layout({"a": (5, 4), "b": (3,)}, 2)
+
+
+def _full() -> dict[str, Any]:
+    return {
+        "state": {
+            "a": {"step": torch.tensor(2.0), "exp_avg": torch.ones(5, 4)},
+            "b": {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)},
+        },
+        "param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["b"]}],
+    }
+
+
+def _shards() -> list[dict[str, Any]]:
+    return [famp.shard_optim_state(_full(), LAYOUT, r, copy=True) for r in range(2)]
+
+
+def _edit(tree: Any, path: tuple[Any, ...], value: Any) -> Any:
+    tree = copy.deepcopy(tree)
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return tree
+
+
+SHARD_CASES = [
+    ("unknown parameter", ("state", "c"), {"exp_avg": torch.ones(1)}, KeyError, "'c'"),
+    (
+        "shape disagrees",
+        ("state", "a", "exp_avg"),
+        torch.ones(4, 5),
+        ValueError,
+        r"'a'.*'exp_avg'.*\(4, 5\)",
+    ),
+    ("not a dict", ("state", "a"), [1, 2], ValueError, r"\['a'\]"),
+    (
+        "non-tensor where others are tensors",
+        ("state", "b", "exp_avg"),
+        [1.0, 2.0, 3.0],
+        ValueError,
+        r"'b'.*'exp_avg'",
+    ),
+    (
+        "0-d where others are shards",
+        ("state", "b", "exp_avg"),
+        torch.tensor(1.0),
+        ValueError,
+        r"'b'.*'exp_avg'",
+    ),
+    ("unknown name in a group", ("param_groups", 1, "params"), ["b", "z"], KeyError, "'z'"),
+    (
+        "parameter in two groups",
+        ("param_groups", 1, "params"),
+        ["b", "a"],
+        ValueError,
+        "'a'.*groups 0 and 1",
+    ),
+    (
+        "state outside every group",
+        ("param_groups", 1, "params"),
+        [],
+        ValueError,
+        r"'b'.*no param group",
+    ),
+    ("no param_groups", ("param_groups",), KeyError, KeyError, "param_groups"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "error", "match"),
+    [c[1:] for c in SHARD_CASES],
+    ids=[c[0] for c in SHARD_CASES],
+)
+def test_shard_rejects_bad_full_state(
+    path: Any, value: Any, error: type[Exception], match: str
+) -> None:
+    full = _edit(_full(), path, value)
+    before = copy.deepcopy(full)
+    with pytest.raises(error, match=match):
+        famp.shard_optim_state(full, LAYOUT, 0)
+    with pytest.raises(error, match=match):
+        famp.optim_state_dict_to_load(full, LAYOUT, 0)
+    assert_same_osd(full, before)
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 1.0, True])
+def test_shard_rejects_a_rank_outside_the_world(rank: Any) -> None:
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):
+        famp.shard_optim_state(_full(), LAYOUT, rank)
+
+
+UNSHARD_CASES = [
+    ("missing shard", lambda s: s[:1], ValueError, "1 state dicts but the layout has world_size 2"),
+    ("extra shard", lambda s: [*s, s[0]], ValueError, "3 state dicts"),
+    ("not a list", lambda s: s[0], TypeError, "list of per-rank"),
+    (
+        "parameter missing on a rank",
+        lambda s: [s[0], _edit(s[1], ("state", "b"), KeyError)],
+        ValueError,
+        "'b' has state on rank 0 but not on rank 1",
+    ),
+    ("unknown parameter", lambda s: [_edit(x, ("state", "z"), {}) for x in s], KeyError, "'z'"),
+    (
+        "wrong chunk shape",
+        lambda s: [s[0], _edit(s[1], ("state", "a", "exp_avg"), torch.ones(3, 4))],
+        ValueError,
+        r"shards\[1\]\['state'\]\['a'\]\['exp_avg'\] has shape \(3, 4\).*\(2, 4\)",
+    ),
+    (
+        "wrong chunk dtype",
+        lambda s: [
+            s[0],
+            _edit(s[1], ("state", "a", "exp_avg"), torch.ones(2, 4, dtype=torch.float64)),
+        ],
+        ValueError,
+        r"'a'.*'exp_avg'.*float64",
+    ),
+    (
+        "non-tensor where rank 0 has a shard",
+        lambda s: [s[0], _edit(s[1], ("state", "a", "exp_avg"), 1.0)],
+        ValueError,
+        r"'a'.*'exp_avg'.*float",
+    ),
+    (
+        "step differs",
+        lambda s: [s[0], _edit(s[1], ("state", "a", "step"), torch.tensor(3.0))],
+        ValueError,
+        r"'a'.*'step'.*replicated",
+    ),
+    (
+        "state names differ",
+        lambda s: [s[0], _edit(s[1], ("state", "a", "extra"), 1)],
+        ValueError,
+        r"state\['a'\] has keys",
+    ),
+    (
+        "param_groups differ",
+        lambda s: [s[0], _edit(s[1], ("param_groups", 0, "lr"), 0.5)],
+        ValueError,
+        r"shards\[1\]\['param_groups'\]",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"), [c[1:] for c in UNSHARD_CASES], ids=[c[0] for c in UNSHARD_CASES]
+)
+def test_unshard_and_reshard_reject_bad_shards(
+    mutate: Any, error: type[Exception], match: str
+) -> None:
+    shards = mutate(_shards())
+    before = copy.deepcopy(shards)
+    with pytest.raises(error, match=match):
+        famp.unshard_optim_state(shards, LAYOUT)
+    with pytest.raises(error, match=match):
+        famp.reshard_optim_state(shards, LAYOUT, famp.fsdp2_layout({"a": (5, 4), "b": (3,)}, 3))
+    assert_same_osd(shards, before)
+
+
+def test_reshard_rejects_layouts_of_different_parameters() -> None:
+    other = famp.fsdp2_layout({"a": (5, 4), "b": (4,)}, 3)
+    with pytest.raises(ValueError, match=r"disagree on 'b': \(3,\) vs \(4,\)"):
+        famp.reshard_optim_state(_shards(), LAYOUT, other)
+    with pytest.raises(
+        TypeError, match=r"new_layout must be a famp\.FSDP1Layout or famp\.FSDP2Layout"
+    ):
+        famp.reshard_optim_state(_shards(), LAYOUT, {"a": (5, 4)})  # type: ignore[arg-type]

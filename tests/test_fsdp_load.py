@@ -1,0 +1,244 @@
+"""optim_state_dict_to_load over random layouts: what each rank's optimizer holds, and loading it.
+
+FSDP1's own ``optim_state_dict_to_load`` is the oracle in test_fsdp_real.py (2 and 3 ranks) and
+test_fsdp_layout.py (real flat parameters up to 8 ranks); here the rank pieces must tile the full
+state for any shapes, world sizes and dtypes, and a torch optimizer must accept them.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import famp
+from tests.fsdp_helpers import assert_same_osd
+from tests.test_fsdp import full_states, layouts, shapes
+
+
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _load(
+    to_load: dict[str, Any],
+    shapes_by_id: dict[int, tuple[int, ...]],
+    osd: Any,
+    layout: Any,
+    rank: int,
+) -> None:
+    """A torch optimizer over tensors of these shapes accepts ``to_load`` and holds it exactly."""
+    dtypes = {v.dtype for e in to_load["state"].values() for v in e.values() if _is_shard(v)}
+    dtype = dtypes.pop() if dtypes else torch.float32  # loading casts state to the params dtype
+    groups = [
+        {"params": [torch.zeros(shapes_by_id[i], dtype=dtype) for i in g["params"]]}
+        | {k: v for k, v in g.items() if k != "params"}
+        for g in to_load["param_groups"]
+    ]
+    optim = torch.optim.SGD(groups, lr=0.1)  # keeps any state; Adam insists on "step"
+    # famp checks the optimizer's shapes and numbers its parameters the same way
+    assert_same_osd(famp.optim_state_dict_to_load(osd, layout, rank, optim), to_load)
+    optim.load_state_dict(to_load)
+    loaded = optim.state_dict()
+    assert_same_osd(loaded["state"], to_load["state"])
+    for got, want in zip(loaded["param_groups"], to_load["param_groups"], strict=True):
+        assert got == got | want  # the loaded hyperparameters and ids, plus SGD defaults
+
+
+@given(st.data())
+def test_per_parameter_to_load_tiles_the_full_state(data: st.DataObject) -> None:
+    """FSDP2 chunks and FSDP1 use_orig_params=True slices, ids in param-group order."""
+    params = data.draw(shapes())
+    layout = data.draw(layouts(params).filter(lambda lay: getattr(lay, "use_orig_params", True)))
+    full = data.draw(full_states(params))
+    ids = {f: i for i, f in enumerate(f for g in full["param_groups"] for f in g["params"])}
+    slices: dict[str, list[dict[str, Any]]] = {f: [] for f in full["state"]}
+    for rank in range(layout.world_size):
+        to_load = famp.optim_state_dict_to_load(full, layout, rank)
+        assert [g["params"] for g in to_load["param_groups"]] == [
+            [ids[f] for f in g["params"]] for g in full["param_groups"]
+        ]
+        assert [g["lr"] for g in to_load["param_groups"]] == [0.1, 0.01]
+        assert set(to_load["state"]) <= {ids[f] for f in full["state"]}
+        for fqn in full["state"]:
+            if ids[fqn] in to_load["state"]:
+                slices[fqn].append(to_load["state"][ids[fqn]])
+        if isinstance(layout, famp.FSDP2Layout):  # every parameter's chunk, even empty ones
+            shard = famp.shard_optim_state(full, layout, rank, copy=True)
+            assert_same_osd(to_load["state"], {ids[f]: e for f, e in shard["state"].items()})
+            # a rank can load from its own shard, without the full state
+            assert_same_osd(famp.optim_state_dict_to_load(shard, layout, rank), to_load)
+            local = {ids[f]: layout.local_shape(f, rank) for f in ids}
+        elif layout.world_size == 1:  # FSDP1 runs NO_SHARD: original shapes
+            local = {ids[f]: layout.shapes[layout.fqns.index(f)] for f in ids}
+        else:  # 1-D slices; a parameter outside the shard is empty and has no state
+            local = {ids[f]: (-operator.sub(*layout.param_slice(f, rank)),) for f in ids}
+        _load(to_load, local, full, layout, rank)
+    if isinstance(layout, famp.FSDP1Layout):
+        for fqn, entry in full["state"].items():
+            assert slices[fqn], fqn  # every element lies on some rank
+            for key, value in entry.items():
+                if _is_shard(value):
+                    joined = torch.cat([s[key].reshape(-1) for s in slices[fqn]])
+                    assert_same_osd(joined, value.reshape(-1))
+                else:
+                    assert all(s[key] == value for s in slices[fqn])
+
+
+@given(st.data())
+def test_flat_to_load_tiles_each_unit_with_zero_padding(data: st.DataObject) -> None:
+    """FSDP1 use_orig_params=False: one flat state per unit, parameters without state as zeros."""
+    params = data.draw(shapes())
+    layout = data.draw(
+        layouts(params).filter(lambda lay: not getattr(lay, "use_orig_params", True))
+    )
+    full = data.draw(full_states(params))
+    # a unit's parameters share one param group (FSDP1 requires it); units in layout order
+    full["param_groups"] = [{"lr": 0.1, "params": list(layout.fqns)}]
+    for entry in full["state"].values():  # one "step" per unit, as FSDP1 requires
+        entry["step"] = torch.tensor(4.0)
+        if any(f not in full["state"] for f in layout.fqns):  # and none when one lacks state
+            del entry["step"], entry["count"]
+    pieces = [famp.optim_state_dict_to_load(full, layout, r) for r in range(layout.world_size)]
+    for u, unit in enumerate(layout.units):
+        names = [f for f, _ in unit]
+        with_state = [f for f in names if f in full["state"]]
+        for rank, piece in enumerate(pieces):
+            assert piece["param_groups"][0]["params"] == list(range(len(layout.units)))
+            assert (u in piece["state"]) == bool(with_state)
+            _load(
+                piece,
+                {i: (layout.flat_numel(i),) for i in range(len(layout.units))},
+                full,
+                layout,
+                rank,
+            )
+        if not with_state:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            dtype = full["state"][with_state[0]][key].dtype
+            expected = torch.cat(
+                [
+                    full["state"][f][key].reshape(-1)
+                    if f in full["state"]
+                    else torch.zeros(shape, dtype=dtype).reshape(-1)
+                    for f, shape in unit
+                ]
+            )
+            flat = torch.cat([piece["state"][u][key] for piece in pieces])
+            assert flat.numel() == layout.flat_numel(u) * layout.world_size
+            assert_same_osd(flat[: expected.numel()], expected)
+            assert not flat[expected.numel() :].any()  # zero padding at the end
+
+
+def test_to_load_copies_by_default_and_views_on_request() -> None:
+    full_m = torch.randn(7, 3)
+    full = {
+        "state": {"w": {"step": torch.tensor(1.0), "m": full_m}},
+        "param_groups": [{"params": ["w"]}],
+    }
+    for layout in (famp.fsdp2_layout({"w": (7, 3)}, 2), famp.fsdp1_layout([{"w": (7, 3)}], 2)):
+        owned = famp.optim_state_dict_to_load(full, layout, 1)["state"][0]
+        view = famp.optim_state_dict_to_load(full, layout, 1, copy=False)["state"][0]
+        assert owned["m"].untyped_storage().data_ptr() != full_m.untyped_storage().data_ptr()
+        assert owned["step"] is not full["state"]["w"]["step"]
+        assert view["m"].untyped_storage().data_ptr() == full_m.untyped_storage().data_ptr()
+        assert_same_osd(owned, view)
+
+
+LAYOUT = famp.fsdp1_layout([{"a": (5, 4), "b": (3,)}, {"c": (2,)}], 2, use_orig_params=False)
+
+
+def _full() -> dict[str, Any]:
+    return {
+        "state": {
+            n: {"step": torch.tensor(2.0), "exp_avg": torch.ones(s)}
+            for n, s in [("a", (5, 4)), ("b", (3,)), ("c", (2,))]
+        },
+        "param_groups": [{"lr": 0.1, "params": ["a", "b"]}, {"lr": 0.2, "params": ["c"]}],
+    }
+
+
+def _optim(*numels: int) -> torch.optim.Optimizer:
+    return torch.optim.Adam([{"params": [torch.zeros(n)]} for n in numels])
+
+
+BAD = [
+    (
+        "optimizer has another group count",
+        lambda f: (f, _optim(12)),
+        ValueError,
+        "1 param groups but osd.*2",
+    ),
+    (
+        "optimizer param of the wrong size",
+        lambda f: (f, _optim(12, 2)),
+        ValueError,
+        r"FSDP unit 1 on rank 0 has shape \(2,\), expected \(1,\)",
+    ),
+    (
+        "unit split over two groups",
+        lambda f: ({**f, "param_groups": [{"params": ["a"]}, {"params": ["b", "c"]}]}, None),
+        ValueError,
+        "FSDP unit 0 has parameters in two param groups",
+    ),
+    (
+        "differing state names in a unit",
+        lambda f: ({**f, "state": {**f["state"], "b": {"exp_avg": torch.ones(3)}}}, None),
+        ValueError,
+        r"state\['b'\] has keys",
+    ),
+    (
+        "differing step in a unit",
+        lambda f: (
+            {
+                **f,
+                "state": {**f["state"], "b": {"step": torch.tensor(3.0), "exp_avg": torch.ones(3)}},
+            },
+            None,
+        ),
+        ValueError,
+        r"'b'.*'step'.*FSDP unit 0",
+    ),
+    (
+        "step missing for a parameter",
+        lambda f: ({**f, "state": {k: v for k, v in f["state"].items() if k != "b"}}, None),
+        ValueError,
+        r"'step'.*missing for \['b'\]",
+    ),
+    (
+        "differing dtypes in a unit",
+        lambda f: (
+            {
+                **f,
+                "state": {
+                    **f["state"],
+                    "b": {"step": torch.tensor(2.0), "exp_avg": torch.ones(3, dtype=torch.float64)},
+                },
+            },
+            None,
+        ),
+        ValueError,
+        r"'b'.*'exp_avg'.*float64",
+    ),
+    ("not an optimizer", lambda f: (f, object()), TypeError, "optimizer must be"),
+]
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_to_load_rejects_bad_input(make: Any, error: type[Exception], match: str) -> None:
+    osd, optim = make(_full())
+    before = copy.deepcopy(osd)
+    with pytest.raises(error, match=match):
+        famp.optim_state_dict_to_load(osd, LAYOUT, 0, optim)
+    assert_same_osd(osd, before)
+
+
+def test_to_load_rejects_a_rank_outside_the_world() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        famp.optim_state_dict_to_load(_full(), LAYOUT, 2)

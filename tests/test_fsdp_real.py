@@ -1,0 +1,165 @@
+"""famp against real FSDP2 (``fully_shard``) and FSDP1 on 2 and 3 gloo ranks, bit for bit.
+
+One job per world size (tests/fsdp_worker.py) records what torch produced on every rank; these
+tests recompute the same things with famp in this process and compare.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import famp
+from tests.fsdp_helpers import assert_same_osd
+from tests.helpers import assert_bitwise_equal
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+WORKER = pathlib.Path(__file__).with_name("fsdp_worker.py")
+FSDP2_CONFIGS = ["adam", "adamw2", "adam-dim1", "adamw2-dim1"]
+FSDP1_CONFIGS = ["orig0-fp32", "orig1-fp32", "orig1-torch.bfloat16"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
+def records(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"fsdp_w{world}")
+    cmd = [sys.executable, str(WORKER), str(world), str(out), str(_free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _fsdp2_layout(record: dict[str, Any], world: int, name: str) -> famp.FSDP2Layout:
+    dims = {"4.weight": 1} if name.endswith("dim1") else None
+    return famp.fsdp2_layout(record["params"], world, shard_dims=dims)
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_shards_equal_get_optimizer_state_dict_on_every_rank(records, name) -> None:
+    world, ranks = records
+    full = ranks[0]["fsdp2"][name]["full"]
+    layout = _fsdp2_layout(ranks[0]["fsdp2"][name], world, name)
+    empty = 0
+    for rank, record in enumerate(ranks):
+        expected = record["fsdp2"][name]["sharded"]
+        assert_same_osd(famp.shard_optim_state(full, layout, rank), expected)
+        assert_same_osd(famp.shard_optim_state(full, layout, rank, copy=True), expected)
+        empty += sum(v["exp_avg"].numel() == 0 for v in expected["state"].values())
+    assert empty > 0  # the (1,) bias and (1, 6) weight leave trailing ranks empty
+    if name.startswith("adamw2"):
+        assert [g["weight_decay"] for g in full["param_groups"]] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_unshard_equals_full_state_dict(records, name) -> None:
+    world, ranks = records
+    layout = _fsdp2_layout(ranks[0]["fsdp2"][name], world, name)
+    shards = [record["fsdp2"][name]["sharded"] for record in ranks]
+    for record in ranks:  # every rank got the full dict; all equal
+        assert_same_osd(famp.unshard_optim_state(shards, layout), record["fsdp2"][name]["full"])
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_reshard_to_other_world_sizes_equals_resharding_the_full_dict(records, name) -> None:
+    world, ranks = records
+    record = ranks[0]["fsdp2"][name]
+    shards = [r["fsdp2"][name]["sharded"] for r in ranks]
+    for new_world in (1, 2, 3, 6):
+        new = _fsdp2_layout(record, new_world, name)
+        expected = [famp.shard_optim_state(record["full"], new, r) for r in range(new_world)]
+        resharded = famp.reshard_optim_state(shards, _fsdp2_layout(record, world, name), new)
+        assert_same_osd(resharded, expected)
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_layout_of_equals_pure_layout(records, name) -> None:
+    world, ranks = records
+    for record in ranks:
+        assert record["fsdp2"][name]["layout_of"] == _fsdp2_layout(
+            record["fsdp2"][name], world, name
+        )
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_to_load_restores_the_optimizer(records, name) -> None:
+    """famp's to-load dict in a fresh FSDP2 optimizer: torch's state, and the same next step."""
+    _, ranks = records
+    for record in ranks:
+        rec = record["fsdp2"][name]
+        assert_same_osd(rec["loaded"], rec["raw"])
+        assert_same_osd(rec["after_step_loaded"], rec["after_step"])
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_rekeying_matches_get_optimizer_state_dict(records, name) -> None:
+    _, ranks = records
+    for record in ranks:
+        rec = record["fsdp2"][name]
+        assert_same_osd(rec["by_fqn"], rec["sharded"])
+        assert_same_osd(rec["by_id"], rec["raw"])
+
+
+def _fsdp1_layout(record: dict[str, Any], world: int) -> famp.FSDP1Layout:
+    return famp.fsdp1_layout(
+        record["units"],
+        world,
+        use_orig_params=record["use_orig_params"],
+        param_dtype=record["param_dtype"],
+    )
+
+
+@pytest.mark.parametrize("name", FSDP1_CONFIGS)
+def test_fsdp1_to_load_equals_fsdp_optim_state_dict_to_load(records, name) -> None:
+    world, ranks = records
+    layout = _fsdp1_layout(ranks[0]["fsdp1"][name], world)
+    for rank, record in enumerate(ranks):
+        rec = record["fsdp1"][name]
+        assert_same_osd(famp.optim_state_dict_to_load(rec["full"], layout, rank), rec["to_load"])
+        assert_same_osd(
+            famp.optim_state_dict_to_load(rec["full"], layout, rank, copy=False), rec["to_load"]
+        )
+        assert_same_osd(rec["famp_to_load"], rec["to_load"])  # with the live optimizer
+        # what the optimizer held after training
+        assert_same_osd(rec["to_load"]["state"], rec["raw"]["state"])
+
+
+@pytest.mark.parametrize("name", FSDP1_CONFIGS)
+def test_fsdp1_layout_of_equals_pure_layout(records, name) -> None:
+    world, ranks = records
+    for record in ranks:
+        rec = record["fsdp1"][name]
+        assert rec["layout_of"] == _fsdp1_layout(rec, world)
+
+
+@pytest.mark.parametrize("name", FSDP1_CONFIGS)
+def test_fsdp1_sharded_state_dict_is_the_per_parameter_chunking(records, name) -> None:
+    """FSDP1's SHARDED optim state dict: per-parameter dim-0 chunks, like FSDP2."""
+    world, ranks = records
+    layout = _fsdp1_layout(ranks[0]["fsdp1"][name], world)
+    for rank, record in enumerate(ranks):
+        rec = record["fsdp1"][name]
+        mine = famp.shard_optim_state(rec["full"], layout, rank)
+        for fqn, entry in rec["sharded"]["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, tuple):  # (local shard, offsets) of a ShardedTensor
+                    assert_bitwise_equal(mine["state"][fqn][key], value[0])
+                    assert value[1][0] == sum(layout.local_shape(fqn, r)[0] for r in range(rank))
+                elif value is None:  # a ShardedTensor without a local shard: an empty chunk
+                    assert mine["state"][fqn][key].shape[0] == 0
+                else:
+                    assert_same_osd(mine["state"][fqn][key], value)
