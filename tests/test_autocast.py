@@ -326,7 +326,9 @@ def test_override_to_promote_lower_and_float32_set_opt_dtype() -> None:
 
 def test_override_float32_append_dtype_redispatches_norm() -> None:
     x = torch.randn(4, D).to(BF16)
-    rules = _cpu_rules({"norm": "float32_append_dtype"})
+    rules = _cpu_rules(
+        {"norm.Scalar": "float32_append_dtype", "norm.ScalarOpt_dim": "float32_append_dtype"}
+    )
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.aten.norm.Scalar(x, 2), torch.ops.aten.norm.ScalarOpt_dim(x, 2, [1])
