@@ -938,3 +938,17 @@ def test_compile_argument_decides_when_to_compile(monkeypatch: pytest.MonkeyPatc
         famp.autocast(lambda x: x * 2, "c=f16")(on_cuda)  # compile=None: CUDA inputs compile
         famp.autocast(lambda x: x * 2, "c=f16", compile=False)(on_cuda)
     assert len(compiled) == 2
+
+
+def test_overload_keys_apply_to_python_calls_of_that_overload() -> None:
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    rules = _cpu_rules({"conv2d.padding": "float32"})
+
+    def fn(x: torch.Tensor) -> list[torch.dtype]:
+        return [
+            F.conv2d(x, w, padding="same").dtype,  # aten::conv2d.padding
+            F.conv2d(x, w, padding=1).dtype,  # aten::conv2d (default): still "lower"
+            torch.ops.aten.conv2d.padding(x, w, None, [1, 1], "valid").dtype,
+        ]
+
+    assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [F32, BF16, F32]
