@@ -72,6 +72,42 @@ def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
 
 _COPIES = _copies()
 
+
+def _names(func: types.FunctionType) -> frozenset[str]:
+    """Every name a function's code (and the functions of its module it calls) refers to.
+
+    A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
+    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named.
+    """
+    names: set[str] = set()
+    seen: set[types.CodeType] = set()
+    todo = [func]
+    while todo:
+        f = todo.pop()
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            for name in code.co_names:  # functions it may call: globals, torch.*, F.*
+                for g in (
+                    f.__globals__.get(name),
+                    getattr(torch, name, None),
+                    getattr(torch.nn.functional, name, None),
+                ):
+                    if isinstance(g, types.FunctionType) and g.__code__ not in seen:
+                        todo.append(g)
+    for space in ("linalg", "fft", "special", "nested"):
+        if space in names:
+            names.update(f"{space}_{n}" for n in list(names))
+    return frozenset(names)
+
+
+_CALLS: dict[Callable[..., Any], frozenset[str]] = {f: _names(f) for f in _COPIES}  # type: ignore[arg-type]
+
 # --- naming the op of a call ----------------------------------------------------------------------
 
 _DUNDERS = {
@@ -152,6 +188,13 @@ class Overrides:
             else:
                 self.per_overload[packet] = changed
         self.packets = frozenset(self.uniform) | frozenset(self.per_overload)
+        # torch's Python functions worth entering: they may call an overridden op under another
+        # name. One named like an overridden op is that op: its rule applies to the whole call.
+        self.enter = {
+            f: copy
+            for f, copy in _COPIES.items()
+            if _CALLS[f] & self.packets and op_name(f)[0] not in self.packets
+        }
 
     def __bool__(self) -> bool:
         return bool(self.packets)
@@ -415,7 +458,7 @@ class FampMode(TorchFunctionMode):
                 torch.clear_autocast_cache()
                 owner.seen_dtype = dtype
         if owner.overrides is not None and func not in self.inside:
-            body = _COPIES.get(func)
+            body = owner.overrides.enter.get(func)
             if body is not None:
                 self.inside.add(func)
                 try:
