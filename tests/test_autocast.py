@@ -952,3 +952,18 @@ def test_overload_keys_apply_to_python_calls_of_that_overload() -> None:
         ]
 
     assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [F32, BF16, F32]
+
+
+def test_overrides_compile_through_torch_python_functions_they_do_not_touch() -> None:
+    # F.adaptive_avg_pool2d calls helpers Dynamo keeps out of graphs: famp enters torch's Python
+    # functions only when they may call an overridden op, and so leaves this one whole.
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 3)
+    )
+    rules = _cpu_rules({"conv2d": "float32", "softmax": "lower"})
+    f = famp.autocast(lambda x: cnn(x).softmax(-1), "c=bf16,o=f32", rules=rules)
+    x = torch.randn(2, 3, 8, 8)
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
