@@ -6,7 +6,7 @@ compiled with inductor (small size; not the GRU, which Dynamo does not trace wit
 The override columns use op overrides that change no dtype in these models (`softmax` and
 `rms_norm` to "lower"): they measure famp's op interception itself, eagerly and once compiled.
 
-Run: `python benchmarks/bench_autocast.py` (about 3 minutes on 2 CPU cores). `--quick` runs fewer
+Run: `python benchmarks/bench_autocast.py` (2–3 minutes on 2 CPU cores). `--quick` runs fewer
 steps and skips compilation.
 """
 
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps, no compilation")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    steps = {"tiny": 30, "small": 5} if args.quick else {"tiny": 300, "small": 25}
+    steps = {"tiny": 30, "small": 5} if args.quick else {"tiny": 300, "small": 15}
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
     print(f"bf16 on CPU; ratio = median famp step / median torch step; steps each: {steps}\n")
     # An override that changes no dtype in these models: it measures the interception alone.
