@@ -178,7 +178,8 @@ class _Call:
 # it never meets a handle id (those count up from 0).
 
 _HOOK_KEY = -0xFA4D
-_hook_users = [0]
+_hook_users = [0]  # calls with module rules running, in all threads
+_HOOK_LOCK = threading.Lock()
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
@@ -195,20 +196,24 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return None
 
 
-def _add_hooks() -> None:
-    if _hook_users[0] == 0:
+def _count_hook_user(change: int) -> None:
+    _hook_users[0] += change
+    if change > 0 and _hook_users[0] == 1:
         torch_module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
         torch_module._global_forward_hooks[_HOOK_KEY] = _post_hook
         torch_module._global_forward_hooks_always_called[_HOOK_KEY] = True
-    _hook_users[0] += 1
-
-
-def _remove_hooks() -> None:
-    _hook_users[0] -= 1
-    if _hook_users[0] == 0:
+    elif change < 0 and _hook_users[0] == 0:
         del torch_module._global_forward_pre_hooks[_HOOK_KEY]
         del torch_module._global_forward_hooks[_HOOK_KEY]
         del torch_module._global_forward_hooks_always_called[_HOOK_KEY]
+
+
+def _hooks(change: int) -> None:
+    if torch.compiler.is_compiling():  # traced: the additions and removals cancel out in a graph
+        _count_hook_user(change)
+    else:
+        with _HOOK_LOCK:
+            _count_hook_user(change)
 
 
 # --- the transform --------------------------------------------------------------------------------
@@ -291,7 +296,7 @@ class _Transform:
             outer.suspended += 1
         calls.append(record)
         if self.patterns:
-            _add_hooks()
+            _hooks(+1)
         try:
             with region(device_type, *record.base, call=True):
                 if record.intercepts:
@@ -304,7 +309,7 @@ class _Transform:
             for outer in calls:
                 outer.suspended -= 1
             if self.patterns:
-                _remove_hooks()
+                _hooks(-1)
         return self.policy.cast_to_output(out)
 
 
