@@ -93,7 +93,9 @@ class _Call:
         # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
         # compiled graphs carry their casts explicitly and have no cache.
         self.track = not torch.compiler.is_compiling()
-        self.intercepts = self.overrides is not None or bool(self.patterns)
+        self.intercepts = (
+            transform.track_casts or self.overrides is not None or bool(self.patterns)
+        )
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
@@ -260,8 +262,10 @@ class _Transform:
         rules: OpRules | None,
         module_rules: Mapping[str, Policy | str] | None,
         compile: bool | None,
+        track_casts: bool,
     ) -> None:
         self.fn = fn
+        self.track_casts = track_casts
         self.policy = policy
         self.device_type = device_type
         self.rules = rules
@@ -321,6 +325,7 @@ def autocast(
     rules: OpRules | None = None,
     module_rules: Mapping[str, Policy | str] | None = None,
     compile: bool | None = None,
+    track_casts: bool = False,
 ) -> F:
     """Autocast as a function transform: `fn` computing under a policy and op rules.
 
@@ -352,6 +357,11 @@ def autocast(
         module_rules: glob pattern over module paths → `Policy` or policy string.
         compile: True compiles with `torch.compile(fullgraph=True)`; None compiles when the
             device type is "cuda"; False never compiles.
+        track_casts: watch every op eagerly so that an in-place write to a weight inside the
+            call (an optimizer or EMA update under `torch.no_grad()`) drops its cached cast,
+            which torch's cache would keep reading. Always on with overrides or module rules;
+            off by default otherwise because the per-op watch costs eager time (see
+            docs/benchmarks.md). Compiled graphs have no cast cache and need no watch.
 
     Returns:
         A function with `fn`'s signature.
@@ -407,7 +417,9 @@ def autocast(
                 raise TypeError(f"module_rules keys must be str patterns; got {pattern!r}")
     if compile is not None and not isinstance(compile, bool):
         raise TypeError(f"compile must be True, False or None; got {compile!r}")
-    transform = _Transform(fn, policy, device_type, rules, module_rules, compile)
+    if not isinstance(track_casts, bool):
+        raise TypeError(f"track_casts must be True or False; got {track_casts!r}")
+    transform = _Transform(fn, policy, device_type, rules, module_rules, compile, track_casts)
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
         return transform(*args, **kwargs)

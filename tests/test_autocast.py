@@ -208,17 +208,28 @@ def test_a_weight_cast_is_not_reused_after_an_in_place_update() -> None:
     assert_bitwise_equal(stale, stale_first)  # torch reads the cast made before the update
     # The default rules add no per-op work, and keep torch's cache as it is within one call.
     assert_bitwise_equal(*famp.autocast(two_uses, "c=bf16,o=bf16")(x))
-    # With op interception on (any override or module rule), in-place writes are watched.
+    # With op interception on (track_casts=True, or any override or module rule), in-place
+    # writes are watched.
     rules = _cpu_rules({"rms_norm": "lower"})
-    first, second = famp.autocast(two_uses, "c=bf16,o=bf16", rules=rules)(x)
-    with torch.autocast("cpu", dtype=BF16):
-        fresh = F.linear(x, w)
-    assert_bitwise_equal(second, fresh)
-    assert not torch.equal(second, first)
+    for transformed in (
+        famp.autocast(two_uses, "c=bf16,o=bf16", rules=rules),
+        famp.autocast(two_uses, "c=bf16,o=bf16", track_casts=True),
+    ):
+        first, second = transformed(x)
+        with torch.autocast("cpu", dtype=BF16):
+            fresh = F.linear(x, w)
+        assert_bitwise_equal(second, fresh)
+        assert not torch.equal(second, first)
+        assert second.dtype == BF16
     # famp's own casts (of ops it overrides) are keyed by tensor, dtype and version.
     own = famp.default_rules("cpu").override({"linear": "lower", "mm": "lower"})
     first, second = famp.autocast(two_uses, "c=f16,o=f16", rules=own)(x)
     assert_bitwise_equal(second, F.linear(x.half(), w.half()))
+
+
+def test_track_casts_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="track_casts must be True or False; got 1"):
+        famp.autocast(lambda x: x, "c=bf16", track_casts=1)  # type: ignore[arg-type]
 
 
 def test_a_weight_used_several_times_is_cast_once_per_call_as_in_torch() -> None:
@@ -235,6 +246,8 @@ def test_a_weight_used_several_times_is_cast_once_per_call_as_in_torch() -> None
         expected = torch.autograd.grad(recurrent(x), w)[0]
     actual = torch.autograd.grad(famp.autocast(recurrent, "c=bf16,o=f32")(x), w)[0]
     assert_bitwise_equal(actual, expected)
+    tracked = famp.autocast(recurrent, "c=bf16,o=f32", track_casts=True)
+    assert_bitwise_equal(torch.autograd.grad(tracked(x), w)[0], expected)
     with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
         separate = torch.autograd.grad(recurrent(x), w)[0]
     assert not torch.equal(separate, expected)  # one cast per use rounds the gradient differently
