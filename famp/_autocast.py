@@ -93,9 +93,7 @@ class _Call:
         # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
         # compiled graphs carry their casts explicitly and have no cache.
         self.track = not torch.compiler.is_compiling()
-        self.intercepts = (
-            transform.track_casts or self.overrides is not None or bool(self.patterns)
-        )
+        self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
