@@ -7,6 +7,7 @@ FSDP's optimizer-state loading) as pure functions over pytrees with explicit, im
 from __future__ import annotations
 
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
+# isort: split
 from famp._scaler import ScalerState, init_scaler, update_scale
 from famp._serialization import from_state_dict, to_state_dict
 from famp._unscale import all_finite, scale, select_tree, unscale_and_check
@@ -21,15 +22,16 @@ from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param,
 from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+# isort: split
+from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes
 from famp._distributed import layout_of
 from famp._fsdp import reshard_optim_state, shard_optim_state, unshard_optim_state
 from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
 from famp._fsdp_load import optim_state_dict_to_load
 from famp._rekey import optim_state_by_fqn, optim_state_by_id
 
-from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes  # isort: skip
-
 # --- training steps: _step.py -------------------------------------------------------------------
+# isort: split
 from famp._step import optimizer_step, skip_on_overflow, value_and_grad
 
 __version__ = "0.1.0"

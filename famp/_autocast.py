@@ -4,8 +4,8 @@ The transform runs `fn` inside torch's own autocast state for the device, entere
 policy's explicit compute dtype (never the ambient one, which `torch.compile` would freeze), so
 that with the default rules every op is cast by torch's C++ kernels exactly as under
 `torch.autocast(device_type, dtype=policy.compute_dtype)`. `famp._autocast_mode.FampMode` adds op
-overrides, module rules and fresh weight casts; this module owns the call records, the autocast
-regions, the module hooks, device inference and compilation.
+overrides, module rules and fresh weight casts; `famp._autocast_region` enters autocast states;
+this module owns the call records, the module hooks, device inference and compilation.
 """
 
 from __future__ import annotations
@@ -29,72 +29,13 @@ from famp._autocast_mode import (
     overrides_for,
     writes_first_arg,
 )
+from famp._autocast_region import policy_state, region
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
 
 __all__ = ["autocast"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# --- autocast regions -----------------------------------------------------------------------------
-
-_LOWER = (torch.float16, torch.bfloat16)
-
-
-def _state(policy: Policy) -> tuple[bool, torch.dtype]:
-    """(enabled, dtype) of the autocast state a policy computes in.
-
-    torch.autocast accepts only float16 and bfloat16 and turns itself off (with a warning) for
-    other dtypes; a float32 or float64 compute dtype therefore means autocast off.
-    """
-    return policy.compute_dtype in _LOWER, policy.compute_dtype
-
-
-class _EagerRegion:
-    """`torch.autocast.__enter__/__exit__` without its device checks, and with famp's cache rule.
-
-    It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
-    as in famp's tests), where `torch.autocast` warns and turns itself off. When `switch_cache` is
-    set and autocast is already on with another dtype, torch's weight-cast cache (keyed without the
-    dtype) is cleared on entry and exit, so that no op reads a cast made for the other dtype.
-    """
-
-    __slots__ = ("device_type", "dtype", "enabled", "prev", "switch_cache", "switched")
-
-    def __init__(
-        self, device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool
-    ) -> None:
-        self.device_type, self.enabled, self.dtype = device_type, enabled, dtype
-        self.switch_cache = switch_cache
-        self.switched = False
-        self.prev: tuple[bool, torch.dtype] = (False, dtype)
-
-    def __enter__(self) -> None:
-        dev = self.device_type
-        self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        self.switched = (
-            self.switch_cache and self.enabled and self.prev[0] and self.prev[1] != self.dtype
-        )
-        torch.set_autocast_enabled(dev, self.enabled)
-        torch.set_autocast_dtype(dev, self.dtype)
-        torch.autocast_increment_nesting()
-        if self.switched:
-            torch.clear_autocast_cache()
-
-    def __exit__(self, *exc: object) -> None:
-        if torch.autocast_decrement_nesting() == 0 or self.switched:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled(self.device_type, self.prev[0])
-        torch.set_autocast_dtype(self.device_type, self.prev[1])
-
-
-def region(device_type: str, enabled: bool, dtype: torch.dtype, switch_cache: bool = False) -> Any:
-    """A context manager that sets the device's autocast state for its body."""
-    if torch.compiler.is_compiling():
-        # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
-        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-    return _EagerRegion(device_type, enabled, dtype, switch_cache)
-
 
 # --- the record of one call -----------------------------------------------------------------------
 
@@ -144,22 +85,21 @@ class _Call:
 
     def __init__(self, transform: _Transform, device_type: str) -> None:
         self.device_type = device_type
-        self.base = _state(transform.policy)
+        self.base = policy_state(transform.policy)
         self.overrides = transform.overrides
         self.patterns = transform.patterns
         self.policies = transform.policies
-        # Eagerly, in-place writes are watched so that no stale weight cast is read; compiled
-        # graphs carry their casts explicitly and have no cache.
+        # With FampMode active (overrides or module rules) and eagerly, in-place writes and
+        # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
+        # compiled graphs carry their casts explicitly and have no cache.
         self.track = not torch.compiler.is_compiling()
-        self.plain = self.overrides is None and not self.patterns  # FampMode's fast path
+        self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
-
-    def needs_mode(self) -> bool:
-        return not self.plain or self.track
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
@@ -174,7 +114,7 @@ class _Call:
         if policy is None:
             self.scopes.append(outer)
             return None
-        inner = _state(policy)
+        inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
         return policy.cast_to_compute(args)
@@ -238,7 +178,8 @@ class _Call:
 # it never meets a handle id (those count up from 0).
 
 _HOOK_KEY = -0xFA4D
-_hook_users = [0]
+_hook_users = [0]  # calls with module rules running, in all threads
+_HOOK_LOCK = threading.Lock()
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
@@ -255,20 +196,24 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return None
 
 
-def _add_hooks() -> None:
-    if _hook_users[0] == 0:
+def _count_hook_user(change: int) -> None:
+    _hook_users[0] += change
+    if change > 0 and _hook_users[0] == 1:
         torch_module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
         torch_module._global_forward_hooks[_HOOK_KEY] = _post_hook
         torch_module._global_forward_hooks_always_called[_HOOK_KEY] = True
-    _hook_users[0] += 1
-
-
-def _remove_hooks() -> None:
-    _hook_users[0] -= 1
-    if _hook_users[0] == 0:
+    elif change < 0 and _hook_users[0] == 0:
         del torch_module._global_forward_pre_hooks[_HOOK_KEY]
         del torch_module._global_forward_hooks[_HOOK_KEY]
         del torch_module._global_forward_hooks_always_called[_HOOK_KEY]
+
+
+def _hooks(change: int) -> None:
+    if torch.compiler.is_compiling():  # traced: the additions and removals cancel out in a graph
+        _count_hook_user(change)
+    else:
+        with _HOOK_LOCK:
+            _count_hook_user(change)
 
 
 # --- the transform --------------------------------------------------------------------------------
@@ -315,8 +260,10 @@ class _Transform:
         rules: OpRules | None,
         module_rules: Mapping[str, Policy | str] | None,
         compile: bool | None,
+        track_casts: bool,
     ) -> None:
         self.fn = fn
+        self.track_casts = track_casts
         self.policy = policy
         self.device_type = device_type
         self.rules = rules
@@ -334,8 +281,10 @@ class _Transform:
                 f"rules are for device_type {self.rules.device_type!r} but the call runs on "
                 f"{device_type!r}; pass famp.default_rules({device_type!r}).override(...)"
             )
-        if torch.compiler.is_compiling() or not (
-            self.compile or (self.compile is None and device_type == "cuda")
+        if (
+            torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()  # torch.compile cannot run in torch.func
+            or not (self.compile or (self.compile is None and device_type == "cuda"))
         ):
             return self.run(device_type, *args, **kwargs)
         if self.compiled is None:
@@ -349,10 +298,10 @@ class _Transform:
             outer.suspended += 1
         calls.append(record)
         if self.patterns:
-            _add_hooks()
+            _hooks(+1)
         try:
-            with region(device_type, *record.base, switch_cache=True):
-                if record.needs_mode():
+            with region(device_type, *record.base, call=True):
+                if record.intercepts:
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)
                 else:
@@ -362,7 +311,7 @@ class _Transform:
             for outer in calls:
                 outer.suspended -= 1
             if self.patterns:
-                _remove_hooks()
+                _hooks(-1)
         return self.policy.cast_to_output(out)
 
 
@@ -374,6 +323,7 @@ def autocast(
     rules: OpRules | None = None,
     module_rules: Mapping[str, Policy | str] | None = None,
     compile: bool | None = None,
+    track_casts: bool = False,
 ) -> F:
     """Autocast as a function transform: `fn` computing under a policy and op rules.
 
@@ -405,6 +355,11 @@ def autocast(
         module_rules: glob pattern over module paths → `Policy` or policy string.
         compile: True compiles with `torch.compile(fullgraph=True)`; None compiles when the
             device type is "cuda"; False never compiles.
+        track_casts: watch every op eagerly so that an in-place write to a weight inside the
+            call (an optimizer or EMA update under `torch.no_grad()`) drops its cached cast,
+            which torch's cache would keep reading. Always on with overrides or module rules;
+            off by default otherwise because the per-op watch costs eager time (see
+            docs/benchmarks.md). Compiled graphs have no cast cache and need no watch.
 
     Returns:
         A function with `fn`'s signature.
@@ -433,8 +388,15 @@ def autocast(
     if device_type is not None:
         if not isinstance(device_type, str):
             raise TypeError(f"device_type must be a str or None; got {type(device_type).__name__}")
-        if not torch.amp.is_autocast_available(device_type):
-            raise ValueError(f"device_type {device_type!r} has no autocast support in torch")
+        try:
+            available = torch.amp.is_autocast_available(device_type)
+        except RuntimeError:
+            available = False
+        if not available:
+            raise ValueError(
+                f"device_type {device_type!r} has no autocast support in torch; "
+                "use a torch device type such as 'cpu' or 'cuda'"
+            )
     if rules is not None:
         if not isinstance(rules, OpRules):
             raise TypeError(f"rules must be a famp.OpRules or None; got {type(rules).__name__}")
@@ -453,7 +415,9 @@ def autocast(
                 raise TypeError(f"module_rules keys must be str patterns; got {pattern!r}")
     if compile is not None and not isinstance(compile, bool):
         raise TypeError(f"compile must be True, False or None; got {compile!r}")
-    transform = _Transform(fn, policy, device_type, rules, module_rules, compile)
+    if not isinstance(track_casts, bool):
+        raise TypeError(f"track_casts must be True or False; got {track_casts!r}")
+    transform = _Transform(fn, policy, device_type, rules, module_rules, compile, track_casts)
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
         return transform(*args, **kwargs)

@@ -72,6 +72,42 @@ def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
 
 _COPIES = _copies()
 
+
+def _names(func: types.FunctionType) -> frozenset[str]:
+    """Every name a function's code (and the functions of its module it calls) refers to.
+
+    A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
+    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named.
+    """
+    names: set[str] = set()
+    seen: set[types.CodeType] = set()
+    todo = [func]
+    while todo:
+        f = todo.pop()
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            for name in code.co_names:  # functions it may call: globals, torch.*, F.*
+                for g in (
+                    f.__globals__.get(name),
+                    getattr(torch, name, None),
+                    getattr(torch.nn.functional, name, None),
+                ):
+                    if isinstance(g, types.FunctionType) and g.__code__ not in seen:
+                        todo.append(g)
+    for space in ("linalg", "fft", "special", "nested"):
+        if space in names:
+            names.update(f"{space}_{n}" for n in list(names))
+    return frozenset(names)
+
+
+_CALLS: dict[Callable[..., Any], frozenset[str]] = {f: _names(f) for f in _COPIES}  # type: ignore[arg-type]
+
 # --- naming the op of a call ----------------------------------------------------------------------
 
 _DUNDERS = {
@@ -117,16 +153,6 @@ def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 
 
-_WRITERS: dict[Any, bool] = {}  # func -> writes_first_arg without `out=`, memoized (eager only)
-
-
-def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
-    writes = _WRITERS.get(func)
-    if writes is None:
-        writes = _WRITERS[func] = writes_first_arg(op_name(func)[0], {})
-    return writes or (bool(kwargs) and kwargs.get("out") is not None)
-
-
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
 
 
@@ -162,6 +188,13 @@ class Overrides:
             else:
                 self.per_overload[packet] = changed
         self.packets = frozenset(self.uniform) | frozenset(self.per_overload)
+        # torch's Python functions worth entering: they may call an overridden op under another
+        # name. One named like an overridden op is that op: its rule applies to the whole call.
+        self.enter = {
+            f: copy
+            for f, copy in _COPIES.items()
+            if _CALLS[f] & self.packets and op_name(f)[0] not in self.packets
+        }
 
     def __bool__(self) -> bool:
         return bool(self.packets)
@@ -260,10 +293,8 @@ def promote_dtype(lower: torch.dtype, args: Iterable[Any], device_type: str) -> 
             continue
         if current == torch.float32 or t.dtype == torch.float32:
             current = torch.float32
-        elif t.dtype != current:
-            raise RuntimeError(
-                f"promote rule: unexpected floating dtype {t.dtype} among {current} inputs"
-            )
+        elif t.dtype != current:  # torch's message
+            raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
     return current
 
 
@@ -316,6 +347,20 @@ def cast_args(
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def _spelled_out(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    full, rest = list(args), dict(kwargs)
+    for arg in func._schema.arguments[len(args) :]:
+        if arg.kwarg_only:
+            break
+        if arg.name in rest:
+            full.append(rest.pop(arg.name))
+        elif arg.has_default_value():
+            full.append(arg.default_value)
+    return tuple(full), rest
+
+
 def _gives_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
 
@@ -345,6 +390,13 @@ def apply_rule(
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
+            if isinstance(func, torch._ops.OpOverload) and not any(
+                a.name == "dtype" for a in func._schema.arguments
+            ):
+                # An overload without dtype: redispatch with every positional argument spelled out
+                # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).
+                args, kwargs = _spelled_out(func, args, kwargs)
+                func = getattr(torch.ops.aten, packet)
             kwargs = {**kwargs, "dtype": torch.float32}
     elif rule != "keep":
         raise ValueError(f"unknown rule {rule!r} for op {packet!r}")
@@ -398,13 +450,15 @@ class FampMode(TorchFunctionMode):
         owner = self.owner
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
-        if owner.plain:
-            out = call(func, args, kwargs)
-            if owner.track and _writes(func, kwargs):
-                owner.invalidate(args[0] if args else None)
-            return out
+        if owner.track:
+            # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
+            # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
+            dtype = torch.get_autocast_dtype(owner.device_type)
+            if dtype is not owner.seen_dtype:
+                torch.clear_autocast_cache()
+                owner.seen_dtype = dtype
         if owner.overrides is not None and func not in self.inside:
-            body = _COPIES.get(func)
+            body = owner.overrides.enter.get(func)
             if body is not None:
                 self.inside.add(func)
                 try:

@@ -230,8 +230,9 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
     Example:
         >>> import torch, famp
         >>> tree = (torch.ones(1), torch.ones(1, dtype=torch.float64))
-        >>> [t.dtype for t in famp.cast_to_compute("c=f16", tree)]
-        [torch.float16, torch.float64]
+        >>> half, double = famp.cast_to_compute("c=f16", tree)
+        >>> half.dtype, double.dtype
+        (torch.float16, torch.float64)
     """
     return get_policy(policy).cast_to_compute(tree)
 

@@ -9,13 +9,12 @@ Keys are aten op names without the ``aten::`` prefix. A packet key (``"linear"``
 overloads, nor scalar-only ones such as ``pow.int``); a ``"packet.overload"`` key covers that one
 overload and wins over the packet key. Unlisted ops are ``"keep"``.
 
-``python -m famp._rules --markdown`` prints the per-device table that ``docs/autocast.md`` holds.
+``python -m famp._rules_table`` prints the per-device table that ``docs/autocast.md`` holds.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, get_args
@@ -56,6 +55,14 @@ RULE_NAMES: tuple[Rule, ...] = get_args(Rule)
 """Every accepted rule name, in the order of ``famp.Rule``."""
 
 DEVICE_TYPES: tuple[str, ...] = tuple(TABLES)
+
+APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
+    ("norm", "Scalar"): ("norm", "ScalarOpt_dtype"),
+    ("norm", "ScalarOpt_dim"): ("norm", "ScalarOpt_dim_dtype"),
+}
+"""For ``"float32_append_dtype"``: (packet, overload) → the overload that takes the trailing
+dtype (torch's ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE``). Every argument, defaults included,
+is passed before the dtype."""
 
 _BCE_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -123,6 +130,32 @@ def _check_rule(op: str, rule: object) -> Rule:
     return rule
 
 
+def _has_opt_dtype(packet: str, overload: str) -> bool:
+    schema = getattr(getattr(torch.ops.aten, packet), overload)._schema
+    return any(a.name == "dtype" and str(a.type) == "Optional[int]" for a in schema.arguments)
+
+
+def _check_applies(op: str, rule: Rule) -> None:
+    """The dtype-argument rules only apply to overloads that have the argument they set."""
+    if rule not in ("float32_set_opt_dtype", "float32_append_dtype"):
+        return
+    packet, dot, overload = op.partition(".")
+    overloads = [overload] if dot else sorted(_covered(packet))
+    if rule == "float32_append_dtype":
+        bad = [o for o in overloads if (packet, o) not in APPEND_DTYPE_OVERLOADS]
+        need = "an overload with a dtype twin: " + ", ".join(
+            f"{p}.{o}" for p, o in APPEND_DTYPE_OVERLOADS
+        )
+    else:
+        bad = [o for o in overloads if not _has_opt_dtype(packet, o)]
+        need = "a 'ScalarType? dtype' argument"
+    if bad or not overloads:
+        raise ValueError(
+            f"rule {rule!r} does not apply to op {op!r}: it needs {need}; "
+            f"{packet} lacks it in overloads {', '.join(bad) or '(none)'}"
+        )
+
+
 def _check_device_type(device_type: object) -> str:
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cuda', got {device_type!r}")
@@ -166,8 +199,9 @@ class OpRules(Mapping[str, str]):
         device_type: the device type the table is for, such as ``"cpu"`` or ``"cuda"``.
 
     Raises:
-        ValueError: an op is not an aten op or overload, a rule name is unknown, or the device
-            type is not one torch knows.
+        ValueError: an op is not an aten op or overload, a rule name is unknown or does not
+            apply to the op (the dtype rules need a dtype argument), or the device type is not
+            one torch knows.
         TypeError: an op name or the device type is not a str.
 
     Example:
@@ -190,6 +224,7 @@ class OpRules(Mapping[str, str]):
         checked: dict[str, Rule] = {}
         for op, rule in items:
             checked[_check_op(op)] = _check_rule(op, rule)
+            _check_applies(op, checked[op])
         self._device_type = _check_device_type(device_type)
         self._rules = _canonical(checked)
         self._covered = {k: _covered(k) for k in self._rules if "." not in k}
@@ -267,8 +302,8 @@ class OpRules(Mapping[str, str]):
             A new ``OpRules`` for the same device type.
 
         Raises:
-            ValueError: an op is not an aten op or overload, or a rule name is unknown; nothing
-                is applied.
+            ValueError: an op is not an aten op or overload, or a rule name is unknown or does
+                not apply to the op; nothing is applied.
 
         Example:
             >>> import famp
@@ -280,6 +315,8 @@ class OpRules(Mapping[str, str]):
         if not isinstance(changes, Mapping):
             raise TypeError(f"changes must be a mapping of op name to rule, got {changes!r}")
         checked = {_check_op(op): _check_rule(op, rule) for op, rule in changes.items()}
+        for op, rule in checked.items():
+            _check_applies(op, rule)
         packets = {op for op in checked if "." not in op}
         merged = {k: v for k, v in self._rules.items() if k.partition(".")[0] not in packets}
         merged.update((op, rule) for op, rule in checked.items() if op in packets)
@@ -413,31 +450,3 @@ __test__ = {
     f"OpRules.{name}": getattr(OpRules, name)
     for name in ("lookup", "override", "to_dict", "from_dict", "table")
 }
-
-
-def _display_name(packet: str, overload: str) -> str:
-    return packet if overload == "default" else f"{packet}.{overload}"
-
-
-def markdown_table() -> str:
-    """The per-device rule table of ``docs/autocast.md``, one row per listed overload."""
-    tables = {device: default_rules(device) for device in DEVICE_TYPES}
-    rows: set[tuple[str, str]] = set()
-    for rules in tables.values():
-        for key in rules:
-            packet, dot, overload = key.partition(".")
-            rows.update((packet, o) for o in ([overload] if dot else sorted(_covered(packet))))
-    header = "| op | " + " | ".join(f"`{d}`" for d in DEVICE_TYPES) + " |"
-    lines = [header, "|---" * (len(DEVICE_TYPES) + 1) + "|"]
-    for packet, overload in sorted(rows):
-        cells = [tables[d].lookup(packet, overload) for d in DEVICE_TYPES]
-        lines.append(f"| `{_display_name(packet, overload)}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    if sys.argv[1:] == ["--markdown"]:
-        print(markdown_table())
-    else:
-        for _device in DEVICE_TYPES:
-            print(default_rules(_device), end="\n\n")

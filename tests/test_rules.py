@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
 import typing
 
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given
 
 import famp
+from tests.autocast_reference import SAMPLES, check_op
 
 DEVICES = ("cpu", "cuda", "xpu", "mps")
 DISPATCH_KEY = {d: f"Autocast{d.upper() if d != 'cpu' else 'CPU'}" for d in DEVICES}
@@ -95,6 +97,74 @@ def test_well_known_rules_per_device() -> None:
     assert cuda.lookup("conv2d", "padding") == "keep"  # no AutocastCUDA kernel in torch 2.13
     assert cuda.lookup("pow", "Tensor_Scalar") == "float32"
     assert cuda.lookup("pow", "Tensor_Scalar_out") == "keep"
+
+
+# --- each default rule casts exactly as torch's kernel does, op by op ---------------------------
+
+# (device, autocast dtype, fake tensors). CPU runs real tensors and compares bits; the others run
+# fake tensors, which still reach torch's Autocast<Device> kernels, and compare dtypes and shapes.
+RUNS = [
+    ("cpu", torch.bfloat16, False),
+    ("cpu", torch.float16, False),
+    ("cuda", torch.float16, True),
+    ("cuda", torch.bfloat16, True),
+    ("xpu", torch.bfloat16, True),
+    ("mps", torch.float16, True),
+]
+
+
+def _name(packet: str, overload: str) -> str:
+    return packet if overload == "default" else f"{packet}.{overload}"
+
+
+def test_every_autocast_op_has_a_sample() -> None:
+    registered = {_name(p, o) for d in DEVICES for p, o in _registered(d)}
+    assert set(SAMPLES) == registered
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "fake"), RUNS, ids=[f"{d}-{str(t)[6:]}" for d, t, _ in RUNS]
+)
+def test_default_rules_cast_as_torch_autocast_does(
+    device: str, dtype: torch.dtype, fake: bool
+) -> None:
+    """For every op: same casts below autocast, same output dtypes (and bits on CPU), same errors.
+
+    Each op runs in five input variants (float32; autocast dtype; mixed; float64; dtype= given)
+    under torch's autocast and under the reference for famp's rule (tests/autocast_reference.py).
+    """
+    rules = famp.default_rules(device)
+    wrong, unverified = [], []
+    for packet, overload in sorted(_registered(device)):
+        name, rule = _name(packet, overload), rules.lookup(packet, overload)
+        consistent, ran, casts = check_op(device, name, dtype, (rule,), fake=fake)
+        if not fake and ran == 0:
+            # Kernels this CPU cannot run in low precision (mkldnn_rnn_layer without AVX512-BF16)
+            # are also run on fake CPU tensors, which reach the same AutocastCPU kernel.
+            consistent_fake, ran, casts_fake = check_op(device, name, dtype, (rule,), fake=True)
+            consistent &= consistent_fake
+            casts += casts_fake
+        if rule not in consistent:
+            wrong.append((name, rule))
+        elif ran == 0 and casts == 0 and rule != "banned":
+            unverified.append(name)
+    assert wrong == []
+    # Every op either produced outputs or showed its casts; banned ones raised torch's message.
+    assert unverified == []
+
+
+def test_banned_binary_cross_entropy_keeps_torch_message() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tests.autocast_reference import Autocast
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(3, device="cuda")
+        with Autocast("cuda", torch.float16), pytest.raises(RuntimeError) as info:
+            torch.nn.functional.binary_cross_entropy(x, x)
+    assert famp.default_rules("cuda")["binary_cross_entropy"] == "banned"
+    assert str(info.value) == famp._rules.banned_message("binary_cross_entropy", "cuda")
+    assert "binary_cross_entropy_with_logits" in str(info.value)
 
 
 # --- API ----------------------------------------------------------------------------------------
@@ -241,7 +311,18 @@ OPS = sorted(
     {k for d in DEVICES for k in famp.default_rules(d)}
     | {"relu", "linear.out", "conv2d.padding", "sum.dim_IntList", "norm.ScalarOpt_dtype"}
 )
-changes_st = st.dictionaries(st.sampled_from(OPS), st.sampled_from(famp.RULE_NAMES), max_size=8)
+APPLICABLE = {
+    op: [
+        r
+        for r in famp.RULE_NAMES
+        if r not in ("float32_set_opt_dtype", "float32_append_dtype")
+        or famp.default_rules("cuda").lookup(*(op.partition(".")[::2])) == r
+    ]
+    for op in OPS
+}
+changes_st = st.dictionaries(st.sampled_from(OPS), st.just(None), max_size=8).flatmap(
+    lambda ops: st.fixed_dictionaries({op: st.sampled_from(APPLICABLE[op]) for op in ops})
+)
 
 
 def _expected_lookup(
@@ -292,3 +373,51 @@ def test_override_is_idempotent_and_order_free_for_disjoint_packets(
         mine = {k: v for k, v in changes.items() if k.partition(".")[0] == packet}
         rest = {k: v for k, v in changes.items() if k.partition(".")[0] != packet}
         assert base.override(mine).override(rest) == once
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"linear": "float32_set_opt_dtype"},
+            r"'float32_set_opt_dtype' does not apply to op 'linear'",
+        ),
+        ({"norm": "float32_append_dtype"}, r"'norm'.*norm.Scalar, norm.ScalarOpt_dim"),
+        ({"sum.out": "float32_append_dtype"}, r"'sum.out'"),
+    ],
+)
+def test_dtype_rules_only_apply_to_ops_with_a_dtype_argument(
+    changes: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        famp.default_rules("cuda").override(changes)
+    ok = famp.default_rules("cpu").override(
+        {"sum": "float32_set_opt_dtype", "norm.Scalar": "float32_append_dtype"}
+    )
+    assert ok.lookup("sum", "dim_IntList") == "float32_set_opt_dtype"
+
+
+def test_docs_rule_table_is_the_generated_one() -> None:
+    from famp._rules_table import END, START, markdown_table
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
+    assert START in text, "run python -m famp._rules_table into docs/autocast.md"
+    assert END in text, "run python -m famp._rules_table into docs/autocast.md"
+    committed = text.split(START, 1)[1].split(END, 1)[0].strip()
+    assert committed == markdown_table(), "docs/autocast.md is stale: python -m famp._rules_table"
+
+
+_TRACED_RULES = famp.default_rules("cpu").override({"relu": "float32"})
+
+
+def _cast_by_rule(x: torch.Tensor) -> torch.Tensor:
+    y = x.to(torch.bfloat16) if _TRACED_RULES.lookup("linear") == "lower" else x
+    if _TRACED_RULES["relu"] == "float32" and "relu" in _TRACED_RULES:
+        y = y * 2
+    return y
+
+
+def test_rules_are_read_inside_a_fullgraph_compiled_function() -> None:
+    out = torch.compile(_cast_by_rule, fullgraph=True, backend="eager")(torch.ones(2))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.full((2,), 2.0, dtype=torch.bfloat16))

@@ -1,0 +1,162 @@
+"""famp.autocast ÷ torch.autocast: forward + backward step time on a model zoo, side by side.
+
+Each step is `loss = model(x)` under the autocast, then `loss.backward()`. torch and famp steps
+alternate, and the ratio of the median step times is reported, eagerly (tiny and small sizes) and
+compiled with inductor (small size; not the GRU, which Dynamo does not trace with fullgraph=True).
+The override columns use op overrides that change no dtype in these models (`softmax` and
+`rms_norm` to "lower"): they measure famp's op interception itself, eagerly and once compiled.
+
+Run: `python benchmarks/bench_autocast.py` (2–3 minutes on 2 CPU cores). `--quick` runs fewer
+steps and skips compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import famp
+
+DTYPE = torch.bfloat16
+
+
+class CNN(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.body(x), torch.zeros(x.shape[0], dtype=torch.long))
+
+
+class Encoder(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).float().pow(2).mean()
+
+
+class Recurrent(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(width, width, batch_first=True)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.gru(x)[0]).float(), x)
+
+
+class EmbeddingLM(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, width)
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(self.emb(tokens))).chunk(3, -1)
+        attn = torch.einsum("bid,bjd->bij", q, k).softmax(-1)
+        logits = torch.bmm(attn, v) @ self.emb.weight.T
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def zoo(size: str) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    w, batch, seq, image = {"tiny": (16, 4, 8, 8), "small": (128, 16, 32, 16)}[size]
+    return {
+        "CNN + BatchNorm + pooling": (CNN(w // 2), torch.randn(batch, 3, image, image)),
+        "TransformerEncoderLayer": (Encoder(w), torch.randn(batch, seq, w)),
+        "GRU + linear": (Recurrent(w), torch.randn(batch, seq, w)),
+        "embedding + layer norm + einsum attention": (
+            EmbeddingLM(w),
+            torch.randint(0, 1000, (batch, seq)),
+        ),
+    }
+
+
+def torch_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=DTYPE):
+            return model(x).float()
+
+    return loss
+
+
+def famp_step(model: nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    return famp.autocast(model, famp.Policy(torch.float32, DTYPE, torch.float32), **kwargs)  # type: ignore[arg-type]
+
+
+def ratio(
+    baseline: Callable[[torch.Tensor], torch.Tensor],
+    candidate: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    steps: int,
+) -> tuple[float, float]:
+    """(median candidate step ÷ median baseline step, baseline median in ms), alternating."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(steps + 3):
+        for which, fn in enumerate((baseline, candidate)):
+            start = time.perf_counter()
+            fn(x).backward()
+            if i >= 3:  # warm-up
+                times[which].append(time.perf_counter() - start)
+    base, cand = statistics.median(times[0]), statistics.median(times[1])
+    return cand / base, base * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer steps, no compilation")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    steps = {"tiny": 30, "small": 5} if args.quick else {"tiny": 300, "small": 15}
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
+    print(f"bf16 on CPU; ratio = median famp step / median torch step; steps each: {steps}\n")
+    # An override that changes no dtype in these models: it measures the interception alone.
+    override = famp.default_rules("cpu").override({"rms_norm": "lower", "softmax": "lower"})
+    print("| model | size | torch step | eager famp ÷ torch | eager famp + override ÷ torch |")
+    print("|---|---|---|---|---|")
+    for size in ("tiny", "small"):
+        for name, (model, x) in zoo(size).items():
+            r, ms = ratio(torch_step(model), famp_step(model), x, steps[size])
+            r_override, _ = ratio(
+                torch_step(model), famp_step(model, rules=override), x, steps[size]
+            )
+            print(f"| {name} | {size} | {ms:.2f} ms | {r:.3f} | {r_override:.3f} |")
+    if args.quick:
+        return
+    print("\n| model (small) | compiled torch step | compiled famp ÷ torch | + override ÷ famp |")
+    print("|---|---|---|---|")
+    for name, (model, x) in zoo("small").items():
+        if isinstance(model, Recurrent):
+            continue  # Dynamo does not trace nn.GRU with fullgraph=True (torch and famp alike)
+        compiled_torch = torch.compile(torch_step(model), fullgraph=True)
+        compiled_famp = famp_step(model, compile=True)
+        compiled_override = famp_step(model, compile=True, rules=override)
+        r, ms = ratio(compiled_torch, compiled_famp, x, steps["small"])
+        r_override, _ = ratio(compiled_famp, compiled_override, x, steps["small"])
+        print(f"| {name} | {ms:.2f} ms | {r:.3f} | {r_override:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Entering an autocast state for a region, as `torch.autocast` does, with famp's cache rules."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from famp._policy import Policy
+
+# --- autocast regions -----------------------------------------------------------------------------
+
+_LOWER = (torch.float16, torch.bfloat16)
+
+
+def policy_state(policy: Policy) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of the autocast state a policy computes in.
+
+    torch.autocast accepts only float16 and bfloat16 and turns itself off (with a warning) for
+    other dtypes; a float32 or float64 compute dtype therefore means autocast off.
+    """
+    return policy.compute_dtype in _LOWER, policy.compute_dtype
+
+
+# torch's weight-cast cache is one map for all threads, keyed without the dtype. famp registers
+# the (thread, device type, dtype) of every eager call with autocast on; a call that starts while
+# another thread computes in another dtype on the same device type runs with the cache off.
+_ACTIVE: list[tuple[int, str, torch.dtype]] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+class _EagerRegion:
+    """`torch.autocast.__enter__/__exit__` without its device checks, and with famp's cache rules.
+
+    It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
+    as in famp's tests), where `torch.autocast` warns and turns itself off. A call's region
+    (`call=True`) clears torch's weight-cast cache on entry and exit when autocast is already on
+    with another dtype, and turns the cache off while another thread computes in another dtype.
+    """
+
+    __slots__ = (
+        "call",
+        "device_type",
+        "dtype",
+        "enabled",
+        "entry",
+        "prev",
+        "prev_cache",
+        "switched",
+    )
+
+    def __init__(self, device_type: str, enabled: bool, dtype: torch.dtype, call: bool) -> None:
+        self.device_type, self.enabled, self.dtype, self.call = device_type, enabled, dtype, call
+        self.switched = False
+        self.prev: tuple[bool, torch.dtype] = (False, dtype)
+        self.prev_cache = True
+        self.entry: tuple[int, str, torch.dtype] | None = None
+
+    def __enter__(self) -> None:
+        dev = self.device_type
+        self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self.prev_cache = torch.is_autocast_cache_enabled()
+        if self.call and self.enabled:
+            self.switched = self.prev[0] and self.prev[1] != self.dtype
+            self.entry = (threading.get_ident(), dev, self.dtype)
+            with _ACTIVE_LOCK:
+                if any(t != self.entry[0] and d == dev and x != self.dtype for t, d, x in _ACTIVE):
+                    torch.set_autocast_cache_enabled(False)
+                _ACTIVE.append(self.entry)
+        torch.set_autocast_enabled(dev, self.enabled)
+        torch.set_autocast_dtype(dev, self.dtype)
+        torch.autocast_increment_nesting()
+        if self.switched:
+            torch.clear_autocast_cache()
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.autocast_decrement_nesting() == 0 or self.switched:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(self.device_type, self.prev[0])
+        torch.set_autocast_dtype(self.device_type, self.prev[1])
+        torch.set_autocast_cache_enabled(self.prev_cache)
+        if self.entry is not None:
+            with _ACTIVE_LOCK:
+                _ACTIVE.remove(self.entry)
+
+
+def region(device_type: str, enabled: bool, dtype: torch.dtype, call: bool = False) -> Any:
+    """A context manager that sets the device's autocast state for its body."""
+    if torch.compiler.is_compiling():
+        # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    return _EagerRegion(device_type, enabled, dtype, call)

@@ -1,0 +1,982 @@
+"""famp.autocast: state hygiene, nesting, the weight-cast cache, overrides, composition, compile."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+import torch.nn.modules.module as torch_module
+from torch import nn
+
+import famp
+import famp._autocast as famp_autocast
+from tests.helpers import assert_bitwise_equal
+
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    nesting = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+        nesting,
+        torch._C._len_torch_function_stack(),
+        famp_autocast._HOOK_KEY in torch_module._global_forward_pre_hooks,
+        famp_autocast._HOOK_KEY in torch_module._global_forward_hooks,
+        len(famp_autocast._calls()),
+    )
+
+
+CLEAN = (False, BF16, True, 1, 0, False, False, 0)
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "needle"),
+    [
+        ({"fn": 3}, TypeError, "fn must be callable; got int"),
+        ({"policy": "c=fp8"}, ValueError, "compute must be a dtype name"),
+        ({"policy": 1.0}, TypeError, "policy must be a string or a famp.Policy"),
+        ({"device_type": 0}, TypeError, "device_type must be a str or None; got int"),
+        ({"device_type": "gpu"}, ValueError, "device_type 'gpu' has no autocast support"),
+        ({"rules": {"linear": "lower"}}, TypeError, "rules must be a famp.OpRules or None"),
+        (
+            {"rules": famp.default_rules("cuda"), "device_type": "cpu"},
+            ValueError,
+            "rules are for device_type 'cuda', not 'cpu'",
+        ),
+        ({"module_rules": ["head"]}, TypeError, "module_rules must be a mapping"),
+        ({"module_rules": {1: "f32"}}, TypeError, "module_rules keys must be str patterns"),
+        ({"module_rules": {"head": "f8"}}, ValueError, "policy must be a dtype name"),
+        ({"compile": "yes"}, TypeError, "compile must be True, False or None; got 'yes'"),
+    ],
+)
+def test_bad_arguments_name_the_field_and_value(
+    kwargs: dict[str, Any], exc: type, needle: str
+) -> None:
+    args = {"fn": lambda x: x, "policy": "c=bf16", **kwargs}
+    fn, policy = args.pop("fn"), args.pop("policy")
+    with pytest.raises(exc) as info:
+        famp.autocast(fn, policy, **args)
+    assert needle in str(info.value)
+
+
+def test_device_inference() -> None:
+    def dev(x: Any) -> str:
+        return "cuda" if torch.is_autocast_enabled("cuda") else "cpu"
+
+    f = famp.autocast(dev, "c=bf16")
+    assert f({"a": [torch.ones(1)], "b": 2}) == "cpu"
+    with pytest.raises(ValueError, match="needs a tensor among the arguments"):
+        f(3)
+    rules = famp.default_rules("cuda").override({"mm": "float32"})
+    g = famp.autocast(dev, "c=bf16", rules=rules)
+    with pytest.raises(ValueError, match="rules are for device_type 'cuda' but the call runs on"):
+        g(torch.ones(1))
+
+
+# --- nothing leaks ------------------------------------------------------------------------------
+
+LIN = nn.Linear(4, 4)
+
+
+def test_no_state_leaks_after_a_call_or_an_exception() -> None:
+    assert _autocast_state() == CLEAN
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    for kwargs in ({}, {"rules": rules}, {"module_rules": {"": "f32"}}):
+        f = famp.autocast(lambda x: LIN(x), "c=bf16", **kwargs)
+        assert f(torch.randn(2, 4)).dtype == BF16 if not kwargs else True
+        assert _autocast_state() == CLEAN
+
+        def boom(x: torch.Tensor) -> None:
+            LIN(x)
+            raise KeyError("boom")
+
+        with pytest.raises(KeyError, match="boom"):
+            famp.autocast(boom, "c=f16", **kwargs)(torch.randn(2, 4))
+        assert _autocast_state() == CLEAN
+
+
+def test_ambient_autocast_is_restored_and_does_not_leak_in() -> None:
+    f = famp.autocast(lambda x: (LIN(x).dtype, torch.get_autocast_dtype("cpu")), "c=bf16")
+    with torch.autocast("cpu", dtype=F16):
+        assert f(torch.randn(2, 4)) == (BF16, BF16)
+        assert torch.get_autocast_dtype("cpu") == F16
+        assert LIN(torch.randn(2, 4)).dtype == F16
+    full = famp.autocast(lambda x: LIN(x).dtype, "f32")
+    with torch.autocast("cpu", dtype=F16):
+        assert full(torch.randn(2, 4)) == F32  # a float32 policy turns autocast off
+    assert _autocast_state() == CLEAN
+
+
+def test_float32_policy_equals_no_autocast() -> None:
+    x = torch.randn(2, 4).to(BF16)
+    expected = LIN.to(F32)(x.float()), F.layer_norm(x, (4,))
+    f = famp.autocast(lambda x: (LIN(x.float()), F.layer_norm(x, (4,))), "p=f32,c=f32,o=f32")
+    actual = f(x)
+    assert_bitwise_equal(actual[0], expected[0])
+    assert actual[1].dtype == F32  # the bf16 output is cast to the policy's float32 output
+    assert_bitwise_equal(actual[1], expected[1].float())
+
+
+def test_float64_outputs_and_inputs_are_never_cast() -> None:
+    x = torch.randn(2, 4, dtype=F64)
+    w = torch.randn(4, 4, dtype=F64)
+    out = famp.autocast(lambda x: (x @ w, (x @ w).float(), torch.arange(3)), "c=bf16,o=f16")(x)
+    assert [t.dtype for t in out] == [F64, F16, torch.int64]
+    assert_bitwise_equal(out[0], x @ w)
+
+
+def test_calls_in_two_threads_do_not_interfere() -> None:
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+
+    def worker(name: str, policy: str) -> None:
+        def fn(x: torch.Tensor) -> torch.dtype:
+            barrier.wait(timeout=10)
+            dtype = LIN(x).dtype
+            barrier.wait(timeout=10)
+            return dtype
+
+        results[name] = famp.autocast(fn, policy)(torch.randn(2, 4))
+
+    threads = [
+        threading.Thread(target=worker, args=("bf16", "c=bf16")),
+        threading.Thread(target=worker, args=("f16", "c=f16")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {"bf16": BF16, "f16": F16}
+
+
+# --- nesting and the weight-cast cache ----------------------------------------------------------
+
+
+def test_nested_transforms_with_other_dtypes_work_where_torch_fails() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+
+    def torch_nested() -> None:
+        with torch.autocast("cpu", dtype=F16):
+            lin(x)
+            with torch.autocast("cpu", dtype=BF16):
+                lin(x)
+
+    with pytest.raises(RuntimeError, match="must have the same dtype"):  # torch's cache bug
+        torch_nested()
+    inner = famp.autocast(lambda x: lin(x), "c=bf16,o=bf16")
+    outer = famp.autocast(lambda x: (lin(x), inner(x), lin(x)), "c=f16,o=f16")
+    before, nested, after = outer(x)
+    assert (before.dtype, nested.dtype, after.dtype) == (F16, F16, F16)
+    assert_bitwise_equal(nested, inner(x).to(F16))
+    assert_bitwise_equal(before, famp.autocast(lambda x: lin(x), "c=f16")(x))
+    assert_bitwise_equal(after, before)
+    assert _autocast_state() == CLEAN
+
+
+def test_inner_transform_governs_its_ops_not_the_outer_rules() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    outer_rules = famp.default_rules("cpu").override({"linear": "float32"})
+    inner = famp.autocast(lambda x: lin(x).dtype, "c=f16")
+    outer = famp.autocast(lambda x: (lin(x).dtype, inner(x)), "c=bf16", rules=outer_rules)
+    assert outer(x) == (F32, F16)
+
+
+def test_a_weight_cast_is_not_reused_after_an_in_place_update() -> None:
+    w, x = nn.Parameter(torch.randn(4, 4)), torch.randn(2, 4)
+
+    def two_uses(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = F.linear(x, w)
+        with torch.no_grad():
+            w.add_(1.0)
+        return first, F.linear(x, w)
+
+    with torch.autocast("cpu", dtype=BF16):
+        stale_first, stale = two_uses(x)
+    assert_bitwise_equal(stale, stale_first)  # torch reads the cast made before the update
+    # The default rules add no per-op work, and keep torch's cache as it is within one call.
+    assert_bitwise_equal(*famp.autocast(two_uses, "c=bf16,o=bf16")(x))
+    # With op interception on (track_casts=True, or any override or module rule), in-place
+    # writes are watched.
+    rules = _cpu_rules({"rms_norm": "lower"})
+    for transformed in (
+        famp.autocast(two_uses, "c=bf16,o=bf16", rules=rules),
+        famp.autocast(two_uses, "c=bf16,o=bf16", track_casts=True),
+    ):
+        first, second = transformed(x)
+        with torch.autocast("cpu", dtype=BF16):
+            fresh = F.linear(x, w)
+        assert_bitwise_equal(second, fresh)
+        assert not torch.equal(second, first)
+        assert second.dtype == BF16
+    # famp's own casts (of ops it overrides) are keyed by tensor, dtype and version.
+    own = famp.default_rules("cpu").override({"linear": "lower", "mm": "lower"})
+    first, second = famp.autocast(two_uses, "c=f16,o=f16", rules=own)(x)
+    assert_bitwise_equal(second, F.linear(x.half(), w.half()))
+
+
+def test_track_casts_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="track_casts must be True or False; got 1"):
+        famp.autocast(lambda x: x, "c=bf16", track_casts=1)  # type: ignore[arg-type]
+
+
+def test_a_weight_used_several_times_is_cast_once_per_call_as_in_torch() -> None:
+    torch.manual_seed(0)
+    w, x = nn.Parameter(torch.randn(16, 16)), torch.randn(8, 16)
+
+    def recurrent(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = torch.tanh(F.linear(h, w))
+        return h.float().sum()
+
+    with torch.autocast("cpu", dtype=BF16):
+        expected = torch.autograd.grad(recurrent(x), w)[0]
+    actual = torch.autograd.grad(famp.autocast(recurrent, "c=bf16,o=f32")(x), w)[0]
+    assert_bitwise_equal(actual, expected)
+    tracked = famp.autocast(recurrent, "c=bf16,o=f32", track_casts=True)
+    assert_bitwise_equal(torch.autograd.grad(tracked(x), w)[0], expected)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        separate = torch.autograd.grad(recurrent(x), w)[0]
+    assert not torch.equal(separate, expected)  # one cast per use rounds the gradient differently
+
+
+# --- op overrides against hand-written references -----------------------------------------------
+
+D = 6
+
+
+def _params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (D, D), "b": (D,), "g": (D,), "w2": (4, D)}
+    return {k: torch.randn(*s, generator=g).requires_grad_() for k, s in shapes.items()}
+
+
+def _cpu_rules(changes: dict[str, str]) -> famp.OpRules:
+    return famp.default_rules("cpu").override(changes)
+
+
+def test_override_linear_to_float32_equals_a_float32_linear() -> None:
+    p, x = _params(), torch.randn(4, D)
+    f = famp.autocast(
+        lambda x: F.linear(x, p["w"], p["b"]),
+        "c=bf16,o=bf16",
+        rules=_cpu_rules({"linear": "float32"}),
+    )
+    out = f(x)
+    expected = F.linear(x, p["w"], p["b"])
+    assert_bitwise_equal(out, expected.to(BF16))
+    grads = torch.autograd.grad(out.float().sum(), [p["w"], p["b"]])
+    e_grads = torch.autograd.grad(expected.to(BF16).float().sum(), [p["w"], p["b"]])
+    for a, e in zip(grads, e_grads, strict=True):
+        assert a.dtype == F32
+        assert_bitwise_equal(a, e)
+
+
+def test_override_layer_norm_to_lower_runs_it_in_the_compute_dtype() -> None:
+    p, x = _params(), torch.randn(4, D)
+    rules = _cpu_rules({"layer_norm": "lower", "rms_norm": "lower"})
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.layer_norm(x, (D,), p["g"], p["b"]), torch.rms_norm(x, (D,), p["g"])
+
+    ln, rms = famp.autocast(fn, "c=f16,o=f16", rules=rules)(x)
+    assert (ln.dtype, rms.dtype) == (F16, F16)
+    assert_bitwise_equal(ln, F.layer_norm(x.half(), (D,), p["g"].half(), p["b"].half()))
+    assert_bitwise_equal(rms, F.rms_norm(x.half(), (D,), p["g"].half()))
+    default_ln, _ = famp.autocast(fn, "c=f16,o=f32")(x)  # on CPU layer_norm keeps float32
+    assert_bitwise_equal(default_ln, F.layer_norm(x, (D,), p["g"], p["b"]))
+
+
+def test_override_to_promote_lower_and_float32_set_opt_dtype() -> None:
+    a, b = torch.randn(4, D).to(BF16), torch.randn(D, D)
+    rules = _cpu_rules(
+        {
+            "mm": "promote",
+            "cat": "lower",
+            "softmax": "float32_set_opt_dtype",
+            "sum": "float32_set_opt_dtype",
+        }
+    )
+    inside: list[torch.Tensor] = []
+
+    def fn(a: torch.Tensor) -> None:
+        inside.extend(
+            [
+                torch.mm(a, b),
+                torch.cat([b, b]),
+                a.softmax(-1),
+                torch.softmax(a, -1, dtype=BF16),
+                a.sum(0),
+                torch.ops.aten.sum.dim_IntList(a, [0]),
+            ]
+        )
+
+    famp.autocast(fn, "c=bf16", rules=rules)(a)
+    expected = [
+        torch.mm(a.float(), b),  # promote: float32 wins
+        torch.cat([b, b]).to(BF16),  # lower: run in bfloat16
+        a.softmax(-1, dtype=F32),
+        a.softmax(-1, dtype=BF16),  # an explicit dtype= wins
+        a.sum(0, dtype=F32),
+        a.sum(0, dtype=F32),
+    ]
+    for actual, e in zip(inside, expected, strict=True):
+        assert_bitwise_equal(actual, e)
+
+
+def test_override_float32_append_dtype_redispatches_norm() -> None:
+    x = torch.randn(4, D).to(BF16)
+    rules = _cpu_rules(
+        {"norm.Scalar": "float32_append_dtype", "norm.ScalarOpt_dim": "float32_append_dtype"}
+    )
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.aten.norm.Scalar(x, 2), torch.ops.aten.norm.ScalarOpt_dim(x, 2, [1])
+
+    whole, rows = famp.autocast(fn, "c=bf16,o=f32", rules=rules)(x)
+    assert_bitwise_equal(whole, torch.ops.aten.norm.ScalarOpt_dtype(x, 2, dtype=F32))
+    assert_bitwise_equal(rows, torch.ops.aten.norm.ScalarOpt_dim_dtype(x, 2, [1], False, dtype=F32))
+
+
+def test_banned_rule_raises_like_torch() -> None:
+    rules = _cpu_rules({"binary_cross_entropy": "banned"})
+    y = torch.rand(3)
+    f = famp.autocast(lambda y: F.binary_cross_entropy(y, y), "c=f16", rules=rules)
+    with pytest.raises(RuntimeError, match="unsafe to autocast"):
+        f(y)
+    assert _autocast_state() == CLEAN
+
+
+def test_override_reaches_the_linears_inside_multihead_attention() -> None:
+    torch.manual_seed(0)
+    mha, x = nn.MultiheadAttention(8, 2), torch.randn(5, 3, 8)
+    rules = _cpu_rules({"linear": "float32"})
+    out = famp.autocast(lambda x: mha(x, x, x, need_weights=False)[0], "c=bf16,o=f32", rules=rules)(
+        x
+    )
+
+    # F.multi_head_attention_forward's steps, written out: projections in float32, attention in
+    # bfloat16 (scaled_dot_product_attention is "lower" on CPU).
+    length, batch, embed = x.shape
+    with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast("cpu", enabled=False):
+            proj = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
+        proj = proj.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(length, batch * 2, 4).transpose(0, 1).view(batch, 2, length, 4)
+
+        attn = F.scaled_dot_product_attention(heads(proj[0]), heads(proj[1]), heads(proj[2]))
+        attn = attn.permute(2, 0, 1, 3).contiguous().view(batch * length, embed)
+        with torch.autocast("cpu", enabled=False):
+            expected = F.linear(attn.float(), mha.out_proj.weight, mha.out_proj.bias)
+    assert attn.dtype == BF16
+    assert_bitwise_equal(out, expected.view(length, batch, embed))
+
+
+# --- property: random op sequences under random overrides ---------------------------------------
+# Reference: torch.autocast around the whole sequence; an overridden op gets its inputs cast by
+# hand (famp's own casts of a weight are reused within the call, as famp documents) and runs with
+# autocast off. famp must give the same outputs, op dtypes and gradients, bit for bit.
+
+PLAIN = ("lower", "float32", "promote", "keep")
+WITH_DTYPE = (*PLAIN, "float32_set_opt_dtype")
+SEQ_OPS: dict[str, tuple[str, Callable[..., torch.Tensor], tuple[str, ...], str]] = {
+    # name: (aten packet, op, rules it accepts, its tensor inputs in order: h, then params)
+    "linear": ("linear", lambda h, p: F.linear(h, p["w"], p["b"]), PLAIN, "hwb"),
+    "matmul": ("matmul", lambda h, p: torch.matmul(h, p["w"]), PLAIN, "hw"),
+    "addmm": ("addmm", lambda h, p: torch.addmm(p["b"], h, p["w"]), PLAIN, "bhw"),
+    "layer_norm": ("layer_norm", lambda h, p: F.layer_norm(h, (D,), p["g"], p["b"]), PLAIN, "hgb"),
+    "rms_norm": ("rms_norm", lambda h, p: F.rms_norm(h, (D,), p["g"]), PLAIN, "hg"),
+    "softmax": ("softmax", lambda h, p: F.softmax(h, -1), WITH_DTYPE, "h"),
+    "log_softmax": ("log_softmax", lambda h, p: h.log_softmax(-1), WITH_DTYPE, "h"),
+    "sum": ("sum", lambda h, p: torch.sum(h, 0, keepdim=True), WITH_DTYPE, "h"),
+    "tanh": ("tanh", lambda h, p: torch.tanh(h), PLAIN, "h"),
+    "mul": ("mul", lambda h, p: h * p["g"], PLAIN, "hg"),
+    "cat": ("cat", lambda h, p: torch.cat([h, p["w2"]], 0), PLAIN, "h2"),
+}
+SHAPE = {"sum": lambda t: t.expand(4, D), "cat": lambda t: t[:4]}  # dtype-preserving views
+
+
+def _run_sequence(seq: list[str], x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x
+    for name in seq:
+        h = SHAPE.get(name, lambda t: t)(SEQ_OPS[name][1](h, p))
+    return h
+
+
+def _reference(
+    seq: list[str],
+    overrides: dict[str, str],
+    compute: torch.dtype,
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.dtype]]:
+    cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if t.dtype == dtype or not t.is_floating_point():
+            return t
+        if dtype == compute and t.dtype == F32 and t.requires_grad and t.is_leaf:
+            return cache.setdefault((id(t), dtype), t.to(dtype))
+        return t.to(dtype)
+
+    dtypes = []
+    h = x
+    with torch.autocast("cpu", dtype=compute):
+        for name in seq:
+            packet, fn, _, uses = SEQ_OPS[name]
+            rule = overrides.get(packet)
+            if rule is None:
+                out = fn(h, p)
+            else:
+                inputs = [h if c == "h" else p["w2" if c == "2" else c] for c in uses]
+                target = {"lower": compute, "float32": F32}.get(rule)
+                if rule == "promote":  # torch's at::autocast::prioritize, in argument order
+                    target = compute
+                    for t in inputs:
+                        if target == F32 or t.dtype == F32:
+                            target = F32
+                        elif t.dtype != target:
+                            raise RuntimeError(
+                                "Unexpected floating ScalarType in at::autocast::prioritize"
+                            )
+                q = {k: cast(v, target) for k, v in p.items()} if target else p
+                hin = cast(h, target) if target else h
+                with torch.autocast("cpu", enabled=False):
+                    if rule == "float32_set_opt_dtype" and name == "softmax":
+                        out = F.softmax(hin, -1, dtype=F32)
+                    elif rule == "float32_set_opt_dtype" and name == "log_softmax":
+                        out = hin.log_softmax(-1, dtype=F32)
+                    elif rule == "float32_set_opt_dtype":
+                        out = torch.sum(hin, 0, keepdim=True, dtype=F32)
+                    else:
+                        out = fn(hin, q)
+            dtypes.append(out.dtype)
+            h = SHAPE.get(name, lambda t: t)(out)
+    return h, dtypes
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except RuntimeError as e:  # mixed-dtype kernels refuse under "keep": both sides must refuse
+        return e
+
+
+# torch's rms_norm warns (on both sides) when a bfloat16 input meets a float32 weight.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
+@hypothesis.given(
+    seq=st.lists(st.sampled_from(sorted(SEQ_OPS)), min_size=1, max_size=5),
+    data=st.data(),
+    compute=st.sampled_from([BF16, F16]),
+    output=st.sampled_from([BF16, F16, F32]),
+    x_dtype=st.sampled_from([F32, BF16]),
+)
+def test_random_sequences_under_random_overrides_match_the_reference(
+    seq: list[str],
+    data: st.DataObject,
+    compute: torch.dtype,
+    output: torch.dtype,
+    x_dtype: torch.dtype,
+) -> None:
+    overrides = {}
+    for name in sorted(set(seq)):
+        packet, _, allowed, _ = SEQ_OPS[name]
+        rule = data.draw(st.sampled_from([None, *allowed]), label=packet)
+        if rule is not None and rule != famp.default_rules("cpu").lookup(packet):
+            overrides[packet] = rule
+    policy = famp.Policy(F32, compute, output)
+    p, x = _params(), torch.randn(4, D).to(x_dtype).requires_grad_()
+    leaves = [x, *p.values()]
+
+    dtypes: list[torch.dtype] = []
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for name in seq:
+            out = SEQ_OPS[name][1](h, p)
+            dtypes.append(out.dtype)
+            h = SHAPE.get(name, lambda t: t)(out)
+        return h
+
+    f = famp.autocast(traced, policy, rules=_cpu_rules(overrides))
+    actual = _outcome(lambda: f(x))
+    expected = _outcome(lambda: _reference(seq, overrides, compute, x, p))
+    if isinstance(expected, RuntimeError):
+        assert isinstance(actual, RuntimeError)
+        assert str(actual) == str(expected)
+        return
+    assert not isinstance(actual, RuntimeError), actual
+    e_out, e_dtypes = expected
+    assert dtypes == e_dtypes
+    e_out = policy.cast_to_output(e_out)
+    assert_bitwise_equal(actual, e_out)
+    grads = torch.autograd.grad(actual.float().sum(), leaves, allow_unused=True)
+    e_grads = torch.autograd.grad(e_out.float().sum(), leaves, allow_unused=True)
+    for a, e, leaf in zip(grads, e_grads, leaves, strict=True):
+        assert (a is None) == (e is None)
+        if a is not None:
+            assert a.dtype == leaf.dtype
+            assert_bitwise_equal(a, e)
+
+
+# --- module rules -------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.norm(self.inp(x))))
+
+
+NET_RULES = {"norm": "f32", "block.*": "c=f16,o=f16", "head": "p=f32,c=bf16,o=f32"}
+
+
+def _net_reference(net: Net, x: torch.Tensor) -> torch.Tensor:
+    """NET_RULES under policy c=bf16,o=bf16, written out with nested torch.autocast."""
+    with torch.autocast("cpu", dtype=BF16):
+        h = net.inp(x)
+        with torch.autocast("cpu", enabled=False):  # "norm": float32, autocast off
+            h = net.norm(h.float())
+        torch.clear_autocast_cache()  # torch's cache ignores the dtype; famp clears it too
+        with torch.autocast("cpu", dtype=F16):  # "block.*": block.0 and block.1, not block
+            h = net.block[0](h.half()).half()
+            h = net.block[1](h.half()).half()
+        torch.clear_autocast_cache()
+        h = net.head(h.to(BF16)).float()  # "head": compute bf16, output f32
+    return h.to(BF16)  # the transform's output dtype
+
+
+def test_module_rules_equal_hand_written_nested_autocast() -> None:
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(5, 6)
+    expected = _net_reference(net, x)
+    e_grads = torch.autograd.grad(expected.float().sum(), list(net.parameters()))
+    for fn in (net, lambda x: net(x)):
+        actual = famp.autocast(fn, "c=bf16,o=bf16", module_rules=NET_RULES)(x)
+        assert_bitwise_equal(actual, expected)
+        grads = torch.autograd.grad(actual.float().sum(), list(net.parameters()))
+        for a, e in zip(grads, e_grads, strict=True):
+            assert a.dtype == F32
+            assert_bitwise_equal(a, e)
+    assert _autocast_state() == CLEAN
+
+
+def test_module_rules_follow_the_module_through_functional_call() -> None:
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(5, 6)
+    params = {k: v.detach() * 0.5 for k, v in net.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(net, p, (x,)).float().pow(2).sum()
+
+    grads, value = torch.func.grad_and_value(
+        famp.autocast(loss, "c=bf16,o=bf16", module_rules=NET_RULES)
+    )(params, x)
+    clone = Net()
+    clone.load_state_dict(params)
+    expected = _net_reference(clone, x).float().pow(2).sum().to(BF16)
+    assert_bitwise_equal(value, expected)
+    e_grads = torch.autograd.grad(expected.float(), list(clone.parameters()))
+    for (name, g), e in zip(grads.items(), e_grads, strict=True):
+        assert g.dtype == params[name].dtype
+        assert_bitwise_equal(g, e)
+
+
+def test_module_rule_order_and_nesting() -> None:
+    net, x = Net(), torch.randn(5, 6)
+    seen: dict[str, torch.dtype] = {}
+    hooks = [
+        m.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+        for name, m in net.named_modules()
+        if name
+    ]
+    try:
+        # The first matching pattern wins; an inner matched module wins over its matched parent.
+        famp.autocast(net, "c=bf16", module_rules={"block.0": "c=f16,o=f16", "block*": "f32"})(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == {
+        "inp": BF16,
+        "norm": BF16,  # layer_norm keeps its input's dtype on CPU
+        "block.0": F16,
+        "block.1": F32,
+        "block": F32,
+        "head": BF16,
+    }
+
+
+def test_module_rules_leave_the_root_and_unmatched_paths_alone() -> None:
+    net, x = Net(), torch.randn(5, 6)
+    plain = famp.autocast(net, "c=bf16")(x)
+    unmatched = famp.autocast(net, "c=bf16", module_rules={"nothing.*": "f32"})(x)
+    assert_bitwise_equal(unmatched, plain)
+    whole = famp.autocast(net, "c=bf16,o=f32", module_rules={"": "f32"})(x)
+    assert_bitwise_equal(whole, net(x))
+
+
+# --- composition with torch.func ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["mlp", "net"])
+def test_vmap_of_grad_matches_torch_autocast_in_the_same_composition(model: str) -> None:
+    torch.manual_seed(0)
+    net = Net() if model == "net" else nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    xs = torch.randn(4, 6)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(net, p, (x[None],)).float().pow(2).sum()
+
+    def torch_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return loss(p, x)
+
+    def per_sample(f: Callable[..., torch.Tensor]) -> Any:
+        return _outcome(lambda: torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(params, xs))
+
+    expected = per_sample(torch_loss)
+    actual = per_sample(famp.autocast(loss, "c=bf16,o=f32"))
+    if isinstance(expected, RuntimeError):  # torch's layer_norm batching rule fails here
+        assert isinstance(actual, RuntimeError)
+        assert str(actual) == str(expected)
+        return
+    for name in params:
+        assert actual[name].dtype == F32
+        assert_bitwise_equal(actual[name], expected[name])
+
+
+def test_grads_come_back_in_the_parameters_dtype() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(BF16)
+    x = torch.randn(5, 6)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(net, p, (x,)).float().sum()
+
+    def torch_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=F16):
+            return loss(p, x)
+
+    grads = torch.func.grad(famp.autocast(loss, "p=bf16,c=f16,o=f32"))(params, x)
+    expected = torch.func.grad(torch_loss)(params, x)
+    for name, g in grads.items():
+        assert g.dtype == BF16
+        assert_bitwise_equal(g, expected[name])
+
+
+# --- torch.autocast inside the transform --------------------------------------------------------
+
+
+def test_torch_autocast_inside_the_transform_behaves_as_nested_torch_autocast() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+
+    def fn(x: torch.Tensor) -> list[torch.dtype]:
+        dtypes = [lin(x).dtype]
+        with torch.autocast("cpu", dtype=F16):  # an explicit dtype wins inside its region
+            dtypes += [lin(x).dtype, F.layer_norm(x, (4,)).dtype]  # overrides follow it
+        with torch.autocast("cpu"):  # no dtype: the policy's compute dtype
+            dtypes.append(lin(x).dtype)
+        with torch.autocast("cpu", enabled=False):  # off: no casts, no overrides
+            dtypes += [lin(x).dtype, F.layer_norm(x, (4,)).dtype]
+        return [*dtypes, lin(x).dtype]
+
+    # The same weight is cast for bf16, then f16. torch's cache ignores the dtype: torch fails,
+    # and so does famp with the default rules, which leave torch's cache as it is.
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        famp.autocast(fn, "c=bf16")(x)
+    # With op interception on, famp drops the cache whenever the dtype in effect changes.
+    rules = _cpu_rules({"layer_norm": "lower"})
+    assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [BF16, F16, F16, BF16, F32, F32, BF16]
+    assert _autocast_state() == CLEAN
+
+
+# --- CUDA rules on fake CUDA tensors ------------------------------------------------------------
+# FakeTensorMode reaches torch's CUDA autocast kernels on this CPU-only machine. Tensors must not
+# require grad: torch's weight-cast cache aborts the process for fake CUDA tensors.
+
+
+def _cuda_ops(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> list[torch.dtype]:
+    h = F.linear(x, w)
+    return [
+        out.dtype
+        for out in (
+            h,
+            torch.mm(x, w),
+            F.layer_norm(h, (8,), g, g),
+            F.rms_norm(h, (8,), g),
+            h.softmax(-1),
+            h.log_softmax(-1, dtype=torch.float16),
+            h.sum(),
+            h.exp(),
+            h.cumsum(0),
+            torch.addcmul(h, h, x),
+            F.gelu(h),
+            F.mse_loss(h, x),
+            torch.cat([h, x]),
+        )
+    ]
+
+
+def test_default_cuda_rules_match_torch_cuda_autocast_on_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w, g = (
+            torch.randn(4, 8, device="cuda"),
+            torch.randn(8, 8, device="cuda"),
+            torch.ones(8, device="cuda"),
+        )
+        famp_dtypes = famp.autocast(_cuda_ops, "c=f16", compile=False)(x, w, g)
+        region = famp_autocast.region("cuda", True, F16)
+        with region:
+            torch_dtypes = _cuda_ops(x, w, g)
+        overridden = famp.autocast(
+            _cuda_ops,
+            "c=f16",
+            rules=famp.default_rules("cuda").override(
+                {"rms_norm": "lower", "layer_norm": "lower", "softmax": "keep", "mm": "float32"}
+            ),
+            compile=False,
+        )(x, w, g)
+    assert famp_dtypes == torch_dtypes
+    assert torch_dtypes[:6] == [F16, F16, F32, F32, F32, F16]
+    expected = list(torch_dtypes)
+    expected[1:5] = [F32, F16, F16, F16]
+    assert overridden == expected
+    assert _autocast_state() == CLEAN
+
+
+# --- custom_fwd / custom_bwd --------------------------------------------------------------------
+
+STATES: list[tuple[str, bool, torch.dtype, tuple[torch.dtype, ...]]] = []
+
+
+def _record(stage: str, *tensors: torch.Tensor) -> None:
+    STATES.append(
+        (
+            stage,
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            tuple(t.dtype for t in tensors),
+        )
+    )
+
+
+def _function(fwd_decorator: Any, bwd_decorator: Any) -> type[torch.autograd.Function]:
+    class ScaledMatmul(torch.autograd.Function):
+        @staticmethod
+        @fwd_decorator
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            _record("forward", a, b)
+            ctx.save_for_backward(a, b)
+            return torch.mm(a, b) * 2
+
+        @staticmethod
+        @bwd_decorator
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            _record("backward", grad)
+            return torch.mm(grad, b.T) * 2, torch.mm(a.T, grad) * 2
+
+    return ScaledMatmul
+
+
+TORCH_BWD = torch.amp.custom_bwd(device_type="cpu")
+
+
+@pytest.mark.parametrize(
+    ("rule", "cast_inputs"), [("float32", F32), ("lower", BF16), ("keep", None)]
+)
+def test_custom_fwd_equals_torch_custom_fwd(rule: str, cast_inputs: torch.dtype | None) -> None:
+    ours = _function(famp.custom_fwd(rule=rule), famp.custom_bwd)
+    theirs = _function(torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs), TORCH_BWD)
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2).to(BF16).requires_grad_()
+    results = []
+    for fn in (theirs, ours):
+        STATES.clear()
+        with torch.autocast("cpu", dtype=BF16):
+            out = fn.apply(a, b)
+        grads = torch.autograd.grad(out.float().sum(), [a, b])
+        results.append((out, grads, list(STATES)))
+    (e_out, e_grads, e_states), (out, grads, states) = results
+    assert states == e_states
+    assert_bitwise_equal(out, e_out)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+    in_famp = famp.autocast(lambda a, b: ours.apply(a, b), "c=bf16,o=bf16")(a, b)
+    assert_bitwise_equal(in_famp, e_out.to(BF16))
+
+
+def test_custom_fwd_follows_module_rules_and_promotes() -> None:
+    class Block(nn.Module):
+        def __init__(self, fn: type[torch.autograd.Function]) -> None:
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.fn.apply(a, b)
+
+    lower = Block(_function(famp.custom_fwd(rule="lower"), famp.custom_bwd))
+    promote = Block(_function(famp.custom_fwd(rule="promote"), famp.custom_bwd))
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2).to(BF16).requires_grad_()
+    STATES.clear()
+    out = famp.autocast(lower, "c=bf16", module_rules={"": "c=f16,o=f16"})(a, b.float())
+    assert out.dtype == BF16  # the transform's output dtype
+    assert STATES[0] == ("forward", False, F16, (F16, F16))  # the module's compute dtype
+    STATES.clear()
+    famp.autocast(promote, "c=bf16")(a, b)
+    assert STATES[0] == ("forward", False, BF16, (F32, F32))  # float32 among the inputs wins
+    STATES.clear()
+    promote(a, b.float())  # outside autocast: a no-op
+    assert STATES[0] == ("forward", False, BF16, (F32, F32))
+    with pytest.raises(ValueError, match="rule must be one of keep, lower, float32, promote"):
+        famp.custom_fwd(rule="float16")
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+torch.manual_seed(0)
+COMPILE_NET = Net()
+COMPILE_X = torch.randn(5, 6)
+COMPILE_CASES = {
+    "default": {},
+    "overrides": {
+        "rules": _cpu_rules({"linear": "float32", "layer_norm": "lower", "gelu": "lower"})
+    },
+    "module_rules": {"module_rules": {"norm": "f32", "head": "c=f16,o=f16"}},
+}
+
+
+def _compile_loss(**kwargs: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    f = famp.autocast(COMPILE_NET, "c=bf16,o=f32", **kwargs)
+    return lambda x: f(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_traces_with_fullgraph_and_no_graph_breaks(case: str) -> None:
+    explanation = torch._dynamo.explain(_compile_loss(**COMPILE_CASES[case]))(COMPILE_X)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    assert _autocast_state() == CLEAN
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_compiled_equals_eager_bitwise_with_aot_eager(case: str) -> None:
+    # aot_eager runs the traced aten graph as is: its values are eager's, cast for cast.
+    loss = _compile_loss(**COMPILE_CASES[case])
+    params = list(COMPILE_NET.parameters())
+    expected = loss(COMPILE_X)
+    e_grads = torch.autograd.grad(expected, params)
+    actual = torch.compile(loss, fullgraph=True, backend="aot_eager")(COMPILE_X)
+    grads = torch.autograd.grad(actual, params)
+    assert_bitwise_equal(actual, expected)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+    assert _autocast_state() == CLEAN
+
+
+def _torch_mlp_loss(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        out = COMPILE_NET(x)
+    return out.float().pow(2).sum()
+
+
+FAMP_MLP = famp.autocast(COMPILE_NET, "c=bf16,o=f32")
+
+
+def _famp_mlp_loss(x: torch.Tensor) -> torch.Tensor:
+    return FAMP_MLP(x).pow(2).sum()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_transform_equals_compiled_torch_autocast(
+    transform: Callable[[Any], Any],
+) -> None:
+    # Inductor fuses and may round differently from eager, for torch.autocast as for famp: the
+    # oracle for a compiled famp function is the compiled torch.autocast function.
+    params = list(COMPILE_NET.parameters())
+    expected = transform(_torch_mlp_loss)(COMPILE_X)
+    e_grads = torch.autograd.grad(expected, params)
+    actual = transform(_famp_mlp_loss)(COMPILE_X)
+    grads = torch.autograd.grad(actual, params)
+    assert_bitwise_equal(actual, expected)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
+
+
+def test_compile_argument_decides_when_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[Any] = []
+
+    def fake_compile(fn: Any, **kwargs: Any) -> Any:
+        compiled.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    x = torch.randn(2, 4)
+    famp.autocast(LIN, "c=bf16")(x)
+    famp.autocast(LIN, "c=bf16", compile=False)(x)
+    assert compiled == []
+    famp.autocast(LIN, "c=bf16", compile=True)(x)
+    assert compiled == [{"fullgraph": True}]
+    # Inside torch.func transforms famp does not compile itself (torch.compile cannot run there).
+    torch.func.grad(lambda x: famp.autocast(LIN, "c=bf16", compile=True)(x).float().sum())(x)
+    assert len(compiled) == 1
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_cuda = torch.randn(2, 4, device="cuda")
+        famp.autocast(lambda x: x * 2, "c=f16")(on_cuda)  # compile=None: CUDA inputs compile
+        famp.autocast(lambda x: x * 2, "c=f16", compile=False)(on_cuda)
+    assert len(compiled) == 2
+
+
+def test_overload_keys_apply_to_python_calls_of_that_overload() -> None:
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    rules = _cpu_rules({"conv2d.padding": "float32"})
+
+    def fn(x: torch.Tensor) -> list[torch.dtype]:
+        return [
+            F.conv2d(x, w, padding="same").dtype,  # aten::conv2d.padding
+            F.conv2d(x, w, padding=1).dtype,  # aten::conv2d (default): still "lower"
+            torch.ops.aten.conv2d.padding(x, w, None, [1, 1], "valid").dtype,
+        ]
+
+    assert famp.autocast(fn, "c=bf16", rules=rules)(x) == [F32, BF16, F32]
+
+
+def test_overrides_compile_through_torch_python_functions_they_do_not_touch() -> None:
+    # F.adaptive_avg_pool2d calls helpers Dynamo keeps out of graphs: famp enters torch's Python
+    # functions only when they may call an overridden op, and so leaves this one whole.
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 3)
+    )
+    rules = _cpu_rules({"conv2d": "float32", "softmax": "lower"})
+    f = famp.autocast(lambda x: cnn(x).softmax(-1), "c=bf16,o=f32", rules=rules)
+    x = torch.randn(2, 3, 8, 8)
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
