@@ -10,7 +10,7 @@ in ``GradScaler.unscale_``, see docs/loss-scaling.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import optree
@@ -115,21 +115,25 @@ def unscale_and_check(
     if not state.enabled:
         return grads, found_inf
     paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
-            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
-                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
-            )
-        if leaf.layout not in (torch.strided, torch.sparse_coo):
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
-                f"{leaf.layout}; only strided and sparse_coo are supported"
-            )
-    dtensors = [x for x in leaves if _distributed.is_dtensor(x)]
-    sources = [_source(x) for x in leaves]
-    dense = [x._values() if x.is_sparse else x for x in sources]
+    # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
+    # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
+    # entries may overflow float16; torch's _unscale_grads_ does the same).
+    dense: list[Tensor] = []
+    special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
+    for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
+            if leaf.dtype not in _UNSCALE_DTYPES:
+                _check_leaf(path, leaf)
+            dense.append(leaf)
+            continue
+        _check_leaf(path, leaf)
+        source = _distributed.local_shard(leaf) if _distributed.is_dtensor(leaf) else leaf
+        if source.is_sparse:
+            source = source.coalesce() if source.dtype == torch.float16 else source
+            dense.append(source._values())
+        else:
+            dense.append(source)
+        special[i] = (leaf, source)
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, x in enumerate(dense):
         groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
@@ -150,38 +154,95 @@ def unscale_and_check(
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
                 new = tensors
             else:
-                new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
-                    tensors, found, inv
-                )
+                new, found = _unscale_out_of_place(tensors, found, inv)
             for i, t in zip(index, new, strict=True):
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
         found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
-    result = []
-    for leaf, src, values in zip(leaves, sources, out, strict=True):
-        if src.is_sparse:  # in place: its values were unscaled
-            values = src if in_place else _sparse_like(src, values)
-        if dtensors and _distributed.is_dtensor(leaf):
+    dtensors = []
+    for i, (leaf, source) in special.items():
+        values = out[i]
+        if source.is_sparse:  # in place: its values were unscaled
+            values = source if in_place else _sparse_like(source, values)
+        if _distributed.is_dtensor(leaf):
+            dtensors.append(leaf)
             values = leaf if in_place else _distributed.dtensor_like(leaf, values)
-        result.append(values)
+        out[i] = values
     if dtensors:
         found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
     if group is not None:
         found_inf = _distributed.all_reduce_max(found_inf, group)
-    return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
+    return cast(TreeT, optree.tree_unflatten(spec, out)), found_inf
 
 
-def _source(x: Tensor) -> Tensor:
-    """The tensor whose data the kernel unscales: a DTensor's local shard, a sparse tensor itself.
+def _check_leaf(path: Sequence[Any], leaf: object) -> None:
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
+        what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        raise TypeError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
+            f"float16/bfloat16/float32/float64 tensor or None, got {what}"
+        )
+    if leaf.layout not in (torch.strided, torch.sparse_coo):
+        raise TypeError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
+            f"{leaf.layout}; only strided and sparse_coo are supported"
+        )
 
-    Float16 sparse tensors are coalesced first, because summing duplicate entries may overflow
-    float16 (torch's ``_unscale_grads_`` does the same); their values are unscaled later.
+
+def _unscale_out_of_place(
+    tensors: list[Tensor], found: Tensor, inv: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """Torch's fused kernel, out of place, with its second pass over data still in cache.
+
+    The kernel's functional variant clones every tensor, then unscales the whole copy in place:
+    two passes over memory. Eagerly, famp works piece by piece (runs of small tensors through the
+    functional variant, big tensors copied and unscaled in place slice by slice, ``_CHUNK_BYTES``
+    each), so the second pass reads what the first just wrote, from cache. Same kernel, same
+    results; compiled, the functional variant is left to inductor.
     """
-    if _distributed.is_dtensor(x):
-        return _distributed.local_shard(x)
-    if x.is_sparse and x.dtype == torch.float16:
-        return x.coalesce()
-    return x
+    if torch.compiler.is_compiling():
+        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
+        return list(new), found
+    out: list[Tensor] = []
+    for run, big in _runs(tensors):
+        if big is None:  # small tensors: the functional variant, on a run that fits in cache
+            new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(run, found, inv)
+            out.extend(new)
+            continue
+        target = torch.empty_like(big)
+        flat_src, flat_dst = big.view(-1), target.view(-1)
+        step = max(1, _CHUNK_BYTES // big.element_size())
+        for start in range(0, big.numel(), step):
+            piece = flat_dst[start : start + step]
+            piece.copy_(flat_src[start : start + step])
+            torch._amp_foreach_non_finite_check_and_unscale_([piece], found, inv)
+        out.append(target)
+    return out, found
+
+
+_CHUNK_BYTES = 1 << 22  # 4 MiB: still in cache when the second pass reads it again
+
+
+def _runs(tensors: list[Tensor]) -> Iterator[tuple[list[Tensor], Tensor | None]]:
+    """In order: ``(run, None)`` for runs of about ``_CHUNK_BYTES`` of small tensors, and
+    ``([], t)`` for each big contiguous tensor ``t`` (unscaled slice by slice)."""
+    run: list[Tensor] = []
+    size = 0
+    for x in tensors:
+        nbytes = x.numel() * x.element_size()
+        if nbytes > _CHUNK_BYTES and x.is_contiguous():
+            if run:
+                yield run, None
+                run, size = [], 0
+            yield [], x
+            continue
+        run.append(x)
+        size += nbytes
+        if size >= _CHUNK_BYTES:
+            yield run, None
+            run, size = [], 0
+    if run:
+        yield run, None
 
 
 def _unscale_where(
@@ -202,7 +263,7 @@ def _unscale_where(
             nan = torch.where(sign, negative, positive)
             narrow = torch.where(torch.isnan(wide), nan, narrow)
         out.append(narrow)
-        found = torch.maximum(found, (~torch.isfinite(x)).any().to(found.dtype))
+        found = torch.maximum(found, torch.isfinite(x).all().logical_not().to(found.dtype))
     return out, found
 
 

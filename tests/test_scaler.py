@@ -231,26 +231,29 @@ def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(grads: list[torch.T
     assert_bitwise_equal(found_inf, expected_found)
 
 
-def test_unscale_and_check_compiled_equals_eager(transform: Transform) -> None:
-    state = famp.init_scaler(3.0)
-    grads = {
-        "w": torch.tensor([3.0, 6.0, -9.0]),
-        "b": [torch.tensor([1.5, 300.0], dtype=torch.bfloat16), None],
-        "d": torch.tensor([[7.0]], dtype=torch.float64),
+def _compiled_case(bad: bool) -> dict[str, Any]:
+    nan, inf = (math.nan, math.inf) if bad else (1.5, 2.5)
+    return {
+        "w": torch.tensor([3.0, nan, -inf]),
+        "b": [torch.tensor([-nan, inf, 300.0], dtype=torch.bfloat16), None],
+        "h": torch.tensor([[-nan, 6.0]], dtype=torch.float16),
+        "s": torch.tensor(inf, dtype=torch.bfloat16),  # 0-d: would promote in a plain multiply
+        "d": torch.tensor([[-nan]], dtype=torch.float64),
     }
-    out, found_inf = transform(_unscale)(state, grads)
-    expected, expected_found = torch_unscale(3.0, [grads["w"], grads["b"][0], grads["d"]])
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_unscale_and_check_compiled_equals_eager(transform: Transform, bad: bool) -> None:
+    grads = _compiled_case(bad)
+    out, found_inf = transform(_unscale)(famp.init_scaler(3.0), grads)
+    flat = [grads["w"], grads["b"][0], grads["h"], grads["s"], grads["d"]]
+    expected, expected_found = torch_unscale(3.0, flat, allow_fp16=True)
     assert out["b"][1] is None
-    for o, e in zip([out["w"], out["b"][0], out["d"]], expected, strict=False):
-        assert_bitwise_equal(o, e)
+    for o, e in zip([out["w"], out["b"][0], out["h"], out["s"], out["d"]], expected, strict=True):
+        assert_bitwise_equal(o, e)  # dtypes and NaN bit patterns included
     assert_bitwise_equal(found_inf, expected_found)
-    assert found_inf.item() == 0.0
-    grads["w"] = torch.tensor([3.0, math.nan, 1.0])
-    out, found_inf = transform(_unscale)(state, grads)
     assert found_inf.dtype == torch.float32
-    assert found_inf.item() == 1.0
-    assert out["d"].dtype == torch.float64
-    assert out["b"][0].dtype == torch.bfloat16
+    assert found_inf.item() == float(bad)
 
 
 # --- scale ---------------------------------------------------------------------------------------
