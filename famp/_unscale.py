@@ -10,7 +10,7 @@ in ``GradScaler.unscale_``, see docs/loss-scaling.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import optree
@@ -192,57 +192,51 @@ def _check_leaf(path: Sequence[Any], leaf: object) -> None:
 def _unscale_out_of_place(
     tensors: list[Tensor], found: Tensor, inv: Tensor
 ) -> tuple[list[Tensor], Tensor]:
-    """Torch's fused kernel, out of place, with its second pass over data still in cache.
+    """The fused kernel's results, out of place, with about one pass over memory.
 
-    The kernel's functional variant clones every tensor, then unscales the whole copy in place:
-    two passes over memory. Eagerly, famp works piece by piece (runs of small tensors through the
-    functional variant, big tensors copied and unscaled in place slice by slice, ``_CHUNK_BYTES``
-    each), so the second pass reads what the first just wrote, from cache. Same kernel, same
-    results; compiled, the functional variant is left to inductor.
+    The kernel's functional variant clones every tensor and then makes a second pass over the
+    whole copy. Eagerly, famp runs small tensors through it in runs of about ``_CHUNK_BYTES``
+    (which stay in cache between the two passes), and gives each big tensor one multiply, the
+    kernel's arithmetic ``cast(opmath(x) * inv)``, followed by a read-only min/max of the same
+    tensor while it is still in cache (min and max propagate NaN and show infs). Results equal
+    the kernel's bit for bit (tested); compiled, the functional variant is left to inductor.
     """
     if torch.compiler.is_compiling():
         new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
         return list(new), found
     out: list[Tensor] = []
-    for run, big in _runs(tensors):
-        if big is None:  # small tensors: the functional variant, on a run that fits in cache
-            new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(run, found, inv)
-            out.extend(new)
-            continue
-        target = torch.empty_like(big)
-        flat_src, flat_dst = big.view(-1), target.view(-1)
-        step = max(1, _CHUNK_BYTES // big.element_size())
-        for start in range(0, big.numel(), step):
-            piece = flat_dst[start : start + step]
-            piece.copy_(flat_src[start : start + step])
-            torch._amp_foreach_non_finite_check_and_unscale_([piece], found, inv)
-        out.append(target)
-    return out, found
-
-
-_CHUNK_BYTES = 1 << 22  # 4 MiB: still in cache when the second pass reads it again
-
-
-def _runs(tensors: list[Tensor]) -> Iterator[tuple[list[Tensor], Tensor | None]]:
-    """In order: ``(run, None)`` for runs of about ``_CHUNK_BYTES`` of small tensors, and
-    ``([], t)`` for each big contiguous tensor ``t`` (unscaled slice by slice)."""
+    extremes: list[Tensor] = []
     run: list[Tensor] = []
     size = 0
     for x in tensors:
         nbytes = x.numel() * x.element_size()
-        if nbytes > _CHUNK_BYTES and x.is_contiguous():
-            if run:
-                yield run, None
-                run, size = [], 0
-            yield [], x
+        if nbytes > _CHUNK_BYTES and x.dim() > 0:
+            found = _unscale_run(run, out, found, inv)
+            run, size = [], 0
+            out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32 (or 64)
+            extremes.extend(torch.aminmax(x))
             continue
+        if size + nbytes > _CHUNK_BYTES:
+            found = _unscale_run(run, out, found, inv)
+            run, size = [], 0
         run.append(x)
         size += nbytes
-        if size >= _CHUNK_BYTES:
-            yield run, None
-            run, size = [], 0
+    found = _unscale_run(run, out, found, inv)
+    if extremes:
+        bad = torch.isfinite(torch.stack(extremes)).all().logical_not()
+        found = torch.maximum(found, bad.to(torch.float32))
+    return out, found
+
+
+def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tensor) -> Tensor:
+    """Unscale a run of small tensors with the kernel's functional variant, appending to out."""
     if run:
-        yield run, None
+        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(run, found, inv)
+        out.extend(new)
+    return found
+
+
+_CHUNK_BYTES = 1 << 20  # 1 MiB: what the second read of a tensor or run still finds in cache
 
 
 def _unscale_where(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import given
 
 import famp
 from famp import _scaler
+from famp import _unscale as unscale_module
 from tests.helpers import assert_bitwise_equal
 
 Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -196,6 +198,12 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     return grads
 
 
+# famp unscales small tensors with the kernel itself and big ones (above _CHUNK_BYTES) with a
+# multiply plus a min/max check: run the differential tests through both paths.
+PATHS = [pytest.param(1 << 20, id="small-path"), pytest.param(0, id="big-path")]
+
+
+@pytest.mark.parametrize("chunk_bytes", PATHS)
 @given(
     grads=grad_lists((torch.bfloat16, torch.float32, torch.float64)),
     scale_value=st.one_of(
@@ -203,12 +211,13 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     ),
 )
 def test_unscale_and_check_equals_gradscaler_unscale(
-    grads: list[torch.Tensor], scale_value: float
+    chunk_bytes: int, grads: list[torch.Tensor], scale_value: float
 ) -> None:
     expected, expected_found = torch_unscale(scale_value, grads)
     before = [g.clone() for g in grads]
     state = famp.init_scaler(scale_value)
-    out, found_inf = famp.unscale_and_check(state, grads)
+    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+        out, found_inf = famp.unscale_and_check(state, grads)
     assert isinstance(out, list)
     assert len(out) == len(grads)
     for o, e in zip(out, expected, strict=False):
@@ -221,10 +230,14 @@ def test_unscale_and_check_equals_gradscaler_unscale(
         assert_bitwise_equal(g, b)
 
 
+@pytest.mark.parametrize("chunk_bytes", PATHS)
 @given(grads=grad_lists((torch.float16, torch.float32)))
-def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(grads: list[torch.Tensor]) -> None:
+def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(
+    chunk_bytes: int, grads: list[torch.Tensor]
+) -> None:
     expected, expected_found = torch_unscale(1024.0, grads, allow_fp16=True)
-    out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
+    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+        out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
     for o, e in zip(out, expected, strict=False):
         assert o.dtype == e.dtype
         assert_bitwise_equal(o, e)
