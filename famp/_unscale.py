@@ -1,8 +1,9 @@
 """Applying a loss scale to pytrees: scale, unscale_and_check, all_finite, select_tree.
 
-``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: one pass over the data
-with torch's fused ``_amp_foreach_non_finite_check_and_unscale`` kernel per (device, dtype) group,
-multiplying by ``f32(1/f64(scale))``. ``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
+``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: what torch's fused
+``_amp_foreach_non_finite_check_and_unscale`` kernel computes per (device, dtype) group,
+multiplying by ``f32(1/f64(scale))``, with about one pass over memory (``_unscale_out_of_place``).
+``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
 
 Deliberately not supported: sparse layouts other than COO; float16 is accepted (torch refuses it
 in ``GradScaler.unscale_``, see docs/loss-scaling.md).
@@ -76,9 +77,9 @@ def unscale_and_check(
     """Unscale gradients and report whether any element is non-finite, in one pass.
 
     Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
-    cast back to its dtype, with torch's fused ``_amp_foreach_non_finite_check_and_unscale``
-    kernel, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass through and
-    every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
+    cast back to its dtype, exactly as torch's fused ``_amp_foreach_non_finite_check_and_unscale``
+    kernel does, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass
+    through and every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
     accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
     torch does); ``None`` leaves pass through. DTensor gradients (FSDP2) are unscaled shard by
     shard and ``found_inf`` is max-reduced over their mesh's non-replicated dimensions, as
