@@ -76,15 +76,16 @@ def unscale_and_check(
 ) -> tuple[TreeT, Tensor]:
     """Unscale gradients and report whether any element is non-finite, in one pass.
 
-    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
-    cast back to its dtype, exactly as torch's fused ``_amp_foreach_non_finite_check_and_unscale``
-    kernel does, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass
-    through and every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
-    accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
-    torch does); ``None`` leaves pass through. DTensor gradients (FSDP2) are unscaled shard by
-    shard and ``found_inf`` is max-reduced over their mesh's non-replicated dimensions, as
-    ``GradScaler`` does through DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic
-    runs as separate ops (bit-equal), and ``found_inf`` is per sample.
+    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads)
+    and cast back to its dtype, exactly as torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale`` kernel does, grouped by device and dtype like
+    ``GradScaler.unscale_``. Inf and NaN pass through and every gradient is unscaled even after
+    one. Unlike ``GradScaler``, float16 gradients are accepted. Sparse COO gradients have their
+    values unscaled (float16 ones are coalesced first, as torch does); ``None`` leaves pass
+    through. DTensor gradients (FSDP2) are unscaled shard by shard and ``found_inf`` is
+    max-reduced over their mesh's non-replicated dimensions, as ``GradScaler`` does through
+    DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic runs as separate ops
+    (bit-equal), and ``found_inf`` is per sample.
 
     Args:
         state: The ``famp.ScalerState`` whose scale produced the gradients.
