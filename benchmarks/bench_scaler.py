@@ -5,15 +5,16 @@ On ~75M float32 gradient elements in 50 tensors:
   limit) vs GradScaler.unscale_ (in place);
 - famp.unscale_and_check(donate=True) vs GradScaler.unscale_;
 - famp.update_scale, eager and compiled, vs GradScaler.update.
-Candidates run interleaved, round after round, and each ratio is of medians.
+Candidates run interleaved in a shuffled order, round after round, and each ratio is of medians.
 
-Run: python benchmarks/bench_scaler.py [--elements 75_000_000] [--tensors 50] [--rounds 15]
+Run: python benchmarks/bench_scaler.py [--elements 75_000_000] [--tensors 50] [--rounds 21]
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -23,12 +24,19 @@ import torch
 import famp
 
 
-def median_times(candidates: dict[str, Callable[[], object]], rounds: int,
-                 before: Callable[[], None] | None = None) -> dict[str, float]:
-    """Run every candidate once per round, interleaved; return the median seconds of each."""
+def median_times(
+    candidates: dict[str, Callable[[], object]],
+    rounds: int,
+    before: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Run every candidate once per round, in a shuffled order; return each one's median seconds."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
+    order = list(candidates)
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in candidates.items():
+        shuffle(order)  # no candidate always runs right after the same neighbour
+        for name in order:
+            fn = candidates[name]
             if before is not None:
                 before()
             start = time.perf_counter()
@@ -78,11 +86,14 @@ def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, f
         rounds,
         before=restore,
     )
-    print(f"  medians (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
+    print("  medians (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
     return [
         ("unscale_and_check ÷ clone of the grads", t["famp"] / t["clone"]),
         ("unscale_and_check ÷ GradScaler.unscale_", t["famp"] / t["gradscaler"]),
-        ("unscale_and_check(donate=True) ÷ GradScaler.unscale_", t["famp_donate"] / t["gradscaler"]),
+        (
+            "unscale_and_check(donate=True) ÷ GradScaler.unscale_",
+            t["famp_donate"] / t["gradscaler"],
+        ),
     ]
 
 
@@ -106,6 +117,7 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
         def run() -> None:
             for _ in range(calls):
                 fn()
+
         return run
 
     t = median_times(
@@ -116,8 +128,10 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
         },
         rounds,
     )
-    print("  medians (µs per update): "
-          + ", ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in t.items()))
+    print(
+        "  medians (µs per update): "
+        + ", ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in t.items())
+    )
     return [
         ("update_scale (eager) ÷ GradScaler.update", t["famp_eager"] / t["gradscaler"]),
         ("update_scale (compiled) ÷ GradScaler.update", t["famp_compiled"] / t["gradscaler"]),
@@ -128,11 +142,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=75_000_000)
     parser.add_argument("--tensors", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
-          f"{args.tensors} tensors, {args.rounds} interleaved rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
+        f"{args.tensors} tensors, {args.rounds} interleaved rounds"
+    )
     print("unscale:")
     rows = bench_unscale(args.elements, args.tensors, args.rounds)
     print("update:")

@@ -377,7 +377,16 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         state.backoff_factor,
         state.growth_interval,
     )
-    return dataclasses.replace(state, scale=new_scale, growth_tracker=new_tracker)
+    return _evolve(state, scale=new_scale, growth_tracker=new_tracker)
+
+
+def _evolve(state: ScalerState, **leaves: Any) -> ScalerState:
+    """``dataclasses.replace`` for new leaves only, without re-validating the static fields."""
+    if torch.compiler.is_compiling():  # Dynamo rebuilds the dataclass through its constructor
+        return dataclasses.replace(state, **leaves)
+    new = object.__new__(ScalerState)  # the statics were validated when ``state`` was built
+    new.__dict__.update(state.__dict__, **leaves)
+    return new
 
 
 def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
@@ -408,7 +417,7 @@ def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
         back_off = overflow & (overflow_count >= state.hysteresis)
     new_scale = torch.where(back_off, backed, torch.where(overflow | ~grow, scale_, grown))
     new_tracker = torch.where(overflow | grow, torch.zeros_like(tracker), counted)
-    return dataclasses.replace(
+    return _evolve(
         state, scale=new_scale, growth_tracker=new_tracker, overflow_count=overflow_count
     )
 

@@ -1,8 +1,9 @@
 """Applying a loss scale to pytrees: scale, unscale_and_check, all_finite, select_tree.
 
-``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: one pass over the data
-with torch's fused ``_amp_foreach_non_finite_check_and_unscale`` kernel per (device, dtype) group,
-multiplying by ``f32(1/f64(scale))``. ``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
+``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: what torch's fused
+``_amp_foreach_non_finite_check_and_unscale`` kernel computes per (device, dtype) group,
+multiplying by ``f32(1/f64(scale))``, with about one pass over memory (``_unscale_out_of_place``).
+``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
 
 Deliberately not supported: sparse layouts other than COO; float16 is accepted (torch refuses it
 in ``GradScaler.unscale_``, see docs/loss-scaling.md).
@@ -75,15 +76,16 @@ def unscale_and_check(
 ) -> tuple[TreeT, Tensor]:
     """Unscale gradients and report whether any element is non-finite, in one pass.
 
-    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads) and
-    cast back to its dtype, with torch's fused ``_amp_foreach_non_finite_check_and_unscale``
-    kernel, grouped by device and dtype like ``GradScaler.unscale_``. Inf and NaN pass through and
-    every gradient is unscaled even after one. Unlike ``GradScaler``, float16 gradients are
-    accepted. Sparse COO gradients have their values unscaled (float16 ones are coalesced first, as
-    torch does); ``None`` leaves pass through. DTensor gradients (FSDP2) are unscaled shard by
-    shard and ``found_inf`` is max-reduced over their mesh's non-replicated dimensions, as
-    ``GradScaler`` does through DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic
-    runs as separate ops (bit-equal), and ``found_inf`` is per sample.
+    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads)
+    and cast back to its dtype, exactly as torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale`` kernel does, grouped by device and dtype like
+    ``GradScaler.unscale_``. Inf and NaN pass through and every gradient is unscaled even after
+    one. Unlike ``GradScaler``, float16 gradients are accepted. Sparse COO gradients have their
+    values unscaled (float16 ones are coalesced first, as torch does); ``None`` leaves pass
+    through. DTensor gradients (FSDP2) are unscaled shard by shard and ``found_inf`` is
+    max-reduced over their mesh's non-replicated dimensions, as ``GradScaler`` does through
+    DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic runs as separate ops
+    (bit-equal), and ``found_inf`` is per sample.
 
     Args:
         state: The ``famp.ScalerState`` whose scale produced the gradients.
@@ -115,21 +117,25 @@ def unscale_and_check(
     if not state.enabled:
         return grads, found_inf
     paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
-            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
-                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
-            )
-        if leaf.layout not in (torch.strided, torch.sparse_coo):
-            raise TypeError(
-                f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
-                f"{leaf.layout}; only strided and sparse_coo are supported"
-            )
-    dtensors = [x for x in leaves if _distributed.is_dtensor(x)]
-    sources = [_source(x) for x in leaves]
-    dense = [x._values() if x.is_sparse else x for x in sources]
+    # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
+    # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
+    # entries may overflow float16; torch's _unscale_grads_ does the same).
+    dense: list[Tensor] = []
+    special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
+    for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
+            if leaf.dtype not in _UNSCALE_DTYPES:
+                _check_leaf(path, leaf)
+            dense.append(leaf)
+            continue
+        _check_leaf(path, leaf)
+        source = _distributed.local_shard(leaf) if _distributed.is_dtensor(leaf) else leaf
+        if source.is_sparse:
+            source = source.coalesce() if source.dtype == torch.float16 else source
+            dense.append(source._values())
+        else:
+            dense.append(source)
+        special[i] = (leaf, source)
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, x in enumerate(dense):
         groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
@@ -150,38 +156,89 @@ def unscale_and_check(
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
                 new = tensors
             else:
-                new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
-                    tensors, found, inv
-                )
+                new, found = _unscale_out_of_place(tensors, found, inv)
             for i, t in zip(index, new, strict=True):
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
         found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
-    result = []
-    for leaf, src, values in zip(leaves, sources, out, strict=True):
-        if src.is_sparse:  # in place: its values were unscaled
-            values = src if in_place else _sparse_like(src, values)
-        if dtensors and _distributed.is_dtensor(leaf):
+    dtensors = []
+    for i, (leaf, source) in special.items():
+        values = out[i]
+        if source.is_sparse:  # in place: its values were unscaled
+            values = source if in_place else _sparse_like(source, values)
+        if _distributed.is_dtensor(leaf):
+            dtensors.append(leaf)
             values = leaf if in_place else _distributed.dtensor_like(leaf, values)
-        result.append(values)
+        out[i] = values
     if dtensors:
         found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
     if group is not None:
         found_inf = _distributed.all_reduce_max(found_inf, group)
-    return cast(TreeT, optree.tree_unflatten(spec, result)), found_inf
+    return cast(TreeT, optree.tree_unflatten(spec, out)), found_inf
 
 
-def _source(x: Tensor) -> Tensor:
-    """The tensor whose data the kernel unscales: a DTensor's local shard, a sparse tensor itself.
+def _check_leaf(path: Sequence[Any], leaf: object) -> None:
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
+        what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        raise TypeError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
+            f"float16/bfloat16/float32/float64 tensor or None, got {what}"
+        )
+    if leaf.layout not in (torch.strided, torch.sparse_coo):
+        raise TypeError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
+            f"{leaf.layout}; only strided and sparse_coo are supported"
+        )
 
-    Float16 sparse tensors are coalesced first, because summing duplicate entries may overflow
-    float16 (torch's ``_unscale_grads_`` does the same); their values are unscaled later.
+
+def _unscale_out_of_place(
+    tensors: list[Tensor], found: Tensor, inv: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """The fused kernel's results, out of place, with about one pass over memory.
+
+    The kernel's functional variant clones every tensor and then makes a second pass over the
+    whole copy. Eagerly, famp runs small tensors through it in runs of about ``_CHUNK_BYTES``
+    (which stay in cache between the two passes), and gives each big tensor one multiply, the
+    kernel's arithmetic ``cast(opmath(x) * inv)``, followed by a read-only min/max of the same
+    tensor while it is still in cache (min and max propagate NaN and show infs). Results equal
+    the kernel's bit for bit (tested); compiled, the functional variant is left to inductor.
     """
-    if _distributed.is_dtensor(x):
-        return _distributed.local_shard(x)
-    if x.is_sparse and x.dtype == torch.float16:
-        return x.coalesce()
-    return x
+    if torch.compiler.is_compiling():
+        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
+        return list(new), found
+    out: list[Tensor] = []
+    extremes: list[Tensor] = []
+    run: list[Tensor] = []
+    size = 0
+    for x in tensors:
+        nbytes = x.numel() * x.element_size()
+        if nbytes > _CHUNK_BYTES and x.dim() > 0:
+            found = _unscale_run(run, out, found, inv)
+            run, size = [], 0
+            out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32 (or 64)
+            extremes.extend(torch.aminmax(x))
+            continue
+        if size + nbytes > _CHUNK_BYTES:
+            found = _unscale_run(run, out, found, inv)
+            run, size = [], 0
+        run.append(x)
+        size += nbytes
+    found = _unscale_run(run, out, found, inv)
+    if extremes:
+        bad = torch.isfinite(torch.stack(extremes)).all().logical_not()
+        found = torch.maximum(found, bad.to(torch.float32))
+    return out, found
+
+
+def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tensor) -> Tensor:
+    """Unscale a run of small tensors with the kernel's functional variant, appending to out."""
+    if run:
+        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(run, found, inv)
+        out.extend(new)
+    return found
+
+
+_CHUNK_BYTES = 1 << 20  # 1 MiB: what the second read of a tensor or run still finds in cache
 
 
 def _unscale_where(
@@ -202,7 +259,7 @@ def _unscale_where(
             nan = torch.where(sign, negative, positive)
             narrow = torch.where(torch.isnan(wide), nan, narrow)
         out.append(narrow)
-        found = torch.maximum(found, (~torch.isfinite(x)).any().to(found.dtype))
+        found = torch.maximum(found, torch.isfinite(x).all().logical_not().to(found.dtype))
     return out, found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import given
 
 import famp
 from famp import _scaler
+from famp import _unscale as unscale_module
 from tests.helpers import assert_bitwise_equal
 
 Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -196,6 +198,12 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     return grads
 
 
+# famp unscales small tensors with the kernel itself and big ones (above _CHUNK_BYTES) with a
+# multiply plus a min/max check: run the differential tests through both paths.
+PATHS = [pytest.param(1 << 20, id="small-path"), pytest.param(0, id="big-path")]
+
+
+@pytest.mark.parametrize("chunk_bytes", PATHS)
 @given(
     grads=grad_lists((torch.bfloat16, torch.float32, torch.float64)),
     scale_value=st.one_of(
@@ -203,12 +211,13 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     ),
 )
 def test_unscale_and_check_equals_gradscaler_unscale(
-    grads: list[torch.Tensor], scale_value: float
+    chunk_bytes: int, grads: list[torch.Tensor], scale_value: float
 ) -> None:
     expected, expected_found = torch_unscale(scale_value, grads)
     before = [g.clone() for g in grads]
     state = famp.init_scaler(scale_value)
-    out, found_inf = famp.unscale_and_check(state, grads)
+    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+        out, found_inf = famp.unscale_and_check(state, grads)
     assert isinstance(out, list)
     assert len(out) == len(grads)
     for o, e in zip(out, expected, strict=False):
@@ -221,36 +230,43 @@ def test_unscale_and_check_equals_gradscaler_unscale(
         assert_bitwise_equal(g, b)
 
 
+@pytest.mark.parametrize("chunk_bytes", PATHS)
 @given(grads=grad_lists((torch.float16, torch.float32)))
-def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(grads: list[torch.Tensor]) -> None:
+def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(
+    chunk_bytes: int, grads: list[torch.Tensor]
+) -> None:
     expected, expected_found = torch_unscale(1024.0, grads, allow_fp16=True)
-    out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
+    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+        out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
     for o, e in zip(out, expected, strict=False):
         assert o.dtype == e.dtype
         assert_bitwise_equal(o, e)
     assert_bitwise_equal(found_inf, expected_found)
 
 
-def test_unscale_and_check_compiled_equals_eager(transform: Transform) -> None:
-    state = famp.init_scaler(3.0)
-    grads = {
-        "w": torch.tensor([3.0, 6.0, -9.0]),
-        "b": [torch.tensor([1.5, 300.0], dtype=torch.bfloat16), None],
-        "d": torch.tensor([[7.0]], dtype=torch.float64),
+def _compiled_case(bad: bool) -> dict[str, Any]:
+    nan, inf = (math.nan, math.inf) if bad else (1.5, 2.5)
+    return {
+        "w": torch.tensor([3.0, nan, -inf]),
+        "b": [torch.tensor([-nan, inf, 300.0], dtype=torch.bfloat16), None],
+        "h": torch.tensor([[-nan, 6.0]], dtype=torch.float16),
+        "s": torch.tensor(inf, dtype=torch.bfloat16),  # 0-d: would promote in a plain multiply
+        "d": torch.tensor([[-nan]], dtype=torch.float64),
     }
-    out, found_inf = transform(_unscale)(state, grads)
-    expected, expected_found = torch_unscale(3.0, [grads["w"], grads["b"][0], grads["d"]])
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_unscale_and_check_compiled_equals_eager(transform: Transform, bad: bool) -> None:
+    grads = _compiled_case(bad)
+    out, found_inf = transform(_unscale)(famp.init_scaler(3.0), grads)
+    flat = [grads["w"], grads["b"][0], grads["h"], grads["s"], grads["d"]]
+    expected, expected_found = torch_unscale(3.0, flat, allow_fp16=True)
     assert out["b"][1] is None
-    for o, e in zip([out["w"], out["b"][0], out["d"]], expected, strict=False):
-        assert_bitwise_equal(o, e)
+    for o, e in zip([out["w"], out["b"][0], out["h"], out["s"], out["d"]], expected, strict=True):
+        assert_bitwise_equal(o, e)  # dtypes and NaN bit patterns included
     assert_bitwise_equal(found_inf, expected_found)
-    assert found_inf.item() == 0.0
-    grads["w"] = torch.tensor([3.0, math.nan, 1.0])
-    out, found_inf = transform(_unscale)(state, grads)
     assert found_inf.dtype == torch.float32
-    assert found_inf.item() == 1.0
-    assert out["d"].dtype == torch.float64
-    assert out["b"][0].dtype == torch.bfloat16
+    assert found_inf.item() == float(bad)
 
 
 # --- scale ---------------------------------------------------------------------------------------

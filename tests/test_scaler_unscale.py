@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -186,3 +187,23 @@ def test_unscale_and_check_under_vmap_equals_the_kernel_per_sample(
         expected, expected_found = famp.unscale_and_check(state, {"g": batch[i]})  # the kernel
         assert_bitwise_equal(out["g"][i], expected["g"])
         assert_bitwise_equal(found[i], expected_found)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 16, 1 << 22])
+@pytest.mark.parametrize("bad_at", [None, 0, 3, 5, 6])
+def test_chunked_check_sees_every_tensor(
+    monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, bad_at: int | None
+) -> None:
+    # Out of place, grads are copied and unscaled piece by piece (famp._unscale._pieces): runs of
+    # small tensors, slices of big ones.
+    monkeypatch.setattr("famp._unscale._CHUNK_BYTES", chunk_bytes)
+    grads = [torch.full((n,), 6.0) for n in (3, 0, 5, 1, 0, 4)]
+    grads.append(torch.full((2, 3), 6.0).t())  # not contiguous: never sliced
+    if bad_at is not None:
+        grads[bad_at][-1] = math.nan
+    expected, expected_found = torch_unscale(3.0, grads)
+    out, found = famp.unscale_and_check(famp.init_scaler(3.0), grads)
+    for o, e in zip(out, expected, strict=True):
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found, expected_found)
+    assert found.item() == float(bad_at is not None)
