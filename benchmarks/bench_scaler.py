@@ -4,8 +4,15 @@ On ~75M float32 gradient elements in 50 tensors:
 - famp.unscale_and_check (out of place) vs a plain clone of the grads (the out-of-place memory
   limit) vs GradScaler.unscale_ (in place);
 - famp.unscale_and_check(donate=True) vs GradScaler.unscale_;
+- famp.unscale_and_check under torch.compile(fullgraph=True) (inductor fuses it) vs the clone;
 - famp.update_scale, eager and compiled, vs GradScaler.update.
 Candidates run interleaved in a shuffled order, round after round, and each ratio is of medians.
+
+An out-of-place result needs fresh memory, and on CPU what that costs depends on glibc: memory
+it maps anew is zeroed by the kernel page by page on first touch, memory it reuses is not. The
+unscale comparison runs twice: with every new tensor mapped afresh (glibc's mmap threshold at
+1 MiB), and with freed memory kept and reused (no mmap, no trimming), which is what a caching
+allocator such as CUDA's gives.
 
 Run: python benchmarks/bench_scaler.py [--elements 75_000_000] [--tensors 50] [--rounds 21]
 """
@@ -13,6 +20,7 @@ Run: python benchmarks/bench_scaler.py [--elements 75_000_000] [--tensors 50] [-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import platform
 import random
 import statistics
@@ -51,6 +59,21 @@ def make_grads(elements: int, tensors: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen) * 1024 for n in sizes]
 
 
+_LIBC = ctypes.CDLL("libc.so.6")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+
+
+def fresh_pages() -> None:
+    """Blocks of 1 MiB and more are mapped anew by each allocation and unmapped on free."""
+    _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
+def reused_memory() -> None:
+    """Freed memory stays in glibc's heap and the next allocation reuses it, already touched."""
+    _LIBC.mallopt(_M_MMAP_MAX, 0)
+    _LIBC.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+
+
 def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, float]]:
     grads = make_grads(elements, tensors)
     originals = [g.clone() for g in grads]
@@ -73,6 +96,12 @@ def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, f
     def famp_unscale() -> None:
         famp.unscale_and_check(state, grads)[1].item()
 
+    compiled = torch.compile(famp.unscale_and_check, fullgraph=True)
+    compiled(state, grads)  # compile outside the timing
+
+    def famp_compiled() -> None:
+        compiled(state, grads)[1].item()
+
     def famp_donate() -> None:
         famp.unscale_and_check(state, grads, donate=True)[1].item()
 
@@ -82,6 +111,7 @@ def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, f
             "gradscaler": gradscaler_unscale,
             "famp": famp_unscale,
             "famp_donate": famp_donate,
+            "famp_compiled": famp_compiled,
         },
         rounds,
         before=restore,
@@ -90,6 +120,7 @@ def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, f
     return [
         ("unscale_and_check ÷ clone of the grads", t["famp"] / t["clone"]),
         ("unscale_and_check ÷ GradScaler.unscale_", t["famp"] / t["gradscaler"]),
+        ("unscale_and_check, compiled ÷ clone of the grads", t["famp_compiled"] / t["clone"]),
         (
             "unscale_and_check(donate=True) ÷ GradScaler.unscale_",
             t["famp_donate"] / t["gradscaler"],
@@ -105,6 +136,9 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
     scaler.scale(torch.ones(()))
     compiled = torch.compile(famp.update_scale, fullgraph=True)
     compiled(state, found)  # compile outside the timing
+    # torch.compile's own cost per call, for reference: a compiled function of one tiny op.
+    one_op = torch.compile(lambda x: x + 1, fullgraph=True)
+    one_op(found)
 
     def gradscaler_update() -> None:
         # What unscale_ records for one optimizer; update() consumes and resets it.
@@ -125,6 +159,7 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
             "gradscaler": repeat(gradscaler_update),
             "famp_eager": repeat(lambda: famp.update_scale(state, found)),
             "famp_compiled": repeat(lambda: compiled(state, found)),
+            "compiled_one_op": repeat(lambda: one_op(found)),
         },
         rounds,
     )
@@ -135,6 +170,10 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
     return [
         ("update_scale (eager) ÷ GradScaler.update", t["famp_eager"] / t["gradscaler"]),
         ("update_scale (compiled) ÷ GradScaler.update", t["famp_compiled"] / t["gradscaler"]),
+        (
+            "update_scale (compiled) ÷ a compiled one-op function",
+            t["famp_compiled"] / t["compiled_one_op"],
+        ),
     ]
 
 
@@ -149,8 +188,14 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
         f"{args.tensors} tensors, {args.rounds} interleaved rounds"
     )
-    print("unscale:")
-    rows = bench_unscale(args.elements, args.tensors, args.rounds)
+    rows = []
+    for mode, setup in (("fresh pages", fresh_pages), ("reused memory", reused_memory)):
+        print(f"unscale, {mode}:")
+        setup()
+        rows += [
+            (f"{name}, {mode}", ratio)
+            for name, ratio in bench_unscale(args.elements, args.tensors, args.rounds)
+        ]
     print("update:")
     rows += bench_update(args.rounds)
     print()

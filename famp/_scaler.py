@@ -361,7 +361,8 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         )
     if not (state.enabled and state.dynamic):
         return state
-    found_inf = found_inf.to(state.scale.device, non_blocking=True)
+    if found_inf.device != state.scale.device:
+        found_inf = found_inf.to(state.scale.device, non_blocking=True)
     guarded = state.overflow_count is not None or state.min_scale is not None
     if guarded or state.max_scale is not None or torch._C._are_functorch_transforms_active():
         return _update_where(state, found_inf)

@@ -196,16 +196,27 @@ def _unscale_out_of_place(
 ) -> tuple[list[Tensor], Tensor]:
     """The fused kernel's results, out of place, with about one pass over memory.
 
-    The kernel's functional variant clones every tensor and then makes a second pass over the
-    whole copy. Eagerly, famp runs small tensors through it in runs of about ``_CHUNK_BYTES``
-    (which stay in cache between the two passes), and gives each big tensor one multiply, the
-    kernel's arithmetic ``cast(opmath(x) * inv)``, followed by a read-only min/max of the same
-    tensor while it is still in cache (min and max propagate NaN and show infs). Results equal
-    the kernel's bit for bit (tested); compiled, the functional variant is left to inductor.
+    The kernel computes ``cast(inv == 1 ? opmath(x) : opmath(x) * inv)`` (at exactly 1 it skips
+    the multiply, which keeps NaN payloads) and flags any non-finite input. Its functional
+    variant clones every tensor and then makes a second pass over the whole copy. On the CPU,
+    eagerly, famp runs small tensors through it in runs of about ``_CHUNK_BYTES`` (which stay in
+    cache between the two passes), and gives each big tensor a read-only min/max (min and max
+    propagate NaN and show infs) followed by one multiply, which finds the tensor still in
+    cache; at a scale of exactly 1 every tensor takes the kernel. Reading the CPU scale is a
+    memory read, not a device sync. Other devices take the functional variant whole. Compiled,
+    float32 and float64 tensors get the kernel's arithmetic as plain ops, which inductor fuses
+    into one pass per tensor; float16 and bfloat16 ones the functional variant. Results equal the
+    kernel's bit for bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
-        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
-        return list(new), found
+        # float32/float64 (one dtype per call): inductor fuses the multiply and the check into
+        # one pass. Half dtypes keep the kernel, whose NaN bit patterns inductor does not keep.
+        if tensors[0].dtype not in _NAN_BITS:
+            return _unscale_where(tensors, found, inv)
+        return _kernel(tensors, found, inv)
+    on_cpu = inv.device.type == "cpu" and type(inv) is torch.Tensor  # not a fake or meta scale
+    if not on_cpu or inv.item() == 1.0:
+        return _kernel(tensors, found, inv)
     out: list[Tensor] = []
     extremes: list[Tensor] = []
     run: list[Tensor] = []
@@ -215,8 +226,8 @@ def _unscale_out_of_place(
         if nbytes > _CHUNK_BYTES and x.dim() > 0:
             found = _unscale_run(run, out, found, inv)
             run, size = [], 0
+            extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
             out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32 (or 64)
-            extremes.extend(torch.aminmax(x))
             continue
         if size + nbytes > _CHUNK_BYTES:
             found = _unscale_run(run, out, found, inv)
@@ -230,10 +241,16 @@ def _unscale_out_of_place(
     return out, found
 
 
+def _kernel(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
+    """The kernel's functional variant (a clone of every tensor, then the in-place kernel)."""
+    new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
+    return list(new), found
+
+
 def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tensor) -> Tensor:
     """Unscale a run of small tensors with the kernel's functional variant, appending to out."""
     if run:
-        new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(run, found, inv)
+        new, found = _kernel(run, found, inv)
         out.extend(new)
     return found
 
@@ -244,10 +261,16 @@ _CHUNK_BYTES = 1 << 20  # 1 MiB: what the second read of a tensor or run still f
 def _unscale_where(
     tensors: list[Tensor], found: Tensor, inv: Tensor
 ) -> tuple[list[Tensor], Tensor]:
-    """The fused kernel's arithmetic as plain ops: ``cast(opmath(x) * inv)``, any non-finite."""
+    """The fused kernel's arithmetic as plain ops: ``cast(opmath(x) * inv)``, any non-finite.
+
+    At ``inv == 1`` the kernel skips the multiply, and so does this (NaN payloads are kept).
+    """
     out = []
     for x in tensors:
-        wide = x.double() * inv.double() if x.dtype == torch.float64 else x.float() * inv
+        opmath, factor = (
+            (x.double(), inv.double()) if x.dtype == torch.float64 else (x.float(), inv)
+        )
+        wide = torch.where(inv == 1, opmath, opmath * factor)  # at 1 the kernel keeps NaN bits
         narrow = wide.to(x.dtype)
         if x.dtype in _NAN_BITS:  # c10's scalar casts write these NaNs; vectorized .to() differs
             positive, negative = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -194,8 +195,8 @@ def test_unscale_and_check_under_vmap_equals_the_kernel_per_sample(
 def test_chunked_check_sees_every_tensor(
     monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, bad_at: int | None
 ) -> None:
-    # Out of place, grads are copied and unscaled piece by piece (famp._unscale._pieces): runs of
-    # small tensors, slices of big ones.
+    # Out of place, small grads are unscaled in runs of about _CHUNK_BYTES, and each bigger one
+    # on its own (famp._unscale._unscale_out_of_place).
     monkeypatch.setattr("famp._unscale._CHUNK_BYTES", chunk_bytes)
     grads = [torch.full((n,), 6.0) for n in (3, 0, 5, 1, 0, 4)]
     grads.append(torch.full((2, 3), 6.0).t())  # not contiguous: never sliced
@@ -207,3 +208,65 @@ def test_chunked_check_sees_every_tensor(
         assert_bitwise_equal(o, e)
     assert_bitwise_equal(found, expected_found)
     assert found.item() == float(bad_at is not None)
+
+
+# Random bit patterns, so every NaN payload and sign, infinity, subnormal and signed zero can turn
+# up, in tensors long enough for vectorized loops and their tails. Eagerly famp has two CPU paths
+# (the kernel on runs of small tensors; a min/max and a multiply for big ones); compiled,
+# float32/float64 grads take the kernel's arithmetic as plain ops, which inductor fuses. Fixed
+# shapes: one compile, shared by every example.
+BIT_SHAPES = [
+    ((1031,), torch.float32),
+    ((7, 5), torch.float32),
+    ((67,), torch.float64),
+    ((259,), torch.float16),
+    ((130,), torch.bfloat16),
+]
+_INT_OF = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def _unscale_list(state: famp.ScalerState, grads: list[torch.Tensor]) -> Any:
+    return famp.unscale_and_check(state, grads)
+
+
+_COMPILED_UNSCALE_LIST = torch.compile(_unscale_list, fullgraph=True)
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    info = torch.iinfo(_INT_OF[dtype])
+    return torch.randint(info.min, info.max, shape, dtype=_INT_OF[dtype], generator=gen).view(dtype)
+
+
+@pytest.mark.parametrize("path", ["eager-small", "eager-big", "compiled"])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    finite_share=st.sampled_from([0.0, 0.5, 0.999, 1.0]),
+    scale_value=st.sampled_from([3.0, 65536.0, 2.0**-20, 1.0, 0.1]),
+)
+def test_unscale_of_random_bit_patterns_equals_gradscaler(
+    path: str, seed: int, finite_share: float, scale_value: float
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for shape, dtype in BIT_SHAPES:
+        plain = (torch.randn(shape, generator=gen) * 1e3).to(dtype)
+        keep_plain = torch.rand(shape, generator=gen) < finite_share
+        grads.append(torch.where(keep_plain, plain, random_bits(shape, dtype, gen)))
+    state = famp.init_scaler(scale_value)
+    if path == "compiled":
+        out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
+    else:
+        chunk_bytes = 1 << 20 if path == "eager-small" else 0
+        with mock.patch("famp._unscale._CHUNK_BYTES", chunk_bytes):
+            out, found_inf = famp.unscale_and_check(state, grads)
+    expected, expected_found = torch_unscale(scale_value, grads, allow_fp16=True)
+    for o, e in zip(out, expected, strict=True):
+        assert o.dtype == e.dtype
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.dtype == torch.float32
