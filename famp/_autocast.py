@@ -21,15 +21,9 @@ import torch.nn.modules.module as torch_module
 from torch.utils import _pytree as pytree
 
 from famp._autocast_mode import CastCache as _CastCache
-from famp._autocast_mode import (
-    FampMode,
-    apply_rule,
-    call,
-    op_name,
-    overrides_for,
-    writes_first_arg,
-)
+from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_region import policy_state, region
+from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
 

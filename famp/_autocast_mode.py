@@ -20,138 +20,14 @@ made from inside an op's C++ implementation are not (the `bmm` inside `einsum`, 
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
-
-# --- entering torch's own Python functions with the mode still active ----------------------------
-# torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
-# which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
-# of such a function whose `has_torch_function*` globals answer False, with the mode pushed again.
-# The copies are made once, at import: Dynamo can call a prebuilt copy but cannot build one.
-
-_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-
-
-def _never(*args: object) -> bool:
-    return False
-
-
-def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
-    copies: dict[Callable[..., Any], Callable[..., Any]] = {}
-    patched: dict[int, dict[str, Any]] = {}
-
-    def add(func: object) -> None:
-        if not isinstance(func, types.FunctionType) or func in copies:
-            return
-        if not set(_CHECKS) & set(func.__code__.co_names):
-            return  # not a torch function: the mode never receives it
-        if "__class__" in func.__code__.co_freevars:
-            return  # calls super(): Dynamo cannot trace super() into TensorBase; call it whole
-        key = id(func.__globals__)
-        if key not in patched:
-            patched[key] = {**func.__globals__, **dict.fromkeys(_CHECKS, _never)}
-        copy = types.FunctionType(
-            func.__code__, patched[key], func.__name__, func.__defaults__, func.__closure__
-        )
-        copy.__kwdefaults__ = func.__kwdefaults__
-        copies[func] = copy
-
-    for module in (torch.nn.functional, torch.functional):
-        for value in list(vars(module).values()):
-            add(value)
-    for value in list(vars(torch.Tensor).values()):
-        add(value)
-    return copies
-
-
-_COPIES = _copies()
-
-
-def _names(func: types.FunctionType) -> frozenset[str]:
-    """Every name a function's code (and the functions of its module it calls) refers to.
-
-    A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
-    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named.
-    """
-    names: set[str] = set()
-    seen: set[types.CodeType] = set()
-    todo = [func]
-    while todo:
-        f = todo.pop()
-        codes = [f.__code__]
-        while codes:
-            code = codes.pop()
-            if code in seen:
-                continue
-            seen.add(code)
-            names.update(code.co_names)
-            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-            for name in code.co_names:  # functions it may call: globals, torch.*, F.*
-                for g in (
-                    f.__globals__.get(name),
-                    getattr(torch, name, None),
-                    getattr(torch.nn.functional, name, None),
-                ):
-                    if isinstance(g, types.FunctionType) and g.__code__ not in seen:
-                        todo.append(g)
-    for space in ("linalg", "fft", "special", "nested"):
-        if space in names:
-            names.update(f"{space}_{n}" for n in list(names))
-    return frozenset(names)
-
-
-_CALLS: dict[Callable[..., Any], frozenset[str]] = {f: _names(f) for f in _COPIES}  # type: ignore[arg-type]
-
-# --- naming the op of a call ----------------------------------------------------------------------
-
-_DUNDERS = {
-    "__matmul__": "matmul",
-    "__rmatmul__": "matmul",
-    "__add__": "add",
-    "__radd__": "add",
-    "__iadd__": "add_",
-    "__sub__": "sub",
-    "__isub__": "sub_",
-    "__mul__": "mul",
-    "__rmul__": "mul",
-    "__imul__": "mul_",
-    "__truediv__": "div",
-    "__div__": "div",
-    "__itruediv__": "div_",
-    "__idiv__": "div_",
-    "__pow__": "pow",
-    "__rpow__": "pow",
-    "__ipow__": "pow_",
-}
-# Calls that write into their first argument without a trailing-underscore name.
-_WRITES = frozenset({"__setitem__", "__set__", "set_"})
-
-
-_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-
-
-def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
-    """(aten packet, overload or None if the call does not name one) of a torch function."""
-    if isinstance(func, _OP_TYPES):
-        if isinstance(func, torch._ops.OpOverload):
-            return func._schema.name.partition("::")[2], func._overloadname
-        return func._qualified_op_name.partition("::")[2], None
-    name: str = getattr(func, "__name__", "")
-    return _DUNDERS.get(name, name), None
-
-
-def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
-    """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
-    if packet[-1:] == "_" and packet[-2:] != "__":
-        return True
-    return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
-
 
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
 
@@ -192,8 +68,8 @@ class Overrides:
         # name. One named like an overridden op is that op: its rule applies to the whole call.
         self.enter = {
             f: copy
-            for f, copy in _COPIES.items()
-            if _CALLS[f] & self.packets and op_name(f)[0] not in self.packets
+            for f, copy in COPIES.items()
+            if CALLS[f] & self.packets and op_name(f)[0] not in self.packets
         }
 
     def __bool__(self) -> bool:
@@ -402,19 +278,6 @@ def apply_rule(
         raise ValueError(f"unknown rule {rule!r} for op {packet!r}")
     with autocast_off():
         return call(func, args, kwargs)
-
-
-def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Call a torch function; torch's Python `Tensor` methods are called as methods.
-
-    Dynamo traces `t.unflatten(...)` but not `Tensor.unflatten(t, ...)`, whose super() call it
-    cannot follow into TensorBase.
-    """
-    if isinstance(func, types.FunctionType) and args and isinstance(args[0], torch.Tensor):
-        name = func.__name__
-        if getattr(torch.Tensor, name, None) is func:
-            return getattr(args[0], name)(*args[1:], **kwargs)
-    return func(*args, **kwargs)
 
 
 @functools.cache

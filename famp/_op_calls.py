@@ -1,0 +1,152 @@
+"""Torch function calls as famp.autocast sees them: aten op names, torch's Python functions.
+
+`famp.autocast`'s mode (`famp._autocast_mode`) receives one call of a torch function at a time. This
+module names the aten op of a call (`op_name`), tells whether it writes into its first argument
+(`writes_first_arg`), calls it (`call`), and holds copies of torch's own Python functions
+(`torch.nn.functional`, `torch.functional`, Python `Tensor` methods) that the mode can enter so
+that the ops they call are seen too (`COPIES`, with the op names each may call in `CALLS`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# --- entering torch's own Python functions with the mode still active ----------------------------
+# torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
+# which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
+# of such a function whose `has_torch_function*` globals answer False, with the mode pushed again.
+# The copies are made once, at import: Dynamo can call a prebuilt copy but cannot build one.
+
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: object) -> bool:
+    return False
+
+
+def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
+    copies: dict[Callable[..., Any], Callable[..., Any]] = {}
+    patched: dict[int, dict[str, Any]] = {}
+
+    def add(func: object) -> None:
+        if not isinstance(func, types.FunctionType) or func in copies:
+            return
+        if not set(_CHECKS) & set(func.__code__.co_names):
+            return  # not a torch function: the mode never receives it
+        if "__class__" in func.__code__.co_freevars:
+            return  # calls super(): Dynamo cannot trace super() into TensorBase; call it whole
+        key = id(func.__globals__)
+        if key not in patched:
+            patched[key] = {**func.__globals__, **dict.fromkeys(_CHECKS, _never)}
+        copy = types.FunctionType(
+            func.__code__, patched[key], func.__name__, func.__defaults__, func.__closure__
+        )
+        copy.__kwdefaults__ = func.__kwdefaults__
+        copies[func] = copy
+
+    for module in (torch.nn.functional, torch.functional):
+        for value in list(vars(module).values()):
+            add(value)
+    for value in list(vars(torch.Tensor).values()):
+        add(value)
+    return copies
+
+
+COPIES = _copies()
+
+
+def _names(func: types.FunctionType) -> frozenset[str]:
+    """Every name a function's code (and the functions of its module it calls) refers to.
+
+    A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
+    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named.
+    """
+    names: set[str] = set()
+    seen: set[types.CodeType] = set()
+    todo = [func]
+    while todo:
+        f = todo.pop()
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            for name in code.co_names:  # functions it may call: globals, torch.*, F.*
+                for g in (
+                    f.__globals__.get(name),
+                    getattr(torch, name, None),
+                    getattr(torch.nn.functional, name, None),
+                ):
+                    if isinstance(g, types.FunctionType) and g.__code__ not in seen:
+                        todo.append(g)
+    for space in ("linalg", "fft", "special", "nested"):
+        if space in names:
+            names.update(f"{space}_{n}" for n in list(names))
+    return frozenset(names)
+
+
+CALLS: dict[Callable[..., Any], frozenset[str]] = {f: _names(f) for f in COPIES}  # type: ignore[arg-type]
+
+# --- naming the op of a call ----------------------------------------------------------------------
+
+_DUNDERS = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__add__": "add",
+    "__radd__": "add",
+    "__iadd__": "add_",
+    "__sub__": "sub",
+    "__isub__": "sub_",
+    "__mul__": "mul",
+    "__rmul__": "mul",
+    "__imul__": "mul_",
+    "__truediv__": "div",
+    "__div__": "div",
+    "__itruediv__": "div_",
+    "__idiv__": "div_",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__ipow__": "pow_",
+}
+# Calls that write into their first argument without a trailing-underscore name.
+_WRITES = frozenset({"__setitem__", "__set__", "set_"})
+
+
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
+    """(aten packet, overload or None if the call does not name one) of a torch function."""
+    if isinstance(func, _OP_TYPES):
+        if isinstance(func, torch._ops.OpOverload):
+            return func._schema.name.partition("::")[2], func._overloadname
+        return func._qualified_op_name.partition("::")[2], None
+    name: str = getattr(func, "__name__", "")
+    return _DUNDERS.get(name, name), None
+
+
+def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
+    """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
+    if packet[-1:] == "_" and packet[-2:] != "__":
+        return True
+    return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
+
+
+def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call a torch function; torch's Python `Tensor` methods are called as methods.
+
+    Dynamo traces `t.unflatten(...)` but not `Tensor.unflatten(t, ...)`, whose super() call it
+    cannot follow into TensorBase.
+    """
+    if isinstance(func, types.FunctionType) and args and isinstance(args[0], torch.Tensor):
+        name = func.__name__
+        if getattr(torch.Tensor, name, None) is func:
+            return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
