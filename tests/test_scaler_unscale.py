@@ -212,7 +212,7 @@ def test_chunked_check_sees_every_tensor(
 
 # Random bit patterns, so every NaN payload and sign, infinity, subnormal and signed zero can turn
 # up, in tensors long enough for vectorized loops and their tails. Eagerly famp has two CPU paths
-# (the kernel on runs of small tensors; a min/max and a multiply for big ones); compiled,
+# (the kernel on runs of small tensors; a min/max and a multiply for big ones); compiled, big
 # float32/float64 grads take the kernel's arithmetic as plain ops, which inductor fuses. Fixed
 # shapes: one compile, shared by every example.
 BIT_SHAPES = [
@@ -258,11 +258,12 @@ def test_unscale_of_random_bit_patterns_equals_gradscaler(
         keep_plain = torch.rand(shape, generator=gen) < finite_share
         grads.append(torch.where(keep_plain, plain, random_bits(shape, dtype, gen)))
     state = famp.init_scaler(scale_value)
-    if path == "compiled":
-        out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
-    else:
-        chunk_bytes = 1 << 20 if path == "eager-small" else 0
-        with mock.patch("famp._unscale._CHUNK_BYTES", chunk_bytes):
+    # Every tensor is "big" at _CHUNK_BYTES = 0: the min/max path eagerly, the fused plain ops
+    # compiled (for float32/float64).
+    with mock.patch("famp._unscale._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0):
+        if path == "compiled":
+            out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
+        else:
             out, found_inf = famp.unscale_and_check(state, grads)
     expected, expected_found = torch_unscale(scale_value, grads, allow_fp16=True)
     for o, e in zip(out, expected, strict=True):
