@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
 from famp._rekey import clean_fqn
@@ -54,6 +54,34 @@ def dtensor_like(src: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         run_check=False,
         shape=src.shape,
         stride=src.stride(),
+    )
+
+
+def check_mesh(mesh: object, world_size: int, rank: int) -> Any:
+    """``mesh`` if it is a 1-d ``DeviceMesh`` of ``world_size`` and this process is its ``rank``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1 or mesh.size() != world_size:
+        raise ValueError(
+            f"mesh must be 1-d with the layout's world size {world_size}, got shape "
+            f"{tuple(mesh.shape)}"
+        )
+    if mesh.get_local_rank() != rank:
+        raise ValueError(
+            f"rank must be this process's rank on the mesh, {mesh.get_local_rank()}, got {rank!r}"
+        )
+    return mesh
+
+
+def shard_as_dtensor(
+    local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]
+) -> torch.Tensor:
+    """``local`` as this rank's ``Shard(dim)`` of a DTensor of global ``shape`` (no collective)."""
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=stride
     )
 
 

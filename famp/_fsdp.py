@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from famp._fsdp_layout import Layout, check_layout, check_rank, chunk_range
+from famp._fsdp_layout import FSDP2Layout, Layout, check_layout, check_rank, chunk_range
 from famp._osd import Groups, State, check_full, check_shards
 
 __all__ = ["reshard_optim_state", "shard_optim_state", "unshard_optim_state"]
@@ -49,14 +49,22 @@ def narrow(tensor: torch.Tensor, dim: int, start: int, length: int, copy: bool) 
 
 
 def shard_optim_state(
-    full_osd: Mapping[str, Any], layout: Layout, rank: int, *, copy: bool = False
+    full_osd: Mapping[str, Any],
+    layout: Layout,
+    rank: int,
+    *,
+    copy: bool = False,
+    mesh: Any = None,
 ) -> dict[str, Any]:
     """One rank's piece of a full FQN-keyed optimizer state dict.
 
     Every tensor of its parameter's shape becomes the rank's chunk along the layout's shard dim
     (``torch.chunk``; possibly ``(0, *rest)``); 0-d tensors (``step``) and non-tensors are shared;
     ``param_groups`` are copied. Under FSDP2 this equals ``get_optimizer_state_dict(model, optim)``
-    on ``rank`` with every DTensor replaced by its local tensor; under FSDP1 it is the SHARDED
+    on ``rank`` with every DTensor replaced by its local tensor, and with ``mesh`` (FSDP2's 1-d
+    device mesh) it is that dict itself: the chunks are wrapped as ``DTensor``s placed
+    ``Shard(dim)`` on the mesh with the parameter's global shape (no collective runs), ready for
+    ``set_optimizer_state_dict(model, optim, shard)`` on that rank. Under FSDP1 it is the SHARDED
     state dict's per-parameter chunks. Parameters without state stay without state.
 
     Args:
@@ -65,6 +73,8 @@ def shard_optim_state(
         rank: the rank whose shard to return.
         copy: clone every tensor, so that the shard keeps no reference to ``full_osd``'s storage
             (PyTorch #116553). By default shards on dim 0 are views.
+        mesh: FSDP2 only: a 1-d ``torch.distributed.DeviceMesh`` of the layout's world size on
+            which this process is ``rank``; the sharded tensors come back as DTensors on it.
 
     Returns:
         The rank's state dict, FQN-keyed, with the structure of ``full_osd``.
@@ -73,7 +83,9 @@ def shard_optim_state(
         KeyError: a name that is not in the layout, or a missing ``state``/``param_groups`` entry.
         ValueError: a rank outside the world, a tensor whose shape disagrees with the layout, a
             state name that is a tensor for one parameter and not for another, a parameter in two
-            param groups or in none.
+            param groups or in none; ``mesh`` with an FSDP1 layout, of another size or shape, or
+            on which this process is not ``rank``.
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
 
     Examples:
         >>> import famp, torch
@@ -86,16 +98,25 @@ def shard_optim_state(
     layout = check_layout(layout)
     check_rank(rank, layout.world_size)
     state, groups, kinds = check_full(full_osd, layout)
+    if mesh is not None:
+        if not isinstance(layout, FSDP2Layout):
+            raise ValueError("mesh applies to FSDP2 layouts only, got a famp.FSDP1Layout")
+        from famp import _distributed  # the one module that talks to torch.distributed
+
+        mesh = _distributed.check_mesh(mesh, layout.world_size, rank)
     out: State = {}
     for fqn, entry in state.items():
         shape, dim = layout._specs[fqn]
         start, length = chunk_range(shape[dim], layout.world_size, rank)
-        out[fqn] = {
-            key: narrow(value, dim, start, length, copy)
-            if kinds.get((fqn, key))
-            else clone_value(value, copy)
-            for key, value in entry.items()
-        }
+        out[fqn] = {}
+        for key, value in entry.items():
+            if not kinds.get((fqn, key)):
+                out[fqn][key] = clone_value(value, copy)
+                continue
+            piece = narrow(value, dim, start, length, copy)
+            if mesh is not None:
+                piece = _distributed.shard_as_dtensor(piece, mesh, dim, shape)
+            out[fqn][key] = piece
     return {"state": out, "param_groups": copy_groups(groups, copy)}
 
 

@@ -47,12 +47,52 @@ def _local(tree: Any) -> Any:
     return tree
 
 
-def fsdp2_model(shard_dim1: bool) -> nn.Module:
+def _placed(osd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """How each state tensor is placed: type, mesh, placements, global shape and stride."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        fqn: {
+            key: (
+                type(v).__name__,
+                str(v.device_mesh) if isinstance(v, DTensor) else None,
+                tuple(v.placements) if isinstance(v, DTensor) else None,
+                tuple(v.shape),
+                v.stride(),
+                v.dtype,
+            )
+            for key, v in entry.items()
+            if isinstance(v, torch.Tensor)
+        }
+        for fqn, entry in osd["state"].items()
+    }
+
+
+def fsdp2_model() -> nn.Module:
     torch.manual_seed(0)
     # out features 7, 3, 6, 1: uneven chunks and, at W >= 2, empty shards (the (1,) bias)
     return nn.Sequential(
         nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 6, bias=False), nn.Linear(6, 1)
     )
+
+
+def fsdp2_sharded(placement: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = fsdp2_model()
+    for layer in (model[0], model[2], model[3], model[4]):
+        fully_shard(layer, shard_placement_fn=placement)
+    fully_shard(model, shard_placement_fn=placement)
+    return model
+
+
+def _fresh_copy(
+    model: nn.Module, placement: Any, kind: str
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A new FSDP2 model with ``model``'s parameters and a new optimizer without state."""
+    fresh = fsdp2_sharded(placement)
+    fresh.load_state_dict(model.state_dict())
+    return fresh, fsdp2_optimizer(fresh, kind)
 
 
 def fsdp2_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -79,8 +119,11 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int
 
 
 def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.tensor import Shard
 
     out: dict[str, Any] = {}
@@ -89,11 +132,8 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
         placement = (lambda p: Shard(1) if p.shape == (1, 6) else None) if shard_dim1 else None
         for kind in ("adam", "adamw2"):
             name = f"{kind}{'-dim1' if shard_dim1 else ''}"
-            model = fsdp2_model(shard_dim1)
-            params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            for layer in (model[0], model[2], model[3], model[4]):
-                fully_shard(layer, shard_placement_fn=placement)
-            fully_shard(model, shard_placement_fn=placement)
+            params = {n: tuple(p.shape) for n, p in fsdp2_model().named_parameters()}
+            model = fsdp2_sharded(placement)
             optim = fsdp2_optimizer(model, kind)
             _train(model, optim, steps=2, seed=1)
             sharded = get_optimizer_state_dict(model, optim)
@@ -115,21 +155,33 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
                     )
                 ),
             }
-            # famp's to-load dict into a fresh optimizer, then one more step on both
-            fresh = fsdp2_model(shard_dim1)
-            for layer in (fresh[0], fresh[2], fresh[3], fresh[4]):
-                fully_shard(layer, shard_placement_fn=placement)
-            fully_shard(fresh, shard_placement_fn=placement)
-            fresh.load_state_dict(model.state_dict())
-            fresh_optim = fsdp2_optimizer(fresh, kind)
+            # famp's shard as DTensors on the model's mesh, against torch's sharded dict
+            mesh = next(iter(model.parameters())).device_mesh
+            on_mesh = famp.shard_optim_state(full, layout, rank, mesh=mesh)
+            record["on_mesh_placed"] = _placed(on_mesh)
+            record["sharded_placed"] = _placed(sharded)
+            record["on_mesh"] = _local(on_mesh)
+
+            # famp's to-load dict into a fresh optimizer, famp's DTensor shard into another
+            # through DCP's set_optimizer_state_dict; then one more step on all three
+            fresh, fresh_optim = _fresh_copy(model, placement, kind)
             fresh_optim.load_state_dict(
                 famp.optim_state_dict_to_load(full, layout, rank, fresh_optim)
             )
             record["loaded"] = _local(fresh_optim.state_dict())
+            via_dcp, via_dcp_optim = _fresh_copy(model, placement, kind)
+            set_optimizer_state_dict(
+                via_dcp,
+                via_dcp_optim,
+                famp.shard_optim_state(full, layout, rank, copy=True, mesh=mesh),
+            )
+            record["set_from_mesh_shard"] = _local(via_dcp_optim.state_dict())
             _train(model, optim, steps=1, seed=2)
             _train(fresh, fresh_optim, steps=1, seed=2)
+            _train(via_dcp, via_dcp_optim, steps=1, seed=2)
             record["after_step"] = _local(dict(model.named_parameters()))
             record["after_step_loaded"] = _local(dict(fresh.named_parameters()))
+            record["after_step_set_from_mesh_shard"] = _local(dict(via_dcp.named_parameters()))
             out[name] = record
     return out
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -261,3 +262,47 @@ def test_layout_of_rejects_fsdp1_units_with_different_compute_dtypes() -> None:
         wrapped = FullyShardedDataParallel(model, device_id=cpu)
         with pytest.raises(ValueError, match=r"FSDP units differ.*torch\.bfloat16"):
             famp.layout_of(wrapped)
+
+
+def test_shard_on_a_mesh_gives_dtensors_placed_like_the_parameters() -> None:
+    shapes = {"a": (5, 2), "b": (1,), "c": (3, 4)}
+    full = adam_like_state(shapes)
+    layout = famp.fsdp2_layout(shapes, world_size=4, shard_dims={"c": 1})
+    with fake_rank(4, 2):
+        mesh = init_device_mesh("cpu", (4,))
+        shard = famp.shard_optim_state(full, layout, 2, mesh=mesh)
+        plain = famp.shard_optim_state(full, layout, 2)
+        for fqn, shape in shapes.items():
+            entry = shard["state"][fqn]
+            assert type(entry["step"]) is torch.Tensor  # replicated values stay plain
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = entry[key]
+                assert isinstance(value, DTensor)
+                assert value.device_mesh == mesh
+                assert value.placements == (Shard(1 if fqn == "c" else 0),)
+                assert value.shape == shape
+                assert value.stride() == full["state"][fqn][key].stride()
+                assert value.dtype == torch.float32
+                assert_bitwise_equal(value.to_local(), plain["state"][fqn][key])
+        assert shard["state"]["b"]["exp_avg"].to_local().shape == (0,)  # an empty trailing shard
+
+
+def test_shard_on_a_mesh_refuses_a_mismatched_mesh() -> None:
+    shapes = {"a": (5, 2)}
+    full = adam_like_state(shapes)
+    layout = famp.fsdp2_layout(shapes, world_size=4)
+    with fake_rank(4, 1):
+        mesh = init_device_mesh("cpu", (4,))
+        with pytest.raises(ValueError, match=r"rank must be this process's rank on the mesh, 1"):
+            famp.shard_optim_state(full, layout, 2, mesh=mesh)
+        with pytest.raises(ValueError, match=r"world size 3, got shape \(4,\)"):
+            famp.shard_optim_state(full, famp.fsdp2_layout(shapes, world_size=3), 1, mesh=mesh)
+        with pytest.raises(ValueError, match=r"world size 4, got shape \(2, 2\)"):
+            famp.shard_optim_state(full, layout, 1, mesh=init_device_mesh("cpu", (2, 2)))
+        with pytest.raises(
+            TypeError, match=r"mesh must be a torch\.distributed\.DeviceMesh, got str"
+        ):
+            famp.shard_optim_state(full, layout, 1, mesh="cpu")
+        fsdp1 = famp.fsdp1_layout([shapes], world_size=4)
+        with pytest.raises(ValueError, match="mesh applies to FSDP2 layouts only"):
+            famp.shard_optim_state(full, fsdp1, 1, mesh=mesh)

@@ -106,6 +106,22 @@ def test_fsdp2_to_load_restores_the_optimizer(records, name) -> None:
 
 
 @pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_shard_on_the_mesh_is_get_optimizer_state_dict_itself(records, name) -> None:
+    """``mesh=``: DTensors placed like torch's, and DCP's set_optimizer_state_dict loads them."""
+    _, ranks = records
+    dtensors = 0
+    for record in ranks:
+        rec = record["fsdp2"][name]
+        assert rec["on_mesh_placed"] == rec["sharded_placed"]  # type, mesh, placements, shape
+        assert_same_osd(rec["on_mesh"], rec["sharded"])  # local values, bit for bit
+        assert_same_osd(rec["set_from_mesh_shard"], rec["raw"])
+        assert_same_osd(rec["after_step_set_from_mesh_shard"], rec["after_step"])
+        placed = rec["on_mesh_placed"].values()
+        dtensors += sum(kind == "DTensor" for entry in placed for kind, *_ in entry.values())
+    assert dtensors > 0
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
 def test_fsdp2_rekeying_matches_get_optimizer_state_dict(records, name) -> None:
     _, ranks = records
     for record in ranks:
