@@ -14,7 +14,7 @@ from hypothesis import given
 
 import famp
 from famp import _scaler
-from famp import _unscale as unscale_module
+from famp import _unscale_paths as unscale_module
 from tests.helpers import assert_bitwise_equal
 
 Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
