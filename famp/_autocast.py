@@ -362,7 +362,7 @@ def autocast(
         TypeError: `fn` is not callable, or an argument has the wrong type.
         ValueError: an unknown device type, rules for another device type, or a bad policy.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> lin = torch.nn.Linear(4, 4)
         >>> f = famp.autocast(lambda x: lin(x).softmax(-1), "c=bf16,o=f32")

@@ -76,7 +76,7 @@ def custom_fwd(
     Raises:
         ValueError: an unknown rule.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> class Square(torch.autograd.Function):
         ...     @staticmethod
@@ -133,7 +133,7 @@ def custom_bwd(backward: F) -> F:
     Returns:
         The decorated `backward`.
 
-    Example:
+    Examples:
         >>> import famp
         >>> callable(famp.custom_bwd(lambda ctx, g: g))
         True

@@ -188,8 +188,8 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
         model: the wrapped root module.
 
     Returns:
-        The :class:`famp.FSDP2Layout` or :class:`famp.FSDP1Layout` equal to the one built from
-        names and shapes with :func:`famp.fsdp2_layout` or :func:`famp.fsdp1_layout`.
+        The `famp.FSDP2Layout` or `famp.FSDP1Layout` equal to the one built from
+        names and shapes with `famp.fsdp2_layout` or `famp.fsdp1_layout`.
 
     Raises:
         ValueError: the model is not wrapped, mixes FSDP1 and FSDP2 or plain parameters, uses a

@@ -10,9 +10,9 @@ A rank's shard is the same dict with every parameter-shaped tensor replaced by t
 (what ``get_optimizer_state_dict(model, optim)`` returns under FSDP2, DTensors as local tensors).
 0-d tensors and non-tensors are replicated. Any other tensor shape is rejected.
 
-Where copies happen: :func:`shard_optim_state` returns views of the full tensors (dim 0 of a
+Where copies happen: `shard_optim_state` returns views of the full tensors (dim 0 of a
 contiguous tensor) unless ``copy=True``; a shard on another dim is made contiguous, which copies.
-:func:`unshard_optim_state` always copies (``torch.cat``). :func:`reshard_optim_state` returns
+`unshard_optim_state` always copies (``torch.cat``). `reshard_optim_state` returns
 views of the old shards where a new shard lies inside one old shard, and concatenates otherwise.
 """
 
@@ -69,7 +69,7 @@ def shard_optim_state(
 
     Args:
         full_osd: ``{"state": {fqn: {...}}, "param_groups": [...]}``, full tensors.
-        layout: a :class:`famp.FSDP2Layout` or :class:`famp.FSDP1Layout`.
+        layout: a `famp.FSDP2Layout` or `famp.FSDP1Layout`.
         rank: the rank whose shard to return.
         copy: clone every tensor, so that the shard keeps no reference to ``full_osd``'s storage
             (PyTorch #116553). By default shards on dim 0 are views.
@@ -222,7 +222,7 @@ def reshard_optim_state(
     Raises:
         KeyError: a name that is not in the layouts.
         ValueError: layouts with different parameters or shapes, and everything
-            :func:`famp.unshard_optim_state` rejects.
+            `famp.unshard_optim_state` rejects.
 
     Examples:
         >>> import famp, torch

@@ -2,7 +2,7 @@
 
 A layout is plain data (frozen, comparable, picklable). It is built from ``{fqn: shape}`` alone,
 so a 64-rank checkpoint can be resharded on one machine, or read off a live wrapped model with
-:func:`famp.layout_of`. The rules were read off torch 2.13's ``fully_shard`` (``_fsdp_param.py``)
+`famp.layout_of`. The rules were read off torch 2.13's ``fully_shard`` (``_fsdp_param.py``)
 and ``FullyShardedDataParallel`` (``_flat_param.py``) and are checked against both in the tests.
 
 Not supported: 0-d and zero-element parameters, HSDP and tensor-parallel meshes, FSDP1's
@@ -90,7 +90,7 @@ class FSDP2Layout:
     ``torch.chunk`` semantics: chunks of ``ceil(n / world_size)`` rows, so trailing ranks may hold
     fewer rows or none (shape ``(0, *rest)``). A dim other than 0 must divide evenly, as FSDP2
     requires. Optimizer state follows the parameters; 0-d state such as ``step`` is replicated.
-    Build it with :func:`famp.fsdp2_layout` or :func:`famp.layout_of`. Equal by content.
+    Build it with `famp.fsdp2_layout` or `famp.layout_of`. Equal by content.
 
     Attributes:
         world_size: number of ranks.
@@ -162,8 +162,8 @@ class FSDP1Layout:
     ``[r*c, (r+1)*c)`` with ``c = ceil(total / world_size)``, zero padded at the end. Its optimizer
     then holds one flat state per unit (``use_orig_params=False``) or one 1-D slice per original
     parameter that intersects its shard, and no state at all for the others (``True``). FSDP1's
-    SHARDED state dict cuts each parameter on dim 0 like FSDP2 (:attr:`shard_dims` are 0).
-    Build it with :func:`famp.fsdp1_layout` or :func:`famp.layout_of`. Equal by content.
+    SHARDED state dict cuts each parameter on dim 0 like FSDP2 (`shard_dims` are 0).
+    Build it with `famp.fsdp1_layout` or `famp.layout_of`. Equal by content.
 
     Attributes:
         world_size: number of ranks.
@@ -196,7 +196,7 @@ class FSDP1Layout:
 
     @property
     def shapes(self) -> tuple[Shape, ...]:
-        """Full shape of each parameter, in the order of :attr:`fqns`."""
+        """Full shape of each parameter, in the order of `fqns`."""
         return tuple(shape for unit in self.units for _, shape in unit)
 
     @property
@@ -290,7 +290,7 @@ def fsdp2_layout(
         shard_dims: optional ``{fqn: dim}`` for parameters not sharded on dim 0.
 
     Returns:
-        A frozen :class:`famp.FSDP2Layout`.
+        A frozen `famp.FSDP2Layout`.
 
     Raises:
         ValueError: a bad world size or shape, an out-of-range dim, or uneven sharding on dim > 0.
@@ -337,7 +337,7 @@ def fsdp1_layout(
             precision: the 16-byte alignment of ``use_orig_params=True`` counts in it.
 
     Returns:
-        A frozen :class:`famp.FSDP1Layout`.
+        A frozen `famp.FSDP1Layout`.
 
     Raises:
         ValueError: a bad world size, shape or dtype, an empty unit, a name in two units.

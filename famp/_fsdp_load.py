@@ -233,9 +233,9 @@ def optim_state_dict_to_load(
 
     Args:
         osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``);
-            under FSDP2 also the rank's own shard (:func:`famp.shard_optim_state`'s result, or
+            under FSDP2 also the rank's own shard (`famp.shard_optim_state`'s result, or
             one file of a per-rank checkpoint), so a rank never needs the full state.
-        layout: the rank's :class:`famp.FSDP1Layout` or :class:`famp.FSDP2Layout`.
+        layout: the rank's `famp.FSDP1Layout` or `famp.FSDP2Layout`.
         rank: the rank to load.
         optimizer: the rank's optimizer, to check the ids and shapes against (and for FSDP2, to
             place DTensors); ``None`` numbers parameters by their order in ``osd``'s groups.
@@ -248,7 +248,7 @@ def optim_state_dict_to_load(
 
     Raises:
         KeyError: a name that is not in the layout.
-        ValueError: everything :func:`famp.shard_optim_state` rejects, a rank outside the world,
+        ValueError: everything `famp.shard_optim_state` rejects, a rank outside the world,
             an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP1 unit
             whose parameters have differing state names or values.
 

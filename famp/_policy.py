@@ -97,7 +97,7 @@ class Policy:
         TypeError: a field is neither a `torch.dtype` nor a string.
         ValueError: a field names an unsupported dtype.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> policy = famp.Policy(torch.float32, torch.bfloat16, torch.float32)
         >>> str(policy)
@@ -167,7 +167,7 @@ def get_policy(spec: str | Policy) -> Policy:
         ValueError: an unknown or repeated key, an unknown dtype name, or an empty spec; the
             message lists what is accepted.
 
-    Example:
+    Examples:
         >>> import famp
         >>> str(famp.get_policy("c=bf16"))
         'params=float32,compute=bfloat16,output=bfloat16'
@@ -209,7 +209,7 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
     Returns:
         A tree of the same structure.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> famp.cast_to_param("p=bf16", [torch.ones(1), 2.0])[0].dtype
         torch.bfloat16
@@ -227,7 +227,7 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
     Returns:
         A tree of the same structure.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> tree = (torch.ones(1), torch.ones(1, dtype=torch.float64))
         >>> half, double = famp.cast_to_compute("c=f16", tree)
@@ -247,7 +247,7 @@ def cast_to_output(policy: Policy | str, tree: TreeT) -> TreeT:
     Returns:
         A tree of the same structure.
 
-    Example:
+    Examples:
         >>> import torch, famp
         >>> tree = {"y": torch.ones(1, dtype=torch.bfloat16)}
         >>> famp.cast_to_output("c=bf16,o=f32", tree)["y"].dtype

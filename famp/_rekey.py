@@ -126,7 +126,7 @@ def optim_state_by_id(
 ) -> dict[str, Any]:
     """An FQN-keyed optimizer state dict rekeyed by ``optimizer``'s parameter ids, to load it.
 
-    The inverse of :func:`famp.optim_state_by_fqn`. Names are matched to parameters by identity
+    The inverse of `famp.optim_state_by_fqn`. Names are matched to parameters by identity
     (any of a shared parameter's names works); the ``i``-th group of ``osd`` must hold exactly
     the parameters of the optimizer's ``i``-th group, in any order, and keeps its
     hyperparameters. Ids follow the optimizer's order, as ``optimizer.load_state_dict`` expects.

@@ -204,7 +204,7 @@ class OpRules(Mapping[str, str]):
             one torch knows.
         TypeError: an op name or the device type is not a str.
 
-    Example:
+    Examples:
         >>> import famp
         >>> rules = famp.OpRules(
         ...     {"linear": "lower", "conv2d.padding": "float32"}, device_type="cpu"
@@ -274,7 +274,7 @@ class OpRules(Mapping[str, str]):
         Returns:
             The rule name.
 
-        Example:
+        Examples:
             >>> import famp
             >>> rules = famp.default_rules("cpu")
             >>> rules.lookup("linear"), rules.lookup("linear", "out"), rules.lookup("relu")
@@ -305,7 +305,7 @@ class OpRules(Mapping[str, str]):
             ValueError: an op is not an aten op or overload, or a rule name is unknown or does
                 not apply to the op; nothing is applied.
 
-        Example:
+        Examples:
             >>> import famp
             >>> rules = famp.default_rules("cuda")
             >>> mine = rules.override({"rms_norm": "lower", "linear": "float32"})
@@ -329,7 +329,7 @@ class OpRules(Mapping[str, str]):
         Returns:
             ``{"device_type": str, "rules": {op: rule}}``, with the ops sorted.
 
-        Example:
+        Examples:
             >>> import famp
             >>> famp.OpRules({"mm": "float32"}, device_type="cpu").to_dict()
             {'device_type': 'cpu', 'rules': {'mm': 'float32'}}
@@ -350,7 +350,7 @@ class OpRules(Mapping[str, str]):
             KeyError: ``"device_type"`` or ``"rules"`` is missing.
             ValueError: another key is present, or an op, rule or device type is invalid.
 
-        Example:
+        Examples:
             >>> import famp
             >>> famp.OpRules.from_dict({"device_type": "cuda", "rules": {"mm": "lower"}})
             OpRules({'mm': 'lower'}, device_type='cuda')
@@ -377,7 +377,7 @@ class OpRules(Mapping[str, str]):
         Returns:
             The table as text.
 
-        Example:
+        Examples:
             >>> import famp
             >>> print(famp.OpRules({"mm": "lower", "exp": "float32"}, device_type="cuda").table())
             OpRules for device_type 'cuda' (2 entries; unlisted ops: keep)
@@ -429,7 +429,7 @@ def default_rules(device_type: str) -> OpRules:
     Raises:
         ValueError: no table exists for ``device_type``.
 
-    Example:
+    Examples:
         >>> import famp
         >>> famp.default_rules("cuda")["rms_norm"], famp.default_rules("cpu").lookup("rms_norm")
         ('float32', 'keep')

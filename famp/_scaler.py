@@ -55,7 +55,7 @@ class ScalerState:
         max_scale: Opt-in guard: a growth never takes the scale above it (``None``: off).
         hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow on.
 
-    Example:
+    Examples:
         >>> import famp, optree
         >>> state = famp.init_scaler(1024.0)
         >>> leaves, spec = optree.tree_flatten(state)
@@ -242,7 +242,7 @@ def init_scaler(
         ValueError: An argument is out of range; the message names it and its value.
         TypeError: ``enabled`` or ``dynamic`` is not a bool.
 
-    Example:
+    Examples:
         >>> import famp
         >>> state = famp.init_scaler(2.0**10, growth_interval=3)
         >>> state.scale, state.growth_tracker
@@ -345,7 +345,7 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         TypeError: ``found_inf`` is not a tensor.
         ValueError: ``found_inf`` does not have exactly one element.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> state = famp.init_scaler(8.0, growth_interval=1)
         >>> famp.update_scale(state, torch.tensor(0.0)).scale

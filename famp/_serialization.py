@@ -43,7 +43,7 @@ def to_state_dict(state: ScalerState) -> dict[str, float | int]:
     Raises:
         TypeError: ``state`` is not a ``famp.ScalerState``.
 
-    Example:
+    Examples:
         >>> import famp
         >>> famp.to_state_dict(famp.init_scaler(1024.0, growth_interval=100))
         {'scale': 1024.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 100,
@@ -147,7 +147,7 @@ def from_state_dict(
         KeyError: Keys are missing or unknown; the message names them.
         ValueError: A value is out of range; the message names the key and the value.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
         >>> famp.from_state_dict(scaler.state_dict()).scale

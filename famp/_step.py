@@ -73,7 +73,7 @@ def value_and_grad(
             called: ``state`` is not a ``famp.ScalerState``, the loss is not a one-element floating
             tensor, or ``fn`` does not return a pair with ``has_aux``.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> def loss_fn(w, x):
         ...     return (w * x).sum()
@@ -151,7 +151,7 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
         ValueError: ``found_inf`` has more than one element, or the trees differ in structure or
             shape.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> famp.skip_on_overflow(torch.tensor(1.0), {"w": torch.zeros(2)}, {"w": torch.ones(2)})
         {'w': tensor([1., 1.])}
@@ -250,7 +250,7 @@ def optimizer_step(
         ValueError: Neither ``state`` nor ``found_inf`` is given, or ``found_inf`` has more than one
             element.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> w = torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.SGD([w], lr=0.5, fused=True)

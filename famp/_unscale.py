@@ -56,7 +56,7 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
     Raises:
         TypeError: A leaf is not a tensor; the message names its path.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> state = famp.init_scaler(1024.0)
         >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
@@ -105,7 +105,7 @@ def unscale_and_check(
         TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
             its path.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> state = famp.init_scaler(4.0)
         >>> grads, found_inf = famp.unscale_and_check(state, [torch.tensor([8.0, float("inf")])])
@@ -216,7 +216,7 @@ def all_finite(tree: PyTree) -> Tensor:
     Raises:
         TypeError: A leaf is not a tensor; the message names its path.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
         tensor(False)
@@ -250,7 +250,7 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         ValueError: The structures differ, ``pred`` has more than one element, or paired leaves
             differ in shape.
 
-    Example:
+    Examples:
         >>> import famp, torch
         >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
         {'w': tensor([0., 0.])}
