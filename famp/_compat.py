@@ -1,0 +1,8 @@
+"""Every private torch name famp uses, in one place, each with the reason it is needed.
+
+famp follows the installed torch: public API wherever torch has one. Where it has none, the private
+name is imported here, and only here, so that a torch upgrade that moves it breaks one module (and
+the tests that pin it across the supported window), never a user's numbers.
+"""
+
+from __future__ import annotations
