@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from famp._compat import fsdp1_flat_params, fsdp1_unit_settings
 from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
 from famp._rekey import clean_fqn
 
@@ -141,7 +142,7 @@ def _layout_fsdp1(model: torch.nn.Module) -> FSDP1Layout:
     settings: dict[tuple[int, bool, torch.dtype], str] = {}
     module_names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
     for module in FullyShardedDataParallel.fsdp_modules(model):
-        handle = module._handle
+        handle = fsdp1_flat_params(module)
         if handle is None:
             continue  # a unit without parameters of its own
         prefix = module_names[id(module)]
@@ -155,15 +156,14 @@ def _layout_fsdp1(model: torch.nn.Module) -> FSDP1Layout:
             raise ValueError(
                 f"FSDP unit {prefix!r} uses {strategy}; famp supports FULL_SHARD and SHARD_GRAD_OP"
             )
-        flat = handle.flat_param
-        dtype = handle._fwd_bwd_param_dtype
+        fqns, shapes, dtype, use_orig_params = fsdp1_unit_settings(handle)
         assert dtype is not None, "FSDP1 sets the compute dtype at construction"
-        setting = (module.world_size, handle._use_orig_params, dtype)
+        setting = (module.world_size, use_orig_params, dtype)
         settings.setdefault(setting, prefix)
         units.append(
             {
-                (f"{prefix}.{name}" if prefix else name): tuple(shape)
-                for name, shape in zip(flat._fqns, flat._shapes, strict=True)
+                (f"{prefix}.{name}" if prefix else name): shape
+                for name, shape in zip(fqns, shapes, strict=True)
             }
         )
     if len(settings) != 1:
@@ -192,6 +192,7 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
         names and shapes with `famp.fsdp2_layout` or `famp.fsdp1_layout`.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: the model is not wrapped, mixes FSDP1 and FSDP2 or plain parameters, uses a
             2-d mesh (HSDP, tensor parallel), ``NO_SHARD`` or ``HYBRID_SHARD``, or its FSDP1 units
             differ in world size, ``use_orig_params`` or ``param_dtype``.
@@ -206,6 +207,8 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     params = list(model.named_parameters())
     fsdp2 = any(isinstance(p, DTensor) for _, p in params)
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):

@@ -21,11 +21,17 @@ from typing import Any
 
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
+from famp._compat import amp_update_scale, functorch_transforms_active, torch_pytree
 from famp._typing import DeviceLike, Tensor
 
-_INT32_MAX = 2**31 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)  # the smallest double that rounds to float32 inf
+_MIN_SCALE = 2.0**-128 + 2.0**-149  # the smallest float32 whose float32 reciprocal is finite
+_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+OPTREE_NAMESPACE = "famp"
+"""optree namespace of ``ScalerState``: ``optree.tree_flatten(tree, namespace="famp")``."""
 
 
 _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other field is static
@@ -35,9 +41,10 @@ _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other f
 class ScalerState:
     """Immutable loss-scaling state: tensor leaves plus static hyperparameters.
 
-    A pytree for ``optree`` (no namespace needed), ``torch.utils._pytree``, ``torch.func`` and
-    ``torch.compile``. Its leaves are ``scale`` (0-d float32) and ``growth_tracker`` (0-d int32),
-    plus ``overflow_count`` (0-d int32) only when ``hysteresis > 1``. Every other field is static
+    A pytree for ``optree`` (in its namespace ``"famp"``: pass ``namespace="famp"``; without it
+    optree sees a state as one leaf), torch's pytree, ``torch.func`` and ``torch.compile``. Its
+    leaves are ``scale`` (0-d float32) and ``growth_tracker`` (0-d int32), plus
+    ``overflow_count`` (0-d int32) only when ``hysteresis > 1``. Every other field is static
     metadata: changing one recompiles on purpose, and no flatten/unflatten round trip can drop it
     (flattening is derived from the dataclass fields). Build one with ``famp.init_scaler`` or
     ``famp.from_state_dict``; never mutated, every transition returns a new state.
@@ -58,7 +65,7 @@ class ScalerState:
     Examples:
         >>> import famp, optree
         >>> state = famp.init_scaler(1024.0)
-        >>> leaves, spec = optree.tree_flatten(state)
+        >>> leaves, spec = optree.tree_flatten(state, namespace="famp")
         >>> leaves
         [tensor(1024.), tensor(0, dtype=torch.int32)]
         >>> optree.tree_unflatten(spec, leaves).growth_interval
@@ -134,9 +141,7 @@ _register_optree(
     _optree_flatten,
     lambda aux, children: _unflatten(aux, list(children)),
     path_entry_type=optree.GetAttrEntry,
-    # The global registry (the one builtins live in), so that plain ``optree.tree_flatten(state)``
-    # works without a namespace argument.
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+    namespace=OPTREE_NAMESPACE,
 )
 torch_pytree.register_pytree_node(
     ScalerState,
@@ -150,8 +155,68 @@ torch_pytree.register_pytree_node(
 )
 
 
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+# --- validation: the one path every state goes through -------------------------------------------
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a float: TypeError unless an int or float (not bool), ValueError if too big."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be an int or float, got {type(value).__name__} {_show(value)}"
+        )
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"{name} must be finite, got {_show(value)}") from None
+
+
+def _int(name: str, value: object, low: int, high: int, bounds: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name} must be an int in {bounds}, got {type(value).__name__} {_show(value)}"
+        )
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {bounds}, got {_show(value)}")
+    return value
+
+
+def to_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even), as a Python float; pure Python."""
+    if x == 0.0 or not math.isfinite(x):
+        return x
+    if abs(x) >= _F32_OVERFLOW:  # rounds to infinity
+        return math.copysign(math.inf, x)
+    exponent = math.frexp(x)[1]  # |x| = m * 2**exponent, 0.5 <= m < 1
+    quantum = max(exponent - 24, -149)  # 24 significant bits, or the subnormal spacing 2**-149
+    return math.ldexp(round(math.ldexp(x, -quantum)), quantum)
+
+
+def check_scale(name: str, value: object, *, none_ok: bool = False) -> float:
+    """``value`` if it is a usable float32 scale: it and its float32 reciprocal finite and > 0.
+
+    torch itself refuses a double above float32's maximum (``torch.full`` raises); below about
+    2.9e-39 the reciprocal that unscaling multiplies by (``f32(1 / f64(scale))``) is infinite,
+    and below 2**-150 the scale is 0.0: either way every gradient becomes inf or NaN while the
+    overflow check, which reads the scaled gradients, passes.
+    """
+    x = _real(name, value)
+    s = to_float32(x)
+    if not (0.0 < x <= _F32_MAX and s > 0.0 and math.isfinite(to_float32(1.0 / s))):
+        raise ValueError(
+            f"{name} must be {'None or ' if none_ok else ''}a number whose float32 value and "
+            f"float32 reciprocal are finite and > 0 (from about {_MIN_SCALE:.3g} to "
+            f"{_F32_MAX:.4g}), got {_show(value)}"
+        )
+    return x
+
+
+def _label(name: str, in_dict: bool) -> str:
+    return f"state dict key {name!r}" if in_dict and name in _DICT_KEYS else name
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -164,42 +229,53 @@ def _check_hyperparameters(
     min_scale: object,
     max_scale: object,
     hysteresis: object,
+    in_dict: bool = False,
 ) -> None:
-    if not _is_real(growth_factor) or not math.isfinite(growth_factor) or growth_factor <= 1.0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
-    if not _is_real(backoff_factor) or not 0.0 < backoff_factor < 1.0:  # type: ignore[operator]
-        raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
-    if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
-        raise ValueError(
-            f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
-        )
-    if not 1 <= growth_interval <= _INT32_MAX:
-        raise ValueError(
-            f"growth_interval must be an int in [1, 2**31 - 1], got {growth_interval!r}"
-        )
-    for name, flag in (("enabled", enabled), ("dynamic", dynamic)):
+    name = _label("growth_factor", in_dict)
+    gf = _real(name, growth_factor)
+    if not (math.isfinite(gf) and gf > 1.0):
+        raise ValueError(f"{name} must be a finite number > 1.0, got {_show(growth_factor)}")
+    name = _label("backoff_factor", in_dict)
+    if not 0.0 < _real(name, backoff_factor) < 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1), got {_show(backoff_factor)}")
+    _int(_label("growth_interval", in_dict), growth_interval, 1, _INT32_MAX, "[1, 2**31 - 1]")
+    for flag_name, flag in (("enabled", enabled), ("dynamic", dynamic)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if bound is not None and (not _is_real(bound) or not math.isfinite(bound) or bound <= 0):  # type: ignore[arg-type,operator]
-            raise ValueError(f"{name} must be None or a finite number > 0, got {bound!r}")
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:  # type: ignore[operator]
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__} {flag!r}")
+    bounds = {}
+    for bound_name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is not None:
+            bounds[bound_name] = to_float32(check_scale(bound_name, bound, none_ok=True))
+    if len(bounds) == 2 and bounds["min_scale"] > bounds["max_scale"]:
         raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
-    if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
-        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+    _int("hysteresis", hysteresis, 1, _INT32_MAX, "[1, 2**31 - 1]")
 
 
-def _validate_statics(*statics: object) -> None:
+def _validate_statics(*statics: object, in_dict: bool = False) -> None:
     """Validate the static fields, cached: every transition builds (and so validates) a state."""
     if torch.compiler.is_compiling():  # Dynamo traces through lru_cache (and warns): skip it
-        _check_hyperparameters.__wrapped__(*statics)
+        _check_hyperparameters.__wrapped__(*statics, in_dict)
         return
     try:
         hash(statics)
     except TypeError:  # an unhashable value cannot be valid: the uncached check names it
-        _check_hyperparameters.__wrapped__(*statics)
+        _check_hyperparameters.__wrapped__(*statics, in_dict)
         raise
-    _check_hyperparameters(*statics)
+    _check_hyperparameters(*statics, in_dict)
+
+
+def _check_device(device: object) -> torch.device | None:
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(
+            f"device must be None, a torch.device, a str or an int, got {type(device).__name__} "
+            f"{device!r}"
+        )
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must name a torch device, got {device!r}") from None
 
 
 def init_scaler(
@@ -223,24 +299,31 @@ def init_scaler(
     whether or not the state is enabled.
 
     Args:
-        init_scale: Initial scale, a finite number > 0.
+        init_scale: Initial scale: a number whose float32 value and float32 reciprocal are
+            finite and > 0 (about 2.9e-39 to 3.4e38), so that unscaling can never turn finite
+            gradients into inf silently.
         growth_factor: Multiplier on growth, finite and > 1.
         backoff_factor: Multiplier on overflow, in (0, 1).
         growth_interval: Consecutive finite steps before a growth, an int in [1, 2**31 - 1].
         enabled: ``False`` makes every famp function an identity, as a disabled ``GradScaler``.
         device: Device of the tensor leaves (``None``: torch's default device).
         dynamic: ``False`` keeps the scale at ``init_scale`` forever.
-        min_scale: Opt-in guard: backoffs never take the scale below it.
-        max_scale: Opt-in guard: growths never take the scale above it.
+        min_scale: Opt-in guard: backoffs never take the scale below it. ``None`` or a number
+            valid as ``init_scale``, and ``init_scale`` must not be below it (in float32).
+        max_scale: Opt-in guard: growths never take the scale above it. ``None`` or a number
+            valid as ``init_scale``, >= ``min_scale``, and not below ``init_scale``.
         hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow
-            on; adds the ``overflow_count`` leaf when > 1.
+            on; adds the ``overflow_count`` leaf when > 1. An int in [1, 2**31 - 1].
 
     Returns:
         A new ``famp.ScalerState``.
 
     Raises:
-        ValueError: An argument is out of range; the message names it and its value.
-        TypeError: ``enabled`` or ``dynamic`` is not a bool.
+        TypeError: A number is not an int or float (``bool`` is neither), ``growth_interval``
+            or ``hysteresis`` is not an int, ``enabled`` or ``dynamic`` is not a bool, or
+            ``device`` is not a device, str or int; the message names it and its value.
+        ValueError: A value is out of range (ints too large for a float, ``10**400``, included),
+            or ``device`` names no device or one this torch cannot use; the message names it.
 
     Examples:
         >>> import famp
@@ -248,25 +331,10 @@ def init_scaler(
         >>> state.scale, state.growth_tracker
         (tensor(1024.), tensor(0, dtype=torch.int32))
     """
-    if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
-        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-    _validate_statics(
-        growth_factor,
-        backoff_factor,
-        growth_interval,
-        enabled,
-        dynamic,
-        min_scale,
-        max_scale,
-        hysteresis,
-    )
-    if min_scale is not None and init_scale < min_scale:
-        raise ValueError(f"init_scale must be >= min_scale, got {init_scale!r} < {min_scale!r}")
-    if max_scale is not None and init_scale > max_scale:
-        raise ValueError(f"init_scale must be <= max_scale, got {init_scale!r} > {max_scale!r}")
     return make_state(
         init_scale,
         0,
+        None,
         growth_factor,
         backoff_factor,
         growth_interval,
@@ -280,20 +348,29 @@ def init_scaler(
 
 
 def make_state(
-    scale_value: float,
-    tracker_value: int,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
+    scale_value: object,
+    tracker_value: object,
+    overflow_value: object,
+    growth_factor: object,
+    backoff_factor: object,
+    growth_interval: object,
     *,
-    enabled: bool,
-    device: DeviceLike,
-    dynamic: bool,
-    min_scale: float | None,
-    max_scale: float | None,
-    hysteresis: int,
+    enabled: object,
+    device: object,
+    dynamic: object,
+    min_scale: object,
+    max_scale: object,
+    hysteresis: object,
+    in_dict: bool = False,
 ) -> ScalerState:
-    """Build a validated state from Python values (shared by init_scaler and from_state_dict)."""
+    """Validate Python values and build the state: the one path of ``init_scaler`` and
+    ``from_state_dict``. With ``in_dict`` the messages name the state dict's keys.
+
+    Checks, in order: the hyperparameters (as ``ScalerState`` checks them); the scale (a usable
+    float32 scale, see ``check_scale``) and the guards around it, in float32; the tracker (an
+    int32: torch's counter wraps, so any int32 value is a state torch can reach); the overflow
+    count (``None``, or an int in ``[0, hysteresis]`` with ``hysteresis > 1``); the device.
+    """
     _validate_statics(
         growth_factor,
         backoff_factor,
@@ -303,21 +380,54 @@ def make_state(
         min_scale,
         max_scale,
         hysteresis,
+        in_dict=in_dict,
     )
+    scale_name = "state dict key 'scale'" if in_dict else "init_scale"
+    scale32 = to_float32(check_scale(scale_name, scale_value))
+    if min_scale is not None and scale32 < to_float32(float(min_scale)):  # type: ignore[arg-type]
+        raise ValueError(
+            f"{scale_name} must be >= min_scale in float32, got {scale_value!r} < {min_scale!r}"
+        )
+    if max_scale is not None and scale32 > to_float32(float(max_scale)):  # type: ignore[arg-type]
+        raise ValueError(
+            f"{scale_name} must be <= max_scale in float32, got {scale_value!r} > {max_scale!r}"
+        )
+    tracker = _int(
+        "state dict key '_growth_tracker'" if in_dict else "growth_tracker",
+        tracker_value,
+        _INT32_MIN,
+        _INT32_MAX,
+        "[-2**31, 2**31 - 1] (an int32)",
+    )
+    count_name = "state dict key '_overflow_count'" if in_dict else "overflow_count"
+    if overflow_value is not None:
+        if hysteresis == 1:
+            raise ValueError(
+                f"{count_name} is only kept with hysteresis > 1, got {overflow_value!r} with "
+                "hysteresis=1: pass the hysteresis it was saved with, or drop the key"
+            )
+        count = _int(count_name, overflow_value, 0, hysteresis, f"[0, hysteresis={hysteresis}]")  # type: ignore[arg-type]
+    else:
+        count = 0
+    where = _check_device(device)
+    try:
+        scale = torch.full((), scale32, dtype=torch.float32, device=where)
+    except (RuntimeError, AssertionError) as err:  # a device this torch cannot use (CUDA absent)
+        raise ValueError(f"device {device!r} cannot hold tensors here: {err}") from None
     return ScalerState(
-        scale=torch.full((), scale_value, dtype=torch.float32, device=device),
-        growth_tracker=torch.full((), tracker_value, dtype=torch.int32, device=device),
+        scale=scale,
+        growth_tracker=torch.full((), tracker, dtype=torch.int32, device=where),
         overflow_count=(
-            torch.zeros((), dtype=torch.int32, device=device) if hysteresis > 1 else None
+            torch.full((), count, dtype=torch.int32, device=where) if hysteresis != 1 else None
         ),
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        enabled=enabled,
-        dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        growth_factor=growth_factor,  # type: ignore[arg-type]
+        backoff_factor=backoff_factor,  # type: ignore[arg-type]
+        growth_interval=growth_interval,  # type: ignore[arg-type]
+        enabled=enabled,  # type: ignore[arg-type]
+        dynamic=dynamic,  # type: ignore[arg-type]
+        min_scale=min_scale,  # type: ignore[arg-type]
+        max_scale=max_scale,  # type: ignore[arg-type]
+        hysteresis=hysteresis,  # type: ignore[arg-type]
     )
 
 
@@ -353,6 +463,8 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         >>> famp.update_scale(state, torch.tensor(float("nan"))).scale
         tensor(4.)
     """
+    if not isinstance(state, ScalerState):
+        raise TypeError(f"state must be a famp.ScalerState, got {type(state).__name__}")
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(f"found_inf must be a Tensor, got {type(found_inf).__name__} {found_inf!r}")
     if found_inf.numel() != 1:
@@ -364,13 +476,13 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
     if found_inf.device != state.scale.device:
         found_inf = found_inf.to(state.scale.device, non_blocking=True)
     guarded = state.overflow_count is not None or state.min_scale is not None
-    if guarded or state.max_scale is not None or torch._C._are_functorch_transforms_active():
+    if guarded or state.max_scale is not None or functorch_transforms_active():
         return _update_where(state, found_inf)
     # No guard: torch's own functional kernel, one call. It has no vmap batching rule, hence the
     # torch.where formulation under torch.func transforms.
     if found_inf.dtype != torch.float32:
         found_inf = (found_inf != 0).to(torch.float32)  # any non-zero, exactly as the kernel reads
-    new_scale, new_tracker = torch.ops.aten._amp_update_scale(
+    new_scale, new_tracker = amp_update_scale(
         state.scale,
         state.growth_tracker,
         found_inf,

@@ -1,38 +1,43 @@
-"""``ScalerState`` as a plain dict, exactly ``torch.amp.GradScaler.state_dict()``'s format.
+"""``ScalerState`` as a plain dict: ``torch.amp.GradScaler.state_dict()``'s format, plus one key.
 
 The dict has GradScaler's five keys and Python types, so it round-trips through JSON and
 ``torch.load(weights_only=True)`` and loads into ``GradScaler.load_state_dict`` (and back), after
-which both continue the same trajectory. Loading is validated and atomic: a bad dict is refused
-whole, with an error naming the key; nothing is half-loaded (``GradScaler.load_state_dict`` applies
-``scale`` before it finds a missing key).
+which both continue the same trajectory. A state with ``hysteresis > 1`` adds one key,
+``_overflow_count`` (the overflow streak, an int), so that resuming in the middle of a streak
+continues bit for bit; ``GradScaler.load_state_dict`` reads only its own five keys and ignores it.
+Loading is validated and atomic, through the same checks as ``init_scaler``: a bad dict is
+refused whole, with an error naming the key; nothing is half-loaded (``GradScaler.load_state_dict``
+applies ``scale`` before it finds a missing key).
 
 Deliberately not stored: famp-only settings (``dynamic``, ``min_scale``, ``max_scale``,
-``hysteresis`` and its overflow count), which GradScaler's format has no place for; pass them to
-``from_state_dict`` again.
+``hysteresis``), which GradScaler's format has no place for; pass them to ``from_state_dict``
+again.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from famp._scaler import _INT32_MAX, ScalerState, make_state
+from famp._scaler import ScalerState, make_state
 from famp._typing import DeviceLike
 
 _KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_F32_MAX = float(torch.finfo(torch.float32).max)
+_OVERFLOW_KEY = "_overflow_count"
 
 
 def to_state_dict(state: ScalerState) -> dict[str, float | int]:
     """Serialize a state as ``GradScaler.state_dict()`` does: five keys, Python floats and ints.
 
     The keys are ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
-    ``_growth_tracker``, in that order; a disabled state gives ``{}``, as torch does. Reads the
-    scale and tracker off their device (a host sync: call it when checkpointing, not every step).
-    famp-only settings (static scale, guards) are not stored; see ``famp.from_state_dict``.
+    ``_growth_tracker``, in that order; a disabled state gives ``{}``, as torch does. With
+    ``hysteresis > 1`` a sixth key, ``_overflow_count``, holds the overflow streak, so that a
+    resume in the middle of one continues bit for bit; ``GradScaler.load_state_dict`` ignores it.
+    ``_growth_tracker`` is torch's int32 counter as it stands: after 2**31 steps without a
+    growth (possible only with a tracker above ``growth_interval``) it wraps to a negative int,
+    in famp as in torch, and that dict loads and continues like any other. Reads the leaves off
+    their device (a host sync: call it when checkpointing, not inside a compiled step). famp-only
+    settings (static scale, guards) are not stored; see ``famp.from_state_dict``.
 
     Args:
         state: A ``famp.ScalerState``.
@@ -53,65 +58,31 @@ def to_state_dict(state: ScalerState) -> dict[str, float | int]:
         raise TypeError(f"state must be a famp.ScalerState, got {type(state).__name__}")
     if not state.enabled:
         return {}
-    return {
+    d: dict[str, float | int] = {
         "scale": float(state.scale.item()),
         "growth_factor": float(state.growth_factor),
         "backoff_factor": float(state.backoff_factor),
         "growth_interval": int(state.growth_interval),
         "_growth_tracker": int(state.growth_tracker.item()),
     }
+    if state.overflow_count is not None:
+        d[_OVERFLOW_KEY] = int(state.overflow_count.item())
+    return d
 
 
-def _number(d: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = d[key]
-    allowed = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, allowed):
-        wanted = "an int" if kind is int else "a float"
-        raise TypeError(
-            f"state dict key {key!r} must be {wanted}, got {type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def _validate(d: object) -> tuple[float, float, float, int, int]:
+def _validate_keys(d: object) -> None:
     if not isinstance(d, Mapping):
         raise TypeError(f"state dict must be a dict, got {type(d).__name__}")
     non_str = [k for k in d if not isinstance(k, str)]
     if non_str:
         raise KeyError(f"state dict has unknown keys {non_str!r}; expected {list(_KEYS)}")
     missing = [k for k in _KEYS if k not in d]
-    unknown = [k for k in d if k not in _KEYS]
+    unknown = [k for k in d if k not in (*_KEYS, _OVERFLOW_KEY)]
     if missing or unknown:
         raise KeyError(
             f"state dict has missing keys {missing} and unknown keys {unknown}; "
-            f"expected exactly {list(_KEYS)}"
+            f"expected exactly {list(_KEYS)}, and {_OVERFLOW_KEY!r} with hysteresis > 1"
         )
-    scale_value = _number(d, "scale", float)
-    growth_factor = _number(d, "growth_factor", float)
-    backoff_factor = _number(d, "backoff_factor", float)
-    growth_interval = _number(d, "growth_interval", int)
-    tracker = _number(d, "_growth_tracker", int)
-    if not (math.isfinite(scale_value) and 0 < scale_value <= _F32_MAX):
-        raise ValueError(
-            f"state dict key 'scale' must be finite and > 0 in float32, got {scale_value!r}"
-        )
-    if not (math.isfinite(growth_factor) and growth_factor > 1.0):
-        raise ValueError(
-            f"state dict key 'growth_factor' must be finite and > 1.0, got {growth_factor!r}"
-        )
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(
-            f"state dict key 'backoff_factor' must be in (0, 1), got {backoff_factor!r}"
-        )
-    if not 1 <= growth_interval <= _INT32_MAX:
-        raise ValueError(
-            f"state dict key 'growth_interval' must be in [1, 2**31 - 1], got {growth_interval!r}"
-        )
-    if not 0 <= tracker <= _INT32_MAX:
-        raise ValueError(
-            f"state dict key '_growth_tracker' must be in [0, 2**31 - 1], got {tracker!r}"
-        )
-    return float(scale_value), float(growth_factor), float(backoff_factor), growth_interval, tracker
 
 
 def from_state_dict(
@@ -125,10 +96,16 @@ def from_state_dict(
 ) -> ScalerState:
     """Rebuild a state from ``famp.to_state_dict`` or ``torch.amp.GradScaler().state_dict()``.
 
-    The whole dict is validated before anything is built: exactly the five keys; ``scale`` a
-    finite float (or int) > 0 that fits float32; ``growth_factor`` > 1; ``backoff_factor`` in
-    (0, 1); ``growth_interval`` an int >= 1; ``_growth_tracker`` an int >= 0 (``bool`` is not an
-    int). ``{}`` (what a disabled state or a disabled ``GradScaler`` saves) gives a disabled state,
+    The whole dict is validated before anything is built, by the checks ``famp.init_scaler``
+    applies to its arguments: exactly the five keys, plus ``_overflow_count`` when it was saved
+    with ``hysteresis > 1``; ``scale`` a number whose float32 value and float32 reciprocal are
+    finite and > 0 (a smaller scale makes unscaling return inf for finite gradients without
+    reporting an overflow), within ``min_scale`` and ``max_scale`` when given; ``growth_factor``
+    finite and > 1; ``backoff_factor`` in (0, 1); ``growth_interval`` an int in [1, 2**31 - 1];
+    ``_growth_tracker`` any int32 (torch's counter wraps negative after 2**31 steps without
+    growth; it continues from there as torch does); ``_overflow_count`` an int in
+    ``[0, hysteresis]``, only with ``hysteresis > 1``. ``bool`` is neither an int nor a float.
+    ``{}`` (what a disabled state or a disabled ``GradScaler`` saves) gives a disabled state,
     where ``GradScaler.load_state_dict`` raises. famp-only settings are passed again here.
 
     Args:
@@ -137,15 +114,19 @@ def from_state_dict(
         dynamic: ``False`` for a static scale.
         min_scale: Opt-in guard, as in ``famp.init_scaler``.
         max_scale: Opt-in guard, as in ``famp.init_scaler``.
-        hysteresis: Opt-in guard, as in ``famp.init_scaler``; the overflow count starts at 0.
+        hysteresis: Opt-in guard, as in ``famp.init_scaler``; the overflow count is the dict's
+            ``_overflow_count``, or 0 for a dict without one (a ``GradScaler``'s).
 
     Returns:
         A new ``famp.ScalerState`` that continues the saved trajectory bit for bit.
 
     Raises:
-        TypeError: ``d`` is not a dict, or a value has the wrong type; the message names the key.
+        TypeError: ``d`` is not a dict, a value has the wrong type (the message names the key),
+            or a keyword argument has the wrong type, as in ``famp.init_scaler``.
         KeyError: Keys are missing or unknown; the message names them.
-        ValueError: A value is out of range; the message names the key and the value.
+        ValueError: A value is out of range (the message names the key and the value),
+            ``_overflow_count`` is present with ``hysteresis=1``, or a keyword argument is out
+            of range, as in ``famp.init_scaler``.
 
     Examples:
         >>> import famp, torch
@@ -157,6 +138,7 @@ def from_state_dict(
         return make_state(
             1.0,
             0,
+            None,
             2.0,
             0.5,
             2000,
@@ -167,19 +149,21 @@ def from_state_dict(
             max_scale=None,
             hysteresis=1,
         )
-    scale_value, growth_factor, backoff_factor, growth_interval, tracker = _validate(d)
+    _validate_keys(d)
     return make_state(
-        scale_value,
-        tracker,
-        growth_factor,
-        backoff_factor,
-        growth_interval,
+        d["scale"],
+        d["_growth_tracker"],
+        d.get(_OVERFLOW_KEY),
+        d["growth_factor"],
+        d["backoff_factor"],
+        d["growth_interval"],
         enabled=True,
         device=device,
         dynamic=dynamic,
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
+        in_dict=True,
     )
 
 

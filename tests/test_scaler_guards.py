@@ -140,23 +140,35 @@ BAD_INIT: list[tuple[dict[str, Any], type, str]] = [
     ({"init_scale": 0.0}, ValueError, "init_scale"),
     ({"init_scale": math.inf}, ValueError, "init_scale"),
     ({"init_scale": math.nan}, ValueError, "init_scale"),
-    ({"init_scale": True}, ValueError, "init_scale"),
+    ({"init_scale": True}, TypeError, "init_scale must be an int or float, got bool True"),
+    ({"init_scale": "2"}, TypeError, "init_scale"),
+    ({"init_scale": 1e-46}, ValueError, "init_scale"),  # 0.0 in float32
+    ({"init_scale": 1e-40}, ValueError, "init_scale"),  # its float32 reciprocal is inf
+    ({"init_scale": 1e300}, ValueError, "init_scale"),  # torch.full raises RuntimeError
+    ({"init_scale": 10**400}, ValueError, "init_scale must be finite"),  # float() overflows
+    ({"growth_factor": 10**400}, ValueError, "growth_factor must be finite"),
+    ({"growth_factor": None}, TypeError, "growth_factor"),
     ({"growth_factor": 1.0}, ValueError, "growth_factor must be a finite number > 1.0, got 1.0"),
     ({"growth_factor": math.inf}, ValueError, "growth_factor"),
     ({"backoff_factor": 1.0}, ValueError, "backoff_factor must be a number in (0, 1), got 1.0"),
     ({"backoff_factor": 0.0}, ValueError, "backoff_factor"),
     ({"growth_interval": 0}, ValueError, "growth_interval must be an int in [1, 2**31 - 1], got 0"),
-    ({"growth_interval": 2.0}, ValueError, "growth_interval"),
-    ({"growth_interval": True}, ValueError, "growth_interval"),
+    ({"growth_interval": 2.0}, TypeError, "growth_interval"),
+    ({"growth_interval": True}, TypeError, "growth_interval"),
     ({"growth_interval": 2**31}, ValueError, "growth_interval"),
-    ({"enabled": 1}, TypeError, "enabled must be a bool, got 1"),
+    ({"enabled": 1}, TypeError, "enabled must be a bool, got int 1"),
     ({"dynamic": None}, TypeError, "dynamic"),
     ({"min_scale": 0.0}, ValueError, "min_scale"),
+    ({"min_scale": 1e-46, "init_scale": 1.0}, ValueError, "min_scale"),
+    ({"max_scale": 10**400}, ValueError, "max_scale"),
     ({"max_scale": math.inf}, ValueError, "max_scale"),
     ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, "min_scale must be <="),
     ({"min_scale": 4.0, "init_scale": 2.0}, ValueError, "init_scale must be >= min_scale"),
     ({"max_scale": 4.0, "init_scale": 8.0}, ValueError, "init_scale must be <= max_scale"),
-    ({"hysteresis": 0}, ValueError, "hysteresis must be an int >= 1, got 0"),
+    ({"hysteresis": 0}, ValueError, "hysteresis must be an int in [1, 2**31 - 1], got 0"),
+    ({"hysteresis": 2.0}, TypeError, "hysteresis"),
+    ({"device": "bogus"}, ValueError, "device must name a torch device, got 'bogus'"),
+    ({"device": 1.5}, TypeError, "device"),
 ]
 
 
@@ -228,3 +240,19 @@ def test_hysteresis_and_overflow_count_must_agree() -> None:
         famp.ScalerState(scale=scale, growth_tracker=tracker, hysteresis=2)
     with pytest.raises(ValueError, match="overflow_count must be"):
         famp.ScalerState(scale=scale, growth_tracker=tracker, overflow_count=tracker)
+
+
+def test_update_scale_refuses_a_non_state() -> None:
+    with pytest.raises(TypeError, match=r"state must be a famp\.ScalerState, got NoneType"):
+        famp.update_scale(None, torch.tensor(0.0))  # type: ignore[arg-type]
+
+
+def test_scaler_state_checks_its_hyperparameters_as_init_scaler_does() -> None:
+    """One validation path: the dataclass, init_scaler and from_state_dict share the checks."""
+    scale, tracker = torch.tensor(1.0), torch.tensor(0, dtype=torch.int32)
+    for kwargs in ({"growth_factor": 10**400}, {"min_scale": 1e-46}, {"growth_interval": 2.0}):
+        with pytest.raises((TypeError, ValueError)) as info:
+            famp.ScalerState(scale=scale, growth_tracker=tracker, **kwargs)
+        with pytest.raises(info.type) as init_info:
+            famp.init_scaler(**kwargs)
+        assert str(info.value) == str(init_info.value)

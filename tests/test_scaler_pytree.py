@@ -54,22 +54,29 @@ def state(request: pytest.FixtureRequest) -> famp.ScalerState:
 
 
 def test_default_state_has_exactly_two_leaves() -> None:
-    leaves = optree.tree_leaves(famp.init_scaler())
+    leaves = optree.tree_leaves(famp.init_scaler(), namespace="famp")
     assert [(x.dtype, x.shape) for x in leaves] == [(torch.float32, ()), (torch.int32, ())]
     assert len(torch_pytree.tree_leaves(famp.init_scaler())) == 2
-    assert len(optree.tree_leaves(famp.init_scaler(hysteresis=2))) == 3
+    assert len(optree.tree_leaves(famp.init_scaler(hysteresis=2), namespace="famp")) == 3
+
+
+def test_optree_registration_is_in_the_famp_namespace() -> None:
+    """A public registration: optree's namespace "famp"; without it a state is one leaf."""
+    state = famp.init_scaler()
+    assert optree.tree_leaves(state) == [state]
+    assert len(optree.tree_leaves({"s": state}, namespace="famp")) == 2
 
 
 def test_every_field_survives_optree(state: famp.ScalerState) -> None:
-    leaves, spec = optree.tree_flatten(state)  # no namespace argument
+    leaves, spec = optree.tree_flatten(state, namespace="famp")
     assert all(isinstance(x, torch.Tensor) for x in leaves)
     assert_same_state(optree.tree_unflatten(spec, leaves), state)
-    assert_same_state(optree.tree_map(lambda x: x.clone(), state), state)
-    paths = optree.tree_paths(state)
+    assert_same_state(optree.tree_map(lambda x: x.clone(), state, namespace="famp"), state)
+    paths = optree.tree_paths(state, namespace="famp")
     assert [p[0] for p in paths] == [
         n for n in ("scale", "growth_tracker", "overflow_count") if getattr(state, n) is not None
     ]
-    doubled = optree.tree_map(lambda x: x * 2, state)
+    doubled = optree.tree_map(lambda x: x * 2, state, namespace="famp")
     assert_bitwise_equal(doubled.scale, state.scale * 2)
     assert doubled.growth_interval == state.growth_interval
 
@@ -86,19 +93,19 @@ def test_every_field_survives_torch_pytree(state: famp.ScalerState) -> None:
 
 
 def test_every_field_survives_vmap(state: famp.ScalerState) -> None:
-    batched = optree.tree_map(lambda x: torch.stack([x, x + 1]), state)
+    batched = optree.tree_map(lambda x: torch.stack([x, x + 1]), state, namespace="famp")
     out = torch.func.vmap(lambda s: s)(batched)
     assert_same_state(out, batched)
     found = torch.tensor([0.0, 1.0])
     updated = torch.func.vmap(famp.update_scale)(batched, found)
     for i in range(2):
-        one = optree.tree_map(lambda x, i=i: x[i], batched)
+        one = optree.tree_map(lambda x, i=i: x[i], batched, namespace="famp")
         expected = famp.update_scale(one, found[i])
-        assert_same_state(optree.tree_map(lambda x, i=i: x[i], updated), expected)
+        assert_same_state(optree.tree_map(lambda x, i=i: x[i], updated, namespace="famp"), expected)
 
 
 def _identity_through_pytrees(state: famp.ScalerState) -> famp.ScalerState:
-    leaves, spec = optree.tree_flatten(state)
+    leaves, spec = optree.tree_flatten(state, namespace="famp")
     state = optree.tree_unflatten(spec, [x + 0 for x in leaves])
     leaves, tspec = torch_pytree.tree_flatten(state)
     return torch_pytree.tree_unflatten([x * 1 for x in leaves], tspec)  # type: ignore[no-any-return]
@@ -119,8 +126,14 @@ def test_update_keeps_structure_dtype_shape_device(
     transform: Transform, state: famp.ScalerState, found: float
 ) -> None:
     new = transform(_update)(state, torch.tensor(found))
-    assert optree.tree_structure(new) == optree.tree_structure(state)
-    for a, b in zip(optree.tree_leaves(new), optree.tree_leaves(state), strict=True):
+    assert optree.tree_structure(new, namespace="famp") == optree.tree_structure(
+        state, namespace="famp"
+    )
+    for a, b in zip(
+        optree.tree_leaves(new, namespace="famp"),
+        optree.tree_leaves(state, namespace="famp"),
+        strict=True,
+    ):
         assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
     for name in FIELDS:
         if not isinstance(getattr(state, name), torch.Tensor | None):

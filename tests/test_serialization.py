@@ -176,9 +176,20 @@ BAD = [  # (the dict, the error type, a fragment the message must contain)
     ({**GOOD, "growth_interval": 10.0}, TypeError, "'growth_interval'"),
     ({**GOOD, "growth_interval": True}, TypeError, "'growth_interval'"),
     ({**GOOD, "growth_interval": 2**31}, ValueError, "'growth_interval'"),
-    ({**GOOD, "_growth_tracker": -1}, ValueError, "'_growth_tracker'"),
+    ({**GOOD, "_growth_tracker": -(2**31) - 1}, ValueError, "'_growth_tracker'"),
     ({**GOOD, "_growth_tracker": False}, TypeError, "'_growth_tracker'"),
     ({**GOOD, "_growth_tracker": 2**31}, ValueError, "'_growth_tracker'"),
+    # item 1 of issue 12: scales that float32 turns into 0.0, or whose reciprocal is inf
+    ({**GOOD, "scale": 1e-46}, ValueError, "'scale'"),
+    ({**GOOD, "scale": 1e-40}, ValueError, "'scale'"),
+    ({**GOOD, "scale": 3.4028235e38}, ValueError, "'scale'"),  # above float32's max: torch refuses
+    # item 4: ints beyond the float range are ValueErrors, not OverflowErrors
+    ({**GOOD, "scale": 10**400}, ValueError, "'scale' must be finite"),
+    ({**GOOD, "growth_factor": 10**400}, ValueError, "'growth_factor' must be finite"),
+    ({**GOOD, "backoff_factor": -(10**400)}, ValueError, "'backoff_factor'"),
+    ({**GOOD, "growth_factor": "2"}, TypeError, "'growth_factor'"),
+    ({**GOOD, "_overflow_count": 0}, ValueError, "'_overflow_count' is only kept with hysteresis"),
+    ({**GOOD, "_overflows": 0}, KeyError, "_overflows"),
 ]
 
 
@@ -204,3 +215,149 @@ def test_gradscaler_half_loads_what_famp_refuses() -> None:
 def test_to_state_dict_rejects_non_state() -> None:
     with pytest.raises(TypeError, match=r"famp\.ScalerState"):
         famp.to_state_dict({"scale": 1.0})  # type: ignore[arg-type]
+
+
+# --- issue 12: scales that break training, huge numbers, wrapped trackers, hysteresis resume ------
+
+any_number = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0.0, 1e-36),  # the float32 subnormal range and below, densely
+    st.floats(1e37, 1e39),  # around float32's maximum
+    st.integers(-(10**400), 10**400),
+    st.sampled_from([1e-46, 1e-40, 2.0**-128, 2.0**-128 + 2.0**-149, 3.4028235e38, 10**400]),
+)
+
+
+def _torch_says_scale_is_usable(value: float | int) -> bool:
+    """torch's own arithmetic: the float32 scale and its reciprocal (f32(1/f64(s))) finite, > 0."""
+    try:
+        scale32 = torch.full((), value, dtype=torch.float32)
+    except (RuntimeError, OverflowError):  # torch refuses doubles above float32's max
+        return False
+    inverse = scale32.double().reciprocal().float()
+    return bool(scale32 > 0) and bool(torch.isfinite(scale32)) and bool(torch.isfinite(inverse))
+
+
+@pytest.mark.parametrize("entry", ["from_state_dict", "init_scaler"])
+@given(value=any_number)
+def test_accepted_scales_never_unscale_finite_grads_to_non_finite(entry: str, value: Any) -> None:
+    """Whatever scale famp accepts, finite scaled grads unscale to finite grads (or are flagged).
+
+    Refused scales are exactly those torch's own float32 arithmetic shows unusable: 0.0, an
+    infinite reciprocal (so ``unscale_and_check`` would return inf with ``found_inf == 0``),
+    or above float32's maximum.
+    """
+    make = (
+        famp.init_scaler
+        if entry == "init_scaler"
+        else lambda v: famp.from_state_dict({**GOOD, "scale": v})
+    )
+    if not _torch_says_scale_is_usable(value):
+        with pytest.raises(ValueError, match="scale"):
+            make(value)
+        return
+    state = make(value)
+    assert state.scale.dtype == torch.float32
+    for true_grad in ([0.0, 1.0, -0.5, 2.0**-149], [1.0e4, -3.0]):
+        scaled = famp.scale(state, torch.tensor(true_grad))
+        grads, found_inf = famp.unscale_and_check(state, [scaled])
+        if found_inf.item() == 0.0:  # a step famp lets through has finite grads
+            assert bool(torch.isfinite(grads[0]).all())
+        else:  # a flagged step: the scaled loss itself overflowed
+            assert not bool(torch.isfinite(scaled).all())
+        assert true_grad[0] != 0.0 or found_inf.item() == 0.0  # |g| <= 1 never overflows
+
+
+@given(value=st.floats(allow_nan=False, allow_infinity=False, width=64))
+def test_float32_rounding_equals_torchs(value: float) -> None:
+    from famp._scaler import to_float32
+
+    expected = torch.tensor(value, dtype=torch.float64).float().double().item()
+    assert to_float32(value) == expected or (math.isinf(to_float32(value)) and math.isinf(expected))
+
+
+def test_from_state_dict_checks_the_guards_as_init_scaler_does() -> None:
+    d = {**GOOD, "scale": 0.5}
+    for kwargs in ({"min_scale": 1.0}, {"max_scale": 0.25}):
+        with pytest.raises(ValueError, match=r"'scale' must be [<>]= (min|max)_scale") as info:
+            famp.from_state_dict(d, **kwargs)
+        with pytest.raises(ValueError, match="init_scale") as init_info:
+            famp.init_scaler(0.5, **kwargs)
+        # the same check, naming the dict key instead of the argument
+        assert str(info.value).replace("state dict key 'scale'", "init_scale") == str(
+            init_info.value
+        )
+    for kwargs in ({"hysteresis": 0}, {"min_scale": 10**400}, {"dynamic": 1}, {"device": "x"}):
+        with pytest.raises((TypeError, ValueError)) as info:
+            famp.from_state_dict(d, **kwargs)
+        with pytest.raises(info.type) as init_info:
+            famp.init_scaler(0.5, **kwargs)
+        assert str(info.value) == str(init_info.value)
+
+
+def _drive(scaler: torch.amp.GradScaler, found: float) -> None:
+    gradscaler_step(scaler, found)
+
+
+@pytest.mark.parametrize("start", [2**31 - 3, -(2**31)])
+def test_a_wrapped_tracker_round_trips_and_continues_like_gradscaler(start: int) -> None:
+    """The int32 tracker wraps negative in torch's kernel; famp saves and loads that state."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=5)
+    scaler.load_state_dict({**GOOD, "scale": 8.0, "growth_interval": 5, "_growth_tracker": start})
+    state = famp.from_state_dict(scaler.state_dict())
+    for found in [0.0, 0.0, 0.0, 0.0, math.inf, 0.0]:
+        _drive(scaler, found)
+        state = famp.update_scale(state, torch.tensor(found))
+        assert_same_state(state, scaler)
+        state = famp.from_state_dict(json.loads(json.dumps(famp.to_state_dict(state))))
+        scaler.load_state_dict(famp.to_state_dict(state))
+        assert_same_state(state, scaler)
+    if start > 0:
+        wrapped = famp.from_state_dict({**GOOD, "growth_interval": 5, "_growth_tracker": 2**31 - 1})
+        wrapped = famp.update_scale(wrapped, torch.tensor(0.0))
+        assert wrapped.growth_tracker.item() == -(2**31)  # torch's int32 wrap, kept
+        assert famp.to_state_dict(wrapped)["_growth_tracker"] == -(2**31)
+
+
+@given(
+    hysteresis=st.integers(2, 4),
+    gi=st.integers(1, 3),
+    min_exp=st.one_of(st.none(), st.integers(-3, 0)),
+    found=st.lists(st.sampled_from([0.0, 1.0, 1.0, math.nan]), max_size=16),
+)
+def test_every_state_resumes_bit_exact_with_a_save_and_load_at_every_step(
+    hysteresis: int, gi: int, min_exp: int | None, found: list[float]
+) -> None:
+    """Uninterrupted vs saved and restored (through JSON) after every step, hysteresis included."""
+    settings: dict[str, Any] = {
+        "hysteresis": hysteresis,
+        "min_scale": None if min_exp is None else 2.0**min_exp,
+    }
+    straight = famp.init_scaler(4.0, growth_interval=gi, **settings)
+    resumed = straight
+    for f in found:
+        straight = famp.update_scale(straight, torch.tensor(f))
+        resumed = famp.update_scale(resumed, torch.tensor(f))
+        d = json.loads(json.dumps(famp.to_state_dict(resumed)))
+        resumed = famp.from_state_dict(d, **settings)
+        for name in ("scale", "growth_tracker", "overflow_count"):
+            assert_bitwise_equal(getattr(resumed, name), getattr(straight, name))
+
+
+def test_the_hysteresis_dict_loads_into_gradscaler() -> None:
+    state = famp.init_scaler(64.0, growth_interval=3, hysteresis=3)
+    state = famp.update_scale(state, torch.tensor(1.0))  # mid-streak: count 1, scale unchanged
+    d = famp.to_state_dict(state)
+    assert d["_overflow_count"] == 1
+    assert list(d) == [*KEYS, "_overflow_count"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scaler.load_state_dict(d)  # torch reads its five keys and ignores the sixth
+    assert scaler.state_dict() == {k: d[k] for k in KEYS}
+    assert famp.from_state_dict(d, hysteresis=3).overflow_count.item() == 1  # type: ignore[union-attr]
+    assert famp.from_state_dict(scaler.state_dict(), hysteresis=3).overflow_count.item() == 0  # type: ignore[union-attr]
+    with pytest.raises(
+        ValueError, match=r"'_overflow_count' must be an int in \[0, hysteresis=2\]"
+    ):
+        famp.from_state_dict({**d, "_overflow_count": 3}, hysteresis=2)
+    with pytest.raises(TypeError, match="'_overflow_count'"):
+        famp.from_state_dict({**d, "_overflow_count": 1.0}, hysteresis=3)

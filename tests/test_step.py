@@ -578,7 +578,7 @@ def overflow_patterns(seed: int, batch: int, steps: int, max_burst: int) -> torc
 
 
 def batched(state: famp.ScalerState, batch: int) -> famp.ScalerState:
-    leaves, spec = optree.tree_flatten(state)
+    leaves, spec = optree.tree_flatten(state, namespace="famp")
     return optree.tree_unflatten(spec, [x.expand(batch).clone() for x in leaves])  # type: ignore[no-any-return]
 
 
