@@ -108,6 +108,46 @@ def reduce_found_inf_over_meshes(found_inf: torch.Tensor, dtensors: list[Any]) -
     return found_inf
 
 
+def check_fsdp2_param(
+    param: torch.Tensor,
+    fqn: str,
+    shape: Sequence[int],
+    dim: int,
+    layout: FSDP2Layout,
+    rank: int,
+) -> None:
+    """Refuse an FSDP2 parameter (a DTensor) that the layout's chunk for ``rank`` would not fit.
+
+    Checks what the optimizer really holds: a 1-d mesh of the layout's world size on which this
+    process is ``rank``, the placement ``Shard(dim)`` with the layout's dim, the global shape,
+    and the local shape. Runs no collective.
+    """
+    assert isinstance(param, DTensor)
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    where = f"the optimizer's parameter for {fqn!r} on rank {rank}"
+    if mesh.ndim != 1 or mesh.size() != layout.world_size:
+        raise ValueError(
+            f"{where} is sharded over a mesh of shape {tuple(mesh.shape)}, but the layout has "
+            f"world size {layout.world_size}: was the layout built for another world size?"
+        )
+    if mesh.get_local_rank() != rank:
+        raise ValueError(
+            f"{where} belongs to rank {mesh.get_local_rank()} of its mesh: pass that rank"
+        )
+    if placements != (Shard(dim),):
+        raise ValueError(
+            f"{where} has placements {placements}, but the layout shards it as (Shard(dim={dim}),)"
+            ": pass shard_dims to famp.fsdp2_layout, or build the layout with famp.layout_of"
+        )
+    local = tuple(param.to_local().shape)
+    expected = layout.local_shape(fqn, rank)
+    if tuple(param.shape) != tuple(shape) or local != expected:
+        raise ValueError(
+            f"{where} has global shape {tuple(param.shape)} and local shape {local}, but the "
+            f"layout gives {tuple(shape)} and {expected}"
+        )
+
+
 # --- layouts read off live FSDP1 / FSDP2 models (layout_of) --------------------------------------
 
 

@@ -54,8 +54,8 @@ def _entries(
     names: Sequence[str], layout: FSDP1Layout | FSDP2Layout, rank: int
 ) -> list[tuple[str, list[str], list[Shape]]]:
     """Per optimizer parameter of one group: a label, the names it covers, its possible shapes."""
-    if isinstance(layout, FSDP2Layout):  # the optimizer holds DTensors (global) or local chunks
-        return [(repr(f), [f], [layout._specs[f][0], layout.local_shape(f, rank)]) for f in names]
+    if isinstance(layout, FSDP2Layout):  # local chunks (DTensors are checked whole, see below)
+        return [(repr(f), [f], [layout.local_shape(f, rank)]) for f in names]
     entries: list[tuple[str, list[str], list[Shape]]] = []
     if layout.use_orig_params and layout.world_size == 1:  # NO_SHARD: original shapes
         return [(repr(f), [f], [layout._specs[f][0]]) for f in names]
@@ -90,7 +90,14 @@ def _keys(
         group_keys.append([])
         for i, (label, fqns, shapes) in enumerate(entries):
             param = None if opt is None else opt[g][i]
-            if param is not None and tuple(param.shape) not in shapes:
+            if param is not None and _is_dtensor(param):  # FSDP2: local shape, placement, mesh
+                from famp import _distributed  # the one module that talks to torch.distributed
+
+                assert isinstance(layout, FSDP2Layout)
+                _distributed.check_fsdp2_param(
+                    param, fqns[0], *layout._specs[fqns[0]], layout, rank
+                )
+            elif param is not None and tuple(param.shape) not in shapes:
                 raise ValueError(
                     f"the optimizer's parameter for {label} on rank {rank} has shape "
                     f"{tuple(param.shape)}, expected {' or '.join(map(str, shapes))}: do its "
@@ -196,9 +203,13 @@ def _chunk(
     return value.clone() if copy else value
 
 
+def _is_dtensor(param: torch.Tensor) -> bool:
+    return hasattr(param, "device_mesh") and hasattr(param, "to_local")
+
+
 def _wrap_like(value: Any, param: torch.Tensor | None) -> Any:
     """A local chunk as a DTensor placed like the FSDP2 parameter ``param``, if it is one."""
-    if param is None or not hasattr(param, "device_mesh") or not hasattr(param, "to_local"):
+    if param is None or not _is_dtensor(param):
         return value
     dtensor: Any = type(param)
     return dtensor.from_local(

@@ -118,6 +118,44 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int
         optim.zero_grad(set_to_none=True)
 
 
+def _refusal(fn: Any) -> tuple[str, str] | None:
+    """``(error type, message)`` of ``fn()``, or None when it returns."""
+    try:
+        fn()
+    except (TypeError, ValueError, KeyError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def _refusals(
+    full: Any,
+    params: dict[str, tuple[int, ...]],
+    layout: Any,
+    rank: int,
+    world_size: int,
+    optim: torch.optim.Optimizer,
+) -> dict[str, Any]:
+    """optim_state_dict_to_load with layouts that do not match the live optimizer (issue 12)."""
+    before = _local(optim.state_dict())
+    out = {
+        "dim0_layout": _refusal(
+            lambda: famp.optim_state_dict_to_load(
+                full, famp.fsdp2_layout(params, world_size), rank, optim
+            )
+        ),
+        "world_plus_one": _refusal(
+            lambda: famp.optim_state_dict_to_load(
+                full, famp.fsdp2_layout(params, world_size + 1), rank, optim
+            )
+        ),
+        "other_rank": _refusal(
+            lambda: famp.optim_state_dict_to_load(full, layout, (rank + 1) % world_size, optim)
+        ),
+    }
+    out["untouched"] = (before, _local(optim.state_dict()))
+    return out
+
+
 def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -165,6 +203,7 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
             # famp's to-load dict into a fresh optimizer, famp's DTensor shard into another
             # through DCP's set_optimizer_state_dict; then one more step on all three
             fresh, fresh_optim = _fresh_copy(model, placement, kind)
+            record["refusals"] = _refusals(full, params, layout, rank, world_size, fresh_optim)
             fresh_optim.load_state_dict(
                 famp.optim_state_dict_to_load(full, layout, rank, fresh_optim)
             )

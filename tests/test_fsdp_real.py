@@ -106,6 +106,36 @@ def test_fsdp2_to_load_restores_the_optimizer(records, name) -> None:
 
 
 @pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_to_load_refuses_a_layout_that_does_not_match_the_optimizer(records, name) -> None:
+    """Issue 12 item 9: shard dim, world size and rank are checked against the live DTensors.
+
+    Before, a dim-0 layout on a model sharded on dim 1 passed, famp built DTensors that claimed
+    Shard(1) but held dim-0 chunks, and the error came at ``optim.step()``.
+    """
+    world, ranks = records
+    for rank, record in enumerate(ranks):
+        refusals = record["fsdp2"][name]["refusals"]
+        if name.endswith("dim1"):
+            kind, message = refusals["dim0_layout"]
+            assert kind == "ValueError"
+            assert "'4.weight'" in message
+            assert "(Shard(dim=0),)" in message
+            assert "pass shard_dims" in message
+        else:  # on a model sharded on dim 0 the dim-0 layout is the right one
+            assert refusals["dim0_layout"] is None
+        kind, message = refusals["world_plus_one"]
+        assert kind == "ValueError"
+        assert f"world size {world + 1}" in message
+        assert f"on rank {rank}" in message
+        kind, message = refusals["other_rank"]
+        assert kind == "ValueError"
+        assert f"belongs to rank {rank} of its mesh" in message
+        before, after = refusals["untouched"]  # nothing was loaded
+        assert_same_osd(after, before)
+        assert before["state"] == {}
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
 def test_fsdp2_shard_on_the_mesh_is_get_optimizer_state_dict_itself(records, name) -> None:
     """``mesh=``: DTensors placed like torch's, and DCP's set_optimizer_state_dict loads them."""
     _, ranks = records

@@ -339,3 +339,19 @@ def test_all_finite_and_select_tree_skip_an_update(transform: Transform, bad: fl
     assert ok.dtype == torch.bool
     assert ok.shape == ()
     assert bool(ok) == (bad is None)
+
+
+def test_gradscaler_cannot_be_traced_with_fullgraph() -> None:
+    """The claim in famp/README.md and the docs: Dynamo skips GradScaler, famp's step traces."""
+    scaler = torch.amp.GradScaler("cpu")
+
+    def torch_step(loss: torch.Tensor) -> torch.Tensor:
+        return scaler.scale(loss)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"GradScaler\.scale"):
+        torch.compile(torch_step, fullgraph=True, backend="eager")(torch.ones(()))
+    torch._dynamo.reset()
+    state = famp.init_scaler(8.0)
+    scaled = torch.compile(famp.scale, fullgraph=True, backend="eager")(state, torch.ones(()))
+    assert scaled.dtype == torch.float32
+    assert scaled.item() == 8.0
