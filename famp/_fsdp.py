@@ -85,7 +85,8 @@ def shard_optim_state(
             state name that is a tensor for one parameter and not for another, a parameter in two
             param groups or in none; ``mesh`` with an FSDP1 layout, of another size or shape, or
             on which this process is not ``rank``.
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        TypeError: ``layout`` is not a layout, ``rank`` is not an int, a state tensor is sparse
+            (not ``torch.strided``), or ``mesh`` is not a ``DeviceMesh``.
 
     Examples:
         >>> import famp, torch
@@ -223,6 +224,7 @@ def reshard_optim_state(
         KeyError: a name that is not in the layouts.
         ValueError: layouts with different parameters or shapes, and everything
             `famp.unshard_optim_state` rejects.
+        TypeError: what `famp.unshard_optim_state` refuses as a TypeError.
 
     Examples:
         >>> import famp, torch

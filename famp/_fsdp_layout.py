@@ -34,14 +34,22 @@ def chunk_range(size: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(
+            f"world_size must be an int >= 1, got {type(world_size).__name__} {world_size!r}"
+        )
+    if world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     return world_size
 
 
 def check_rank(rank: object, world_size: int) -> int:
-    """``rank`` as an int in ``[0, world_size)`` or a ValueError naming it."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+    """``rank`` as an int in ``[0, world_size)``: a TypeError or ValueError naming it."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(
+            f"rank must be an int in [0, {world_size}), got {type(rank).__name__} {rank!r}"
+        )
+    if not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return rank
 
@@ -181,9 +189,14 @@ class FSDP1Layout:
     def __post_init__(self) -> None:
         _check_world_size(self.world_size)
         if not isinstance(self.use_orig_params, bool):
-            raise ValueError(f"use_orig_params must be a bool, got {self.use_orig_params!r}")
+            raise TypeError(f"use_orig_params must be a bool, got {self.use_orig_params!r}")
         if not isinstance(self.param_dtype, torch.dtype):
-            raise ValueError(f"param_dtype must be a torch.dtype, got {self.param_dtype!r}")
+            raise TypeError(f"param_dtype must be a torch.dtype, got {self.param_dtype!r}")
+        if not self.param_dtype.is_floating_point:
+            raise ValueError(
+                "param_dtype must be a floating dtype (FSDP1 computes in it), got "
+                f"{self.param_dtype}"
+            )
         for i, unit in enumerate(self.units):
             if not unit:
                 raise ValueError(f"FSDP unit {i} has no parameters")
@@ -293,7 +306,9 @@ def fsdp2_layout(
         A frozen `famp.FSDP2Layout`.
 
     Raises:
-        ValueError: a bad world size or shape, an out-of-range dim, or uneven sharding on dim > 0.
+        TypeError: ``params`` is not a mapping, or ``world_size`` is not an int.
+        ValueError: a world size < 1, a bad name or shape, an out-of-range dim, or uneven
+            sharding on dim > 0.
         KeyError: ``shard_dims`` names a parameter that is not in ``params``.
 
     Examples:
@@ -340,8 +355,10 @@ def fsdp1_layout(
         A frozen `famp.FSDP1Layout`.
 
     Raises:
-        ValueError: a bad world size, shape or dtype, an empty unit, a name in two units.
-        TypeError: ``units`` is not a sequence of mappings.
+        ValueError: a world size < 1, a bad name or shape, a ``param_dtype`` that is not
+            floating (FSDP1 computes in it), an empty unit, a name in two units.
+        TypeError: ``units`` is not a sequence of mappings, ``world_size`` is not an int,
+            ``use_orig_params`` is not a bool, or ``param_dtype`` is not a ``torch.dtype``.
 
     Examples:
         >>> import famp, torch

@@ -240,7 +240,9 @@ def optim_state_dict_to_load(
     of every parameter, as DTensors placed like the optimizer's parameters when they are DTensors.
     Ids follow the optimizer: the i-th param group of ``osd`` must list the parameters of the
     optimizer's i-th group in the same order (FSDP1 without ``use_orig_params``: its units, in the
-    order of their first parameter), as DCP assumes; their local shapes are checked.
+    order of their first parameter), as DCP assumes. With ``optimizer``, what it holds is checked
+    before anything is built: FSDP2 DTensor parameters' mesh, rank, placement and global and local
+    shapes; plain parameters' local shapes.
 
     Args:
         osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``);
@@ -260,8 +262,13 @@ def optim_state_dict_to_load(
     Raises:
         KeyError: a name that is not in the layout.
         ValueError: everything `famp.shard_optim_state` rejects, a rank outside the world,
-            an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP1 unit
-            whose parameters have differing state names or values.
+            an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP2
+            DTensor parameter on a mesh of another world size, of another rank, placed other
+            than ``Shard(dim)`` with the layout's dim or of other global or local shape, an
+            FSDP1 unit whose parameters have differing state names or values. The message names
+            the parameter; nothing is built.
+        TypeError: ``layout`` is not a layout, ``rank`` is not an int, ``optimizer`` has no
+            ``param_groups`` list, or a state tensor is sparse (not ``torch.strided``).
 
     Examples:
         >>> import famp, torch

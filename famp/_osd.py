@@ -59,6 +59,15 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
             raise ValueError(f"{what}['state'][{fqn!r}] belongs to no param group")
 
 
+def check_dense(value: object, where: str) -> None:
+    """A TypeError naming ``where`` for a sparse (or otherwise non-strided) tensor."""
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        raise TypeError(
+            f"{where} is a {value.layout} tensor; optimizer state must be dense (torch.strided) "
+            "tensors: convert it with .to_dense()"
+        )
+
+
 def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded: bool) -> None:
     """One state name is parameter-shaped for every parameter or for none (None aside)."""
     other = first.setdefault(key, fqn)
@@ -87,6 +96,7 @@ def check_full(
         for key, value in entry.items():
             if value is None:
                 continue
+            check_dense(value, f"{what}['state'][{fqn!r}][{key!r}]")
             sharded = isinstance(value, torch.Tensor) and value.dim() > 0
             shapes = (
                 [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
@@ -163,6 +173,7 @@ def _check_shard_value(
     value: Any, first: Any, sharded: bool, layout: Layout, fqn: str, key: str, r: int, what: str
 ) -> None:
     where = f"{what}[{r}]['state'][{fqn!r}][{key!r}]"
+    check_dense(value, where)
     if not sharded:
         if not same(value, first):
             raise ValueError(

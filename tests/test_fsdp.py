@@ -188,7 +188,8 @@ def test_shard_rejects_bad_full_state(
 
 @pytest.mark.parametrize("rank", [-1, 2, 1.0, True])
 def test_shard_rejects_a_rank_outside_the_world(rank: Any) -> None:
-    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):
+    error = ValueError if type(rank) is int else TypeError
+    with pytest.raises(error, match=r"rank must be an int in \[0, 2\)"):
         famp.shard_optim_state(_full(), LAYOUT, rank)
 
 
@@ -268,3 +269,20 @@ def test_reshard_rejects_layouts_of_different_parameters() -> None:
         TypeError, match=r"new_layout must be a famp\.FSDP1Layout or famp\.FSDP2Layout"
     ):
         famp.reshard_optim_state(_shards(), LAYOUT, {"a": (5, 4)})  # type: ignore[arg-type]
+
+
+def test_sparse_state_is_refused_naming_the_entry() -> None:
+    """Issue 12: a sparse state tensor gave torch's NotImplementedError from deep inside."""
+    full = _full()
+    fqn = next(iter(full["state"]))
+    key = next(k for k, v in full["state"][fqn].items() if isinstance(v, torch.Tensor) and v.dim())
+    full["state"][fqn][key] = full["state"][fqn][key].to_sparse()
+    match = rf"\['state'\]\['{fqn}'\]\['{key}'\] is a torch.sparse_coo tensor"
+    with pytest.raises(TypeError, match=match):
+        famp.shard_optim_state(full, LAYOUT, 0)
+    with pytest.raises(TypeError, match=match):
+        famp.optim_state_dict_to_load(full, LAYOUT, 0)
+    with pytest.raises(TypeError, match=match):
+        famp.unshard_optim_state([full, full], LAYOUT)
+    with pytest.raises(TypeError, match=match):
+        famp.reshard_optim_state([full, full], LAYOUT, LAYOUT)

@@ -205,7 +205,8 @@ def test_fsdp1_alignment_counts_in_param_dtype() -> None:
 
 BAD_LAYOUTS = [
     (lambda: famp.fsdp2_layout({"w": (4, 3)}, 0), ValueError, "world_size"),
-    (lambda: famp.fsdp2_layout({"w": (4, 3)}, True), ValueError, "world_size"),
+    (lambda: famp.fsdp2_layout({"w": (4, 3)}, True), TypeError, "world_size"),
+    (lambda: famp.fsdp2_layout({"w": (4, 3)}, 2.0), TypeError, "world_size must be an int"),  # type: ignore[arg-type]
     (lambda: famp.fsdp2_layout({"w": ()}, 2), ValueError, "'w'"),
     (lambda: famp.fsdp2_layout({"w": (4, 0)}, 2), ValueError, "'w'"),
     (lambda: famp.fsdp2_layout({"w": (4, -1)}, 2), ValueError, "'w'"),
@@ -218,9 +219,15 @@ BAD_LAYOUTS = [
     (lambda: famp.fsdp1_layout({"w": (4,)}, 2), TypeError, "one per FSDP unit"),  # type: ignore[arg-type]
     (lambda: famp.fsdp1_layout([{"w": (4,)}, {"w": (4,)}], 2), ValueError, "'w' appears twice"),
     (lambda: famp.fsdp1_layout([{}], 2), ValueError, "unit 0 has no parameters"),
-    (lambda: famp.fsdp1_layout([{"w": (4,)}], 2, param_dtype="bf16"), ValueError, "param_dtype"),  # type: ignore[arg-type]
-    (lambda: famp.fsdp1_layout([{"w": (4,)}], 2, use_orig_params=1), ValueError, "use_orig_params"),  # type: ignore[arg-type]
+    (lambda: famp.fsdp1_layout([{"w": (4,)}], 2, param_dtype="bf16"), TypeError, "param_dtype"),  # type: ignore[arg-type]
+    (
+        lambda: famp.fsdp1_layout([{"w": (4,)}], 2, param_dtype=torch.int32),
+        ValueError,
+        "param_dtype must be a floating dtype .* got torch.int32",
+    ),
+    (lambda: famp.fsdp1_layout([{"w": (4,)}], 2, use_orig_params=1), TypeError, "use_orig_params"),  # type: ignore[arg-type]
     (lambda: famp.fsdp2_layout({"w": (4,)}, 2).local_shape("w", 2), ValueError, "rank"),
+    (lambda: famp.fsdp2_layout({"w": (4,)}, 2).local_shape("w", 1.0), TypeError, "rank"),  # type: ignore[arg-type]
     (lambda: famp.fsdp2_layout({"w": (4,)}, 2).local_shape("v", 0), KeyError, "'v'"),
 ]
 
@@ -235,6 +242,11 @@ def test_negative_shard_dims_count_from_the_end() -> None:
     layout = famp.fsdp2_layout({"w": (3, 4)}, 2, shard_dims={"w": -1})
     assert layout.shard_dims == (1,)
     assert [layout.local_shape("w", r) for r in range(2)] == [(3, 2), (3, 2)]
+
+
+def test_layout_of_refuses_a_non_module() -> None:
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got NoneType"):
+        famp.layout_of(None)  # type: ignore[arg-type]
 
 
 def test_layout_of_rejects_unwrapped_models() -> None:
