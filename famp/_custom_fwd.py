@@ -52,6 +52,22 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return "cpu"
 
 
+def _check_device_type(device_type: object) -> None:
+    if device_type is None:
+        return
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be None or a str, got {type(device_type).__name__}")
+    try:
+        available = ":" not in device_type and torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows
+        available = False
+    if not available:
+        raise ValueError(
+            "device_type must be a device type with autocast support, such as 'cpu' or 'cuda', "
+            f"got {device_type!r}"
+        )
+
+
 def custom_fwd(
     forward: F | None = None, *, rule: str = "keep", device_type: str | None = None
 ) -> Any:
@@ -74,7 +90,10 @@ def custom_fwd(
         The decorated `forward`, or a decorator.
 
     Raises:
-        ValueError: an unknown rule.
+        TypeError: ``forward`` is neither callable nor None, ``rule`` is not a str, or
+            ``device_type`` is neither a str nor None.
+        ValueError: an unknown rule, or a ``device_type`` that is not a device type with
+            autocast support (``"bogus"``, ``"cuda:0"``).
 
     Examples:
         >>> import torch, famp
@@ -93,8 +112,16 @@ def custom_fwd(
         >>> f(torch.ones(2)).dtype
         torch.bfloat16
     """
+    if not isinstance(rule, str):
+        raise TypeError(f"rule must be a str, one of {', '.join(_RULES)}; got {rule!r}")
     if rule not in _RULES:
         raise ValueError(f"rule must be one of {', '.join(_RULES)}; got {rule!r}")
+    _check_device_type(device_type)
+    if forward is not None and not callable(forward):
+        raise TypeError(
+            f"forward must be a function (or None, for a decorator), got "
+            f"{type(forward).__name__} {forward!r}"
+        )
     if forward is None:
         return functools.partial(custom_fwd, rule=rule, device_type=device_type)
 
@@ -133,11 +160,17 @@ def custom_bwd(backward: F) -> F:
     Returns:
         The decorated `backward`.
 
+    Raises:
+        TypeError: ``backward`` is not callable.
+
     Examples:
         >>> import famp
         >>> callable(famp.custom_bwd(lambda ctx, g: g))
         True
     """
+
+    if not callable(backward):
+        raise TypeError(f"backward must be a function, got {type(backward).__name__} {backward!r}")
 
     @functools.wraps(backward)
     def decorated(ctx: Any, *args: Any, **kwargs: Any) -> Any:
