@@ -361,3 +361,17 @@ def test_the_hysteresis_dict_loads_into_gradscaler() -> None:
         famp.from_state_dict({**d, "_overflow_count": 3}, hysteresis=2)
     with pytest.raises(TypeError, match="'_overflow_count'"):
         famp.from_state_dict({**d, "_overflow_count": 1.0}, hysteresis=3)
+
+
+def test_a_scale_backed_off_past_usefulness_is_refused_on_purpose() -> None:
+    """GradScaler (and famp without min_scale) back off until the reciprocal is infinite."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    state = famp.init_scaler(1.0)
+    for _ in range(129):
+        gradscaler_step(scaler, math.inf)
+        state = famp.update_scale(state, torch.tensor(1.0))
+    assert_same_state(state, scaler)
+    assert state.scale.double().reciprocal().float().isinf()
+    for d in (scaler.state_dict(), famp.to_state_dict(state)):
+        with pytest.raises(ValueError, match="state dict key 'scale' must be a number whose"):
+            famp.from_state_dict(d)
