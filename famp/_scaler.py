@@ -62,6 +62,13 @@ class ScalerState:
         max_scale: Opt-in guard: a growth never takes the scale above it (``None``: off).
         hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow on.
 
+    Raises:
+        TypeError: A static field has the wrong type, as ``famp.init_scaler`` refuses it.
+        ValueError: A static field is out of range, as ``famp.init_scaler`` refuses it, or
+            ``overflow_count`` is given without ``hysteresis > 1`` or missing with it. The
+            tensor leaves are not read (that would be a host sync): build states with
+            ``famp.init_scaler`` or ``famp.from_state_dict``, which check their values.
+
     Examples:
         >>> import famp, optree
         >>> state = famp.init_scaler(1024.0)
@@ -452,7 +459,7 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         A new ``famp.ScalerState`` with the same hyperparameters, shapes, dtypes and device.
 
     Raises:
-        TypeError: ``found_inf`` is not a tensor.
+        TypeError: ``state`` is not a ``famp.ScalerState``, or ``found_inf`` is not a tensor.
         ValueError: ``found_inf`` does not have exactly one element.
 
     Examples:

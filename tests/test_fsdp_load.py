@@ -241,3 +241,19 @@ def test_to_load_rejects_bad_input(make: Any, error: type[Exception], match: str
 def test_to_load_rejects_a_rank_outside_the_world() -> None:
     with pytest.raises(ValueError, match="rank"):
         famp.optim_state_dict_to_load(_full(), LAYOUT, 2)
+
+
+def test_to_load_refuses_a_non_layout_a_non_optimizer_and_a_non_int_rank() -> None:
+    layout = famp.fsdp2_layout({"w": (3, 2)}, 2)
+    osd = {"state": {"w": {"m": torch.ones(3, 2)}}, "param_groups": [{"params": ["w"]}]}
+    with pytest.raises(TypeError, match=r"layout must be a famp\.FSDP1Layout or famp\.FSDP2Layout"):
+        famp.optim_state_dict_to_load(osd, {"w": (3, 2)}, 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got dict"):
+        famp.optim_state_dict_to_load(osd, layout, 0, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rank must be an int in \[0, 2\), got str '0'"):
+        famp.optim_state_dict_to_load(osd, layout, "0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
+        famp.optim_state_dict_to_load(osd, layout, 2)
+    plain = torch.optim.SGD([torch.zeros(3, 2)], lr=0.1)  # the global shape, not rank 0's (2, 2)
+    with pytest.raises(ValueError, match=r"parameter for 'w' on rank 0 has shape \(3, 2\)"):
+        famp.optim_state_dict_to_load(osd, layout, 0, plain)
