@@ -534,8 +534,8 @@ def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
         eager_out = whole_step(*eager, x, y)
         compiled_out = compiled_step(*compiled, x, y)
         eager, compiled = eager_out[:3], compiled_out[:3]
-        leaves, spec = optree.tree_flatten(eager_out)
-        compiled_leaves, compiled_spec = optree.tree_flatten(compiled_out)
+        leaves, spec = optree.tree_flatten(eager_out, namespace="famp")
+        compiled_leaves, compiled_spec = optree.tree_flatten(compiled_out, namespace="famp")
         assert spec == compiled_spec
         for a, b in zip(leaves, compiled_leaves, strict=True):
             assert_bitwise_equal(b, a)
@@ -547,7 +547,12 @@ def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
         params, opt_state, famp.init_scaler(2.0**16), *make_batch(0, False)
     )
     actual = whole_step(params, opt_state, famp.init_scaler(2.0**16), *make_batch(0, False))
-    for a, b in zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=True):
+    pairs = zip(
+        optree.tree_leaves(actual, namespace="famp"),
+        optree.tree_leaves(expected, namespace="famp"),
+        strict=True,
+    )
+    for a, b in pairs:
         assert_bitwise_equal(a, b)
     assert counter.frame_count == 1  # one graph, no recompilation as the scale changes
 
