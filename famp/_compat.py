@@ -10,8 +10,14 @@ from __future__ import annotations
 # --- reliability: scaler state (_scaler.py), FSDP1 layouts read off live models (_distributed.py)
 from typing import Any as _Any
 
+import optree as _optree
 import torch as _torch
 import torch.utils._pytree as _torch_pytree
+
+# optree's public registration needs a namespace, and a namespaced node is one opaque leaf to
+# every optree call that does not pass that namespace: ScalerState registers in the global
+# registry (the one builtins live in) so that plain `optree.tree_map(f, state)` sees its tensors.
+OPTREE_GLOBAL_NAMESPACE: str = getattr(_optree.registry, "__GLOBAL_NAMESPACE")
 
 # torch has no public pytree module: ScalerState must be a node of torch's own pytree for
 # torch.func, torch.compile inputs/outputs and torch.export (treespec_dumps).

@@ -22,7 +22,12 @@ from typing import Any
 import optree
 import torch
 
-from famp._compat import amp_update_scale, functorch_transforms_active, torch_pytree
+from famp._compat import (
+    OPTREE_GLOBAL_NAMESPACE,
+    amp_update_scale,
+    functorch_transforms_active,
+    torch_pytree,
+)
 from famp._typing import DeviceLike, Tensor
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -30,8 +35,6 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)  # the smallest double that rounds to float32 inf
 _MIN_SCALE = 2.0**-128 + 2.0**-149  # the smallest float32 whose float32 reciprocal is finite
 _DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-OPTREE_NAMESPACE = "famp"
-"""optree namespace of ``ScalerState``: ``optree.tree_flatten(tree, namespace="famp")``."""
 
 
 _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other field is static
@@ -41,9 +44,8 @@ _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other f
 class ScalerState:
     """Immutable loss-scaling state: tensor leaves plus static hyperparameters.
 
-    A pytree for ``optree`` (in its namespace ``"famp"``: pass ``namespace="famp"``; without it
-    optree sees a state as one leaf), torch's pytree, ``torch.func`` and ``torch.compile``. Its
-    leaves are ``scale`` (0-d float32) and ``growth_tracker`` (0-d int32), plus
+    A pytree for ``optree`` (in every namespace, none needed), torch's pytree, ``torch.func``
+    and ``torch.compile``. Its leaves are ``scale`` (0-d float32) and ``growth_tracker`` (0-d int32), plus
     ``overflow_count`` (0-d int32) only when ``hysteresis > 1``. Every other field is static
     metadata: changing one recompiles on purpose, and no flatten/unflatten round trip can drop it
     (flattening is derived from the dataclass fields). Build one with ``famp.init_scaler`` or
@@ -72,7 +74,7 @@ class ScalerState:
     Examples:
         >>> import famp, optree
         >>> state = famp.init_scaler(1024.0)
-        >>> leaves, spec = optree.tree_flatten(state, namespace="famp")
+        >>> leaves, spec = optree.tree_flatten(state)
         >>> leaves
         [tensor(1024.), tensor(0, dtype=torch.int32)]
         >>> optree.tree_unflatten(spec, leaves).growth_interval
@@ -148,7 +150,7 @@ _register_optree(
     _optree_flatten,
     lambda aux, children: _unflatten(aux, list(children)),
     path_entry_type=optree.GetAttrEntry,
-    namespace=OPTREE_NAMESPACE,
+    namespace=OPTREE_GLOBAL_NAMESPACE,
 )
 torch_pytree.register_pytree_node(
     ScalerState,

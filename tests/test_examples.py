@@ -48,8 +48,8 @@ def run_script(*args: str | pathlib.Path, timeout: float = 240) -> str:
 
 
 def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
-    leaves, spec = optree.tree_flatten(actual, namespace="famp")  # famp.ScalerState nodes too
-    expected_leaves, expected_spec = optree.tree_flatten(expected, namespace="famp")
+    leaves, spec = optree.tree_flatten(actual)  # famp.ScalerState nodes too
+    expected_leaves, expected_spec = optree.tree_flatten(expected)
     assert spec == expected_spec
     for a, b in zip(leaves, expected_leaves, strict=True):
         if isinstance(a, torch.Tensor):

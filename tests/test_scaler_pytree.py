@@ -54,29 +54,31 @@ def state(request: pytest.FixtureRequest) -> famp.ScalerState:
 
 
 def test_default_state_has_exactly_two_leaves() -> None:
-    leaves = optree.tree_leaves(famp.init_scaler(), namespace="famp")
+    leaves = optree.tree_leaves(famp.init_scaler())
     assert [(x.dtype, x.shape) for x in leaves] == [(torch.float32, ()), (torch.int32, ())]
     assert len(torch_pytree.tree_leaves(famp.init_scaler())) == 2
-    assert len(optree.tree_leaves(famp.init_scaler(hysteresis=2), namespace="famp")) == 3
+    assert len(optree.tree_leaves(famp.init_scaler(hysteresis=2))) == 3
 
 
-def test_optree_registration_is_in_the_famp_namespace() -> None:
-    """A public registration: optree's namespace "famp"; without it a state is one leaf."""
+def test_optree_sees_the_leaves_with_and_without_a_namespace() -> None:
+    """Plain optree calls (no namespace) and namespaced ones (torch's, a user's) see the leaves."""
     state = famp.init_scaler()
-    assert optree.tree_leaves(state) == [state]
-    assert len(optree.tree_leaves({"s": state}, namespace="famp")) == 2
+    for kwargs in ({}, {"namespace": "torch"}, {"namespace": "some-user-namespace"}):
+        leaves = optree.tree_leaves({"s": state}, **kwargs)
+        assert len(leaves) == 2
+        assert all(isinstance(leaf, torch.Tensor) for leaf in leaves)
 
 
 def test_every_field_survives_optree(state: famp.ScalerState) -> None:
-    leaves, spec = optree.tree_flatten(state, namespace="famp")
+    leaves, spec = optree.tree_flatten(state)
     assert all(isinstance(x, torch.Tensor) for x in leaves)
     assert_same_state(optree.tree_unflatten(spec, leaves), state)
-    assert_same_state(optree.tree_map(lambda x: x.clone(), state, namespace="famp"), state)
-    paths = optree.tree_paths(state, namespace="famp")
+    assert_same_state(optree.tree_map(lambda x: x.clone(), state), state)
+    paths = optree.tree_paths(state)
     assert [p[0] for p in paths] == [
         n for n in ("scale", "growth_tracker", "overflow_count") if getattr(state, n) is not None
     ]
-    doubled = optree.tree_map(lambda x: x * 2, state, namespace="famp")
+    doubled = optree.tree_map(lambda x: x * 2, state)
     assert_bitwise_equal(doubled.scale, state.scale * 2)
     assert doubled.growth_interval == state.growth_interval
 
@@ -93,19 +95,19 @@ def test_every_field_survives_torch_pytree(state: famp.ScalerState) -> None:
 
 
 def test_every_field_survives_vmap(state: famp.ScalerState) -> None:
-    batched = optree.tree_map(lambda x: torch.stack([x, x + 1]), state, namespace="famp")
+    batched = optree.tree_map(lambda x: torch.stack([x, x + 1]), state)
     out = torch.func.vmap(lambda s: s)(batched)
     assert_same_state(out, batched)
     found = torch.tensor([0.0, 1.0])
     updated = torch.func.vmap(famp.update_scale)(batched, found)
     for i in range(2):
-        one = optree.tree_map(lambda x, i=i: x[i], batched, namespace="famp")
+        one = optree.tree_map(lambda x, i=i: x[i], batched)
         expected = famp.update_scale(one, found[i])
-        assert_same_state(optree.tree_map(lambda x, i=i: x[i], updated, namespace="famp"), expected)
+        assert_same_state(optree.tree_map(lambda x, i=i: x[i], updated), expected)
 
 
 def _identity_through_pytrees(state: famp.ScalerState) -> famp.ScalerState:
-    leaves, spec = optree.tree_flatten(state, namespace="famp")
+    leaves, spec = optree.tree_flatten(state)
     state = optree.tree_unflatten(spec, [x + 0 for x in leaves])
     leaves, tspec = torch_pytree.tree_flatten(state)
     return torch_pytree.tree_unflatten([x * 1 for x in leaves], tspec)  # type: ignore[no-any-return]
@@ -126,12 +128,10 @@ def test_update_keeps_structure_dtype_shape_device(
     transform: Transform, state: famp.ScalerState, found: float
 ) -> None:
     new = transform(_update)(state, torch.tensor(found))
-    assert optree.tree_structure(new, namespace="famp") == optree.tree_structure(
-        state, namespace="famp"
-    )
+    assert optree.tree_structure(new) == optree.tree_structure(state)
     for a, b in zip(
-        optree.tree_leaves(new, namespace="famp"),
-        optree.tree_leaves(state, namespace="famp"),
+        optree.tree_leaves(new),
+        optree.tree_leaves(state),
         strict=True,
     ):
         assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)

@@ -534,8 +534,8 @@ def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
         eager_out = whole_step(*eager, x, y)
         compiled_out = compiled_step(*compiled, x, y)
         eager, compiled = eager_out[:3], compiled_out[:3]
-        leaves, spec = optree.tree_flatten(eager_out, namespace="famp")
-        compiled_leaves, compiled_spec = optree.tree_flatten(compiled_out, namespace="famp")
+        leaves, spec = optree.tree_flatten(eager_out)
+        compiled_leaves, compiled_spec = optree.tree_flatten(compiled_out)
         assert spec == compiled_spec
         for a, b in zip(leaves, compiled_leaves, strict=True):
             assert_bitwise_equal(b, a)
@@ -548,8 +548,8 @@ def test_whole_step_compiles_fullgraph_and_equals_eager_bitwise() -> None:
     )
     actual = whole_step(params, opt_state, famp.init_scaler(2.0**16), *make_batch(0, False))
     pairs = zip(
-        optree.tree_leaves(actual, namespace="famp"),
-        optree.tree_leaves(expected, namespace="famp"),
+        optree.tree_leaves(actual),
+        optree.tree_leaves(expected),
         strict=True,
     )
     for a, b in pairs:
@@ -583,7 +583,7 @@ def overflow_patterns(seed: int, batch: int, steps: int, max_burst: int) -> torc
 
 
 def batched(state: famp.ScalerState, batch: int) -> famp.ScalerState:
-    leaves, spec = optree.tree_flatten(state, namespace="famp")
+    leaves, spec = optree.tree_flatten(state)
     return optree.tree_unflatten(spec, [x.expand(batch).clone() for x in leaves])  # type: ignore[no-any-return]
 
 
