@@ -46,9 +46,10 @@ class ScalerState:
 
     A pytree for ``optree`` (in every namespace, none needed), torch's pytree, ``torch.func``
     and ``torch.compile``. Its leaves are ``scale`` (0-d float32) and ``growth_tracker``
-    (0-d int32), plus ``overflow_count`` (0-d int32) only when ``hysteresis > 1``. Every other field is static
-    metadata: changing one recompiles on purpose, and no flatten/unflatten round trip can drop it
-    (flattening is derived from the dataclass fields). Build one with ``famp.init_scaler`` or
+    (0-d int32), plus ``overflow_count`` (0-d int32) only when ``hysteresis > 1``.
+    Every other field is static metadata: changing one recompiles on purpose, and no
+    flatten/unflatten round trip can drop it (flattening is derived from the dataclass fields).
+    Build one with ``famp.init_scaler`` or
     ``famp.from_state_dict``; never mutated, every transition returns a new state.
 
     Attributes:
