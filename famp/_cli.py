@@ -62,14 +62,25 @@ exit status: 0 on success, 1 on bad input (nothing written), 2 on a usage error.
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``famp-reshard`` with ``argv`` (``sys.argv[1:]`` if None); return the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    usage = _usage_error(args)
+    if usage is not None:
+        parser.error(usage)  # exits 2, as argparse does for every usage error
     try:
         _check_targets(args)
         return _run(args)
     except (ValueError, KeyError, TypeError, OSError, RuntimeError, pickle.UnpicklingError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
         return 1
+    except Exception as err:  # bad input must never end in a traceback
+        print(f"{PROG}: error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,14 +132,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_targets(args: argparse.Namespace) -> None:
-    """Reject impossible option sets and existing outputs before reading anything."""
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """The message for an impossible option set, or None."""
     if args.out is not None and args.world_size is None:
-        raise ValueError("--out needs --world-size")
+        return "--out needs --world-size"
     if args.world_size is not None and args.out is None and not args.dry_run:
-        raise ValueError("--world-size needs --out DIR (or --dry-run)")
+        return "--world-size needs --out DIR (or --dry-run)"
     if args.out is None and args.full is None and not args.dry_run:
-        raise ValueError("nothing to do: give --world-size N --out DIR, --full FILE or --dry-run")
+        return "nothing to do: give --world-size N --out DIR, --full FILE or --dry-run"
+    return None
+
+
+def _check_targets(args: argparse.Namespace) -> None:
+    """Reject existing outputs before reading anything."""
     if args.dry_run:
         return
     for path, kind in ((args.out, "--out"), (args.full, "--full")):
@@ -365,6 +381,7 @@ def _write_ranks(
             stats.append(_stats(shard, layout, rank))
             bar.update(1)
         bar.close()
+        _set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
         _replace(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -391,12 +408,28 @@ def _replace(tmp: str, target: str, force: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _set_default_modes(directory: str | None, files: Sequence[str]) -> None:
+    """Give outputs the modes ``open``/``mkdir`` would (``tempfile`` makes them private)."""
+    mask = _umask()
+    for path in files:
+        os.chmod(path, 0o666 & ~mask)
+    if directory is not None:
+        os.chmod(directory, 0o777 & ~mask)
+
+
 def _atomic_save(obj: object, path: str, force: bool) -> None:
     parent, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        _set_default_modes(None, [tmp])
         if os.path.lexists(path) and not force:
             raise FileExistsError(f"--full {path!r} exists; pass --force to replace it")
         os.replace(tmp, path)

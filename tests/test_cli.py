@@ -183,9 +183,6 @@ def test_existing_outputs_need_force(
     ("argv", "message"),
     [
         (["{missing}", "--dry-run"], "does not exist"),
-        (["{full}"], "nothing to do"),
-        (["{full}", "-n", "2"], "--world-size needs --out DIR"),
-        (["{full}", "-o", "{out}"], "--out needs --world-size"),
         (["{full}", "{groups}", "-n", "2", "-o", "{out}"], "differs from shards[0]"),
         (["{pickle}", "-n", "2", "-o", "{out}"], "refused it"),
         (["{notosd}", "-n", "2", "-o", "{out}"], "keys are ['a', 'b']"),
@@ -266,6 +263,15 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
+    for argv, message in [
+        (["x.pt"], "nothing to do"),
+        (["x.pt", "-n", "2"], "--world-size needs --out DIR"),
+        (["x.pt", "-o", "out"], "--out needs --world-size"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert f"famp-reshard: error: {message}" in capsys.readouterr().err
 
 
 def test_help_documents_sources_outputs_and_safety(capsys: pytest.CaptureFixture[str]) -> None:

@@ -237,7 +237,9 @@ def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(
 ) -> None:
     osd = _osd()
     _save({"optim": {**osd, "extra": torch.zeros(2)}}, tmp_path / "a")
-    with pytest.raises(ValueError, match=r"'optim\.extra' is not an optimizer state dict entry"):
+    with pytest.raises(
+        ValueError, match=r"'optim\.extra' \(path .*\) is not an optimizer state dict entry"
+    ):
         famp.load_dcp_optim_state(tmp_path / "a")
     twice = {**osd, "param_groups": [{"lr": 0.1, "params": ["w", "b"]}, {"params": ["b"]}]}
     _save({"optim": twice}, tmp_path / "b")
