@@ -10,6 +10,7 @@ end, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import re
@@ -28,7 +29,7 @@ from famp._fsdp import shard_optim_state, unshard_optim_state
 from famp._fsdp_layout import FSDP2Layout, fsdp2_layout
 
 PROG = "famp-reshard"
-_RANK_FILE = re.compile(r"rank\d+\.pt")
+_RANK_FILE = re.compile(r"rank\d+\.pt|__\d+_0\.distcp|\.metadata")
 PROGRESS_AUTO_BYTES = 256 * 2**20
 _MAX_LISTED = 4
 
@@ -107,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
         help="key of the model state, used for parameter "
         "shapes (default: model); without it shapes come from the optimizer state",
     )
+    parser.add_argument(
+        "--format",
+        choices=("rank-files", "dcp"),
+        default="rank-files",
+        help="what -o DIR holds: rank*.pt files (default), or a DCP checkpoint that dcp.load "
+        "reads on WORLD_SIZE ranks (every entry of a DCP SOURCE, re-chunked, streamed)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="processes that write --format dcp output ranks in parallel (same files for any N)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="read and check; write nothing")
     parser.add_argument(
         "--force",
@@ -140,6 +154,10 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--world-size needs --out DIR (or --dry-run)"
     if args.out is None and args.full is None and not args.dry_run:
         return "nothing to do: give --world-size N --out DIR, --full FILE or --dry-run"
+    if args.format == "dcp" and (args.out is None or args.full is not None or args.dry_run):
+        return "--format dcp writes --out DIR only: give -n N -o DIR, without --full or --dry-run"
+    if args.format == "dcp" and not (len(args.sources) == 1 and os.path.isdir(args.sources[0])):
+        return "--format dcp needs one DCP checkpoint directory as SOURCE"
     return None
 
 
@@ -179,6 +197,8 @@ class _Source:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.format == "dcp":
+        return _run_dcp(args)
     source = _read(args)
     out = sys.stdout
     _print_source(source, out)
@@ -200,6 +220,38 @@ def _run(args: argparse.Namespace) -> int:
             print(f"wrote {args.world_size} rank files to {args.out}", file=out)
         if args.full is not None:
             print(f"wrote the full state dict to {args.full}", file=out)
+    return 0
+
+
+def _run_dcp(args: argparse.Namespace) -> int:
+    """Stream a DCP SOURCE into a DCP checkpoint for ``args.world_size`` ranks."""
+    from famp import _dcp_reader as reader
+    from famp._dcp_writer import write_dcp
+
+    path, out = args.sources[0], args.out
+    # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
+    shapes = _read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
+    fsdp2_layout(shapes, args.world_size)
+    ckpt = reader.Checkpoint(path)
+    keys = list(ckpt.metadata.state_dict_metadata)
+    ckpt.check_records(keys)
+    nbytes = 0
+    for md in ckpt.metadata.state_dict_metadata.values():
+        if reader.is_tensor_entry(md):
+            nbytes += math.prod(md.size) * md.properties.dtype.itemsize  # type: ignore[union-attr]
+    print(f"source      DCP checkpoint {path}: {len(keys)} entries, {_human(nbytes)}")
+    parent, name = os.path.split(os.path.abspath(out))
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        bar = _Progress("writing ranks", args.world_size, _progress_wanted(args, nbytes))
+        write_dcp(path, tmp, keys, args.world_size, workers=args.workers, progress=bar.update)
+        bar.close()
+        _set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
+        _replace(tmp, out, args.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote a DCP checkpoint for {args.world_size} ranks to {out}")
     return 0
 
 

@@ -136,6 +136,45 @@ class Checkpoint:
             view.copy_(self.read_chunk(key, md, chunk))
         return out
 
+    def read_region(
+        self,
+        key: str,
+        md: TensorStorageMetadata,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of tensor ``key``, reading only the chunks it overlaps."""
+        out: torch.Tensor | None = None
+        for chunk in md.chunks:
+            if math.prod(chunk.sizes) == 0:
+                continue
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
+            hi = [
+                min(o + s, c + cs)
+                for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
+            ]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            saved = self.read_chunk(key, md, chunk)
+            if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
+                return saved.contiguous()
+            if out is None:
+                out = torch.empty(sizes, dtype=md.properties.dtype)
+            src, dst = saved, out
+            for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+                src = src.narrow(dim, a - chunk.offsets[dim], b - a)
+                dst = dst.narrow(dim, a - offsets[dim], b - a)
+            dst.copy_(src)
+            del saved, src
+        return out if out is not None else torch.empty(sizes, dtype=md.properties.dtype)
+
+    def raw_bytes(self, key: str) -> bytes:
+        """The stored bytes of the item ``key``, as checked by ``_record``."""
+        record = self._record(key, MetadataIndex(key))
+        with open(os.path.join(self.root, record.relative_path), "rb") as f:
+            f.seek(record.offset)
+            return f.read(record.length)
+
     def read_chunk(
         self, key: str, md: TensorStorageMetadata, chunk: ChunkStorageMetadata
     ) -> torch.Tensor:
