@@ -54,7 +54,8 @@ param_groups are replicated. Load it with torch.load(path, weights_only=True).""
 EPILOG = """\
 examples:
   famp-reshard ckpt/step100 -n 3 -o resharded/      # DCP at any world size -> 3 rank files
-  famp-reshard ckpt/step100 --full optim_full.pt    # DCP -> one full state dict
+  famp-reshard ckpt/step100 --full full.pt          # DCP -> one file, as dcp_to_torch_save
+  famp-reshard ckpt/step100 -n 3 -o w3/ --format dcp --workers 3   # DCP -> DCP for 3 ranks
   famp-reshard resharded/rank*.pt -n 8 -o w8/       # 3 rank files -> 8
   famp-reshard optim_full.pt -n 64 --dry-run        # summary only
 
@@ -96,7 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         "-n", "--world-size", type=_positive_int, help="number of ranks to reshard to"
     )
     parser.add_argument("-o", "--out", metavar="DIR", help="write rank00000.pt ... here (new dir)")
-    parser.add_argument("--full", metavar="FILE", help="write the full state dict to FILE")
+    parser.add_argument(
+        "--full",
+        metavar="FILE",
+        help="write one torch.save file: from a DCP checkpoint, the whole checkpoint as "
+        "dcp_to_torch_save writes it (streamed); from files, the full optimizer state dict",
+    )
     parser.add_argument(
         "--key",
         default="optim",
@@ -121,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="processes that write --format dcp output ranks in parallel (same files for any N)",
     )
+    parser.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory budget beyond one tensor, e.g. 512M or 2G, for --full and --format dcp "
+        "(which stream chunk by chunk): the copy buffer, and fewer --workers if needed",
+    )
     parser.add_argument("--dry-run", action="store_true", help="read and check; write nothing")
     parser.add_argument(
         "--force",
@@ -134,6 +147,16 @@ def _parser() -> argparse.ArgumentParser:
         help="progress bar on stderr (default: for states of 256 MiB or more on a terminal)",
     )
     return parser
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if found is None or float(found.group(1)) * _UNITS[found.group(2).upper()] < 1:
+        raise argparse.ArgumentTypeError(f"must be a size such as 512M or 2G, got {text!r}")
+    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
 
 
 def _positive_int(text: str) -> int:
@@ -156,8 +179,16 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "nothing to do: give --world-size N --out DIR, --full FILE or --dry-run"
     if args.format == "dcp" and (args.out is None or args.full is not None or args.dry_run):
         return "--format dcp writes --out DIR only: give -n N -o DIR, without --full or --dry-run"
-    if args.format == "dcp" and not (len(args.sources) == 1 and os.path.isdir(args.sources[0])):
+    dcp_source = len(args.sources) == 1 and os.path.isdir(args.sources[0])
+    if args.format == "dcp" and not dcp_source:
         return "--format dcp needs one DCP checkpoint directory as SOURCE"
+    if args.max_memory is not None and (
+        not dcp_source or (args.out is not None and args.format != "dcp") or args.dry_run
+    ):
+        return (
+            "--max-memory applies to --full and --format dcp from a DCP checkpoint "
+            "(rank files and --dry-run hold the whole optimizer state)"
+        )
     return None
 
 
@@ -199,6 +230,22 @@ class _Source:
 def _run(args: argparse.Namespace) -> int:
     if args.format == "dcp":
         return _run_dcp(args)
+    if not (_is_dcp_source(args) and args.full is not None and not args.dry_run):
+        return _run_optim(args)
+    tmp, target = _stream_full_dcp(args), args.full
+    try:
+        if args.out is not None:
+            args.full = None
+            _run_optim(args)
+        _place(tmp, target, args.force)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    print(f"wrote the whole checkpoint (as dcp_to_torch_save does) to {target}")
+    return 0
+
+
+def _run_optim(args: argparse.Namespace) -> int:
     source = _read(args)
     out = sys.stdout
     _print_source(source, out)
@@ -223,6 +270,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_dcp_source(args: argparse.Namespace) -> bool:
+    return len(args.sources) == 1 and os.path.isdir(args.sources[0])
+
+
 def _run_dcp(args: argparse.Namespace) -> int:
     """Stream a DCP SOURCE into a DCP checkpoint for ``args.world_size`` ranks."""
     from famp import _dcp_reader as reader
@@ -244,7 +295,8 @@ def _run_dcp(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
         bar = _Progress("writing ranks", args.world_size, _progress_wanted(args, nbytes))
-        write_dcp(path, tmp, keys, args.world_size, workers=args.workers, progress=bar.update)
+        workers = _workers_within(args, ckpt)
+        write_dcp(path, tmp, keys, args.world_size, workers=workers, progress=bar.update)
         bar.close()
         _set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
         _replace(tmp, out, args.force)
@@ -253,6 +305,45 @@ def _run_dcp(args: argparse.Namespace) -> int:
         raise
     print(f"wrote a DCP checkpoint for {args.world_size} ranks to {out}")
     return 0
+
+
+def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
+    """``--workers``, lowered so that each worker's two chunks fit in ``--max-memory``."""
+    if args.max_memory is None:
+        return int(args.workers)
+    largest = max(
+        (
+            math.prod(c.sizes) * md.properties.dtype.itemsize
+            for md in ckpt.metadata.state_dict_metadata.values()
+            if hasattr(md, "chunks")
+            for c in md.chunks
+        ),
+        default=1,
+    )
+    return max(1, min(int(args.workers), int(args.max_memory) // max(1, 2 * largest)))
+
+
+def _stream_full_dcp(args: argparse.Namespace) -> str:
+    """``--full`` from a DCP SOURCE: what ``dcp_to_torch_save`` writes, streamed to a temp file."""
+    from famp._dcp_writer import write_torch_save
+
+    parent, name = os.path.split(os.path.abspath(args.full))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+    os.close(fd)
+    buffer = 64 * 2**20 if args.max_memory is None else min(64 * 2**20, int(args.max_memory))
+    try:
+        write_torch_save(args.sources[0], tmp, buffer_bytes=buffer)
+        _set_default_modes(None, [tmp])
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _place(tmp: str, target: str, force: bool) -> None:
+    if os.path.lexists(target) and not force:
+        raise FileExistsError(f"--full {target!r} exists; pass --force to replace it")
+    os.replace(tmp, target)
 
 
 def _read(args: argparse.Namespace) -> _Source:
