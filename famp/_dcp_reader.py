@@ -374,7 +374,8 @@ def _is_index(value: object, ndim: int) -> bool:
 
 
 def _check_tensor_md(key: str, md: TensorStorageMetadata, where: str) -> None:
-    props, size, chunks = md.properties, getattr(md, "size", None), getattr(md, "chunks", None)
+    props = getattr(md, "properties", None)
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
     if not isinstance(props, TensorProperties) or not isinstance(
         getattr(props, "dtype", None), torch.dtype
     ):
