@@ -1,10 +1,12 @@
-"""``famp-reshard``: reshard an FSDP optimizer checkpoint to another world size, offline.
+"""``famp-reshard``: reshard an FSDP checkpoint to another world size, offline.
 
-One process, no process group. The source is read into famp's canonical full form
-(``famp.load_dcp_optim_state`` for DCP, ``torch.load(weights_only=True)`` for files), cut with
-``famp.shard_optim_state`` for an FSDP2 layout of the new world size, and written one file per
-rank, or whole. Every output is written into a temporary sibling and renamed into place at the
-end, so a failure leaves nothing behind.
+No process group. For rank files (the default), the source is read into famp's canonical full
+form (``famp.load_dcp_optim_state`` for DCP, ``torch.load(weights_only=True)`` for files), cut
+with ``famp.shard_optim_state`` for an FSDP2 layout of the new world size, and written one file
+per rank. From a DCP checkpoint, ``--format dcp`` (a DCP checkpoint for W ranks) and ``--full``
+(``dcp_to_torch_save``'s file) stream chunk by chunk instead (``famp/_dcp_writer.py``). Every
+output is written into a temporary sibling and renamed into place at the end, so a failure
+leaves nothing behind.
 """
 
 from __future__ import annotations
