@@ -1,15 +1,18 @@
-"""``famp-reshard``: reshard an FSDP optimizer checkpoint to another world size, offline.
+"""``famp-reshard``: reshard an FSDP checkpoint to another world size, offline.
 
-One process, no process group. The source is read into famp's canonical full form
-(``famp.load_dcp_optim_state`` for DCP, ``torch.load(weights_only=True)`` for files), cut with
-``famp.shard_optim_state`` for an FSDP2 layout of the new world size, and written one file per
-rank, or whole. Every output is written into a temporary sibling and renamed into place at the
-end, so a failure leaves nothing behind.
+No process group. For rank files (the default), the source is read into famp's canonical full
+form (``famp.load_dcp_optim_state`` for DCP, ``torch.load(weights_only=True)`` for files), cut
+with ``famp.shard_optim_state`` for an FSDP2 layout of the new world size, and written one file
+per rank. From a DCP checkpoint, ``--format dcp`` (a DCP checkpoint for W ranks) and ``--full``
+(``dcp_to_torch_save``'s file) stream chunk by chunk instead (``famp/_dcp_writer.py``). Every
+output is written into a temporary sibling and renamed into place at the end, so a failure
+leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import re
@@ -28,7 +31,7 @@ from famp._fsdp import shard_optim_state, unshard_optim_state
 from famp._fsdp_layout import FSDP2Layout, fsdp2_layout
 
 PROG = "famp-reshard"
-_RANK_FILE = re.compile(r"rank\d+\.pt")
+_RANK_FILE = re.compile(r"rank\d+\.pt|__\d+_0\.distcp|\.metadata")
 PROGRESS_AUTO_BYTES = 256 * 2**20
 _MAX_LISTED = 4
 
@@ -53,7 +56,8 @@ param_groups are replicated. Load it with torch.load(path, weights_only=True).""
 EPILOG = """\
 examples:
   famp-reshard ckpt/step100 -n 3 -o resharded/      # DCP at any world size -> 3 rank files
-  famp-reshard ckpt/step100 --full optim_full.pt    # DCP -> one full state dict
+  famp-reshard ckpt/step100 --full full.pt          # DCP -> one file, as dcp_to_torch_save
+  famp-reshard ckpt/step100 -n 3 -o w3/ --format dcp --workers 3   # DCP -> DCP for 3 ranks
   famp-reshard resharded/rank*.pt -n 8 -o w8/       # 3 rank files -> 8
   famp-reshard optim_full.pt -n 64 --dry-run        # summary only
 
@@ -62,14 +66,25 @@ exit status: 0 on success, 1 on bad input (nothing written), 2 on a usage error.
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``famp-reshard`` with ``argv`` (``sys.argv[1:]`` if None); return the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    usage = _usage_error(args)
+    if usage is not None:
+        parser.error(usage)  # exits 2, as argparse does for every usage error
     try:
         _check_targets(args)
         return _run(args)
     except (ValueError, KeyError, TypeError, OSError, RuntimeError, pickle.UnpicklingError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
         return 1
+    except Exception as err:  # bad input must never end in a traceback
+        print(f"{PROG}: error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         "-n", "--world-size", type=_positive_int, help="number of ranks to reshard to"
     )
     parser.add_argument("-o", "--out", metavar="DIR", help="write rank00000.pt ... here (new dir)")
-    parser.add_argument("--full", metavar="FILE", help="write the full state dict to FILE")
+    parser.add_argument(
+        "--full",
+        metavar="FILE",
+        help="write one torch.save file: from a DCP checkpoint, the whole checkpoint as "
+        "dcp_to_torch_save writes it (streamed); from files, the full optimizer state dict",
+    )
     parser.add_argument(
         "--key",
         default="optim",
@@ -95,6 +115,26 @@ def _parser() -> argparse.ArgumentParser:
         default="model",
         help="key of the model state, used for parameter "
         "shapes (default: model); without it shapes come from the optimizer state",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("rank-files", "dcp"),
+        default="rank-files",
+        help="what -o DIR holds: rank*.pt files (default), or a DCP checkpoint that dcp.load "
+        "reads on WORLD_SIZE ranks (every entry of a DCP SOURCE, re-chunked, streamed)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="processes that write --format dcp output ranks in parallel (same files for any N)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory budget beyond one tensor, e.g. 512M or 2G, for --full and --format dcp "
+        "(which stream chunk by chunk): the copy buffer, and fewer --workers if needed",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and check; write nothing")
     parser.add_argument(
@@ -111,6 +151,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if found is None or float(found.group(1)) * _UNITS[found.group(2).upper()] < 1:
+        raise argparse.ArgumentTypeError(f"must be a size such as 512M or 2G, got {text!r}")
+    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -121,14 +171,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_targets(args: argparse.Namespace) -> None:
-    """Reject impossible option sets and existing outputs before reading anything."""
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """The message for an impossible option set, or None."""
     if args.out is not None and args.world_size is None:
-        raise ValueError("--out needs --world-size")
+        return "--out needs --world-size"
     if args.world_size is not None and args.out is None and not args.dry_run:
-        raise ValueError("--world-size needs --out DIR (or --dry-run)")
+        return "--world-size needs --out DIR (or --dry-run)"
     if args.out is None and args.full is None and not args.dry_run:
-        raise ValueError("nothing to do: give --world-size N --out DIR, --full FILE or --dry-run")
+        return "nothing to do: give --world-size N --out DIR, --full FILE or --dry-run"
+    if args.format == "dcp" and (args.out is None or args.full is not None or args.dry_run):
+        return "--format dcp writes --out DIR only: give -n N -o DIR, without --full or --dry-run"
+    dcp_source = len(args.sources) == 1 and os.path.isdir(args.sources[0])
+    if args.format == "dcp" and not dcp_source:
+        return "--format dcp needs one DCP checkpoint directory as SOURCE"
+    if args.max_memory is not None and (
+        not dcp_source or (args.out is not None and args.format != "dcp") or args.dry_run
+    ):
+        return (
+            "--max-memory applies to --full and --format dcp from a DCP checkpoint "
+            "(rank files and --dry-run hold the whole optimizer state)"
+        )
+    return None
+
+
+def _check_targets(args: argparse.Namespace) -> None:
+    """Reject existing outputs before reading anything."""
     if args.dry_run:
         return
     for path, kind in ((args.out, "--out"), (args.full, "--full")):
@@ -163,6 +230,24 @@ class _Source:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.format == "dcp":
+        return _run_dcp(args)
+    if not (_is_dcp_source(args) and args.full is not None and not args.dry_run):
+        return _run_optim(args)
+    tmp, target = _stream_full_dcp(args), args.full
+    try:
+        if args.out is not None:
+            args.full = None
+            _run_optim(args)
+        _place(tmp, target, args.force)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    print(f"wrote the whole checkpoint (as dcp_to_torch_save does) to {target}")
+    return 0
+
+
+def _run_optim(args: argparse.Namespace) -> int:
     source = _read(args)
     out = sys.stdout
     _print_source(source, out)
@@ -185,6 +270,82 @@ def _run(args: argparse.Namespace) -> int:
         if args.full is not None:
             print(f"wrote the full state dict to {args.full}", file=out)
     return 0
+
+
+def _is_dcp_source(args: argparse.Namespace) -> bool:
+    return len(args.sources) == 1 and os.path.isdir(args.sources[0])
+
+
+def _run_dcp(args: argparse.Namespace) -> int:
+    """Stream a DCP SOURCE into a DCP checkpoint for ``args.world_size`` ranks."""
+    from famp import _dcp_reader as reader
+    from famp._dcp_writer import write_dcp
+
+    path, out = args.sources[0], args.out
+    # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
+    shapes = _read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
+    fsdp2_layout(shapes, args.world_size)
+    ckpt = reader.Checkpoint(path)
+    keys = list(ckpt.metadata.state_dict_metadata)
+    ckpt.check_records(keys)
+    nbytes = 0
+    for md in ckpt.metadata.state_dict_metadata.values():
+        if reader.is_tensor_entry(md):
+            nbytes += math.prod(md.size) * md.properties.dtype.itemsize  # type: ignore[union-attr]
+    print(f"source      DCP checkpoint {path}: {len(keys)} entries, {_human(nbytes)}")
+    parent, name = os.path.split(os.path.abspath(out))
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        bar = _Progress("writing ranks", args.world_size, _progress_wanted(args, nbytes))
+        workers = _workers_within(args, ckpt)
+        write_dcp(path, tmp, keys, args.world_size, workers=workers, progress=bar.update)
+        bar.close()
+        _set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
+        _replace(tmp, out, args.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote a DCP checkpoint for {args.world_size} ranks to {out}")
+    return 0
+
+
+def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
+    """``--workers``, lowered so that each worker's two chunks fit in ``--max-memory``."""
+    if args.max_memory is None:
+        return int(args.workers)
+    largest = max(
+        (
+            math.prod(c.sizes) * md.properties.dtype.itemsize
+            for md in ckpt.metadata.state_dict_metadata.values()
+            if hasattr(md, "chunks")
+            for c in md.chunks
+        ),
+        default=1,
+    )
+    return max(1, min(int(args.workers), int(args.max_memory) // max(1, 2 * largest)))
+
+
+def _stream_full_dcp(args: argparse.Namespace) -> str:
+    """``--full`` from a DCP SOURCE: what ``dcp_to_torch_save`` writes, streamed to a temp file."""
+    from famp._dcp_writer import write_torch_save
+
+    parent, name = os.path.split(os.path.abspath(args.full))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+    os.close(fd)
+    buffer = 64 * 2**20 if args.max_memory is None else min(64 * 2**20, int(args.max_memory))
+    try:
+        write_torch_save(args.sources[0], tmp, buffer_bytes=buffer)
+        _set_default_modes(None, [tmp])
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _place(tmp: str, target: str, force: bool) -> None:
+    if os.path.lexists(target) and not force:
+        raise FileExistsError(f"--full {target!r} exists; pass --force to replace it")
+    os.replace(tmp, target)
 
 
 def _read(args: argparse.Namespace) -> _Source:
@@ -365,6 +526,7 @@ def _write_ranks(
             stats.append(_stats(shard, layout, rank))
             bar.update(1)
         bar.close()
+        _set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
         _replace(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -391,12 +553,28 @@ def _replace(tmp: str, target: str, force: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _set_default_modes(directory: str | None, files: Sequence[str]) -> None:
+    """Give outputs the modes ``open``/``mkdir`` would (``tempfile`` makes them private)."""
+    mask = _umask()
+    for path in files:
+        os.chmod(path, 0o666 & ~mask)
+    if directory is not None:
+        os.chmod(directory, 0o777 & ~mask)
+
+
 def _atomic_save(obj: object, path: str, force: bool) -> None:
     parent, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        _set_default_modes(None, [tmp])
         if os.path.lexists(path) and not force:
             raise FileExistsError(f"--full {path!r} exists; pass --force to replace it")
         os.replace(tmp, path)

@@ -47,3 +47,18 @@ def fsdp1_unit_settings(handle: _Any) -> tuple[list[str], list[tuple[int, ...]],
     flat = handle.flat_param
     shapes = [tuple(s) for s in flat._shapes]
     return list(flat._fqns), shapes, handle._fwd_bwd_param_dtype, bool(handle._use_orig_params)
+
+
+# --- checkpoints (famp/_dcp_writer.py) -------------------------------------------------------
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
+    """DCP's per-item storage record, for a ``.metadata`` that ``dcp.load`` reads.
+
+    ``FileSystemReader`` looks up each item's byte range in ``Metadata.storage_data`` as an
+    instance of this class (unpickled by name); torch has no public constructor for it. Imported
+    lazily: ``torch.distributed.checkpoint`` is heavy.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

@@ -3,9 +3,9 @@
 ``torch.distributed.checkpoint`` (DCP) saves ``{"model": msd, "optim": osd}`` from
 ``get_state_dict`` as flattened entries (``optim.state.<fqn>.exp_avg``,
 ``optim.param_groups.<i>.<key>``), each tensor as the chunks its ranks held. These functions
-rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint
-through DCP's own reader and load planner, with no process group; ``famp.shard_optim_state`` then
-cuts it for any layout and world size.
+rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint,
+reading DCP's on-disk format with every stated fact checked (``famp/_dcp_reader.py``), with no
+process group; ``famp.shard_optim_state`` then cuts it for any layout and world size.
 
 DCP's reader lives in ``torch.distributed.checkpoint``; famp confines that import to
 ``famp/_dcp_reader.py`` and imports it on the first read, so this module and ``import famp`` stay
@@ -26,6 +26,7 @@ import torch
 __all__ = ["load_dcp_optim_state", "read_dcp_param_shapes"]
 
 _OPTIM_KEYS = ("state", "param_groups")
+_FLAT_PREFIXES = ("state.", "param_groups.")
 
 
 def load_dcp_optim_state(
@@ -35,8 +36,9 @@ def load_dcp_optim_state(
 
     The checkpoint is what ``dcp.save({"model": msd, key: osd}, checkpoint_id=...)`` wrote at any
     world size, with ``osd`` from ``get_state_dict`` or ``get_optimizer_state_dict`` (FSDP2, or
-    FSDP1 sharded). Every tensor is assembled whole from its saved chunks (empty shards included)
-    by DCP's ``FileSystemReader`` and a load planner, in this process, with no process group.
+    FSDP1 sharded), in the nested or the flattened layout
+    (``StateDictOptions(flatten_optimizer_state_dict=True)``). Every tensor is assembled whole
+    from its saved chunks (empty shards included), in this process, with no process group.
 
     The result is what ``get_optimizer_state_dict`` returns with ``full_state_dict=True``:
     ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, tensors
@@ -46,6 +48,9 @@ def load_dcp_optim_state(
 
     Nothing in the checkpoint is unpickled beyond plain data: the ``.metadata`` file may only name
     DCP's metadata classes, and non-tensor values are read with ``torch.load(weights_only=True)``.
+    Every tensor record must hold the dtype and shape its metadata states, inside its file.
+    In the flattened layout, parameters whose hyperparameters are all equal come back as one
+    param group (that layout keeps no group boundaries).
 
     Args:
         checkpoint_id: the checkpoint directory (it holds ``.metadata`` and ``*.distcp`` files).
@@ -58,9 +63,11 @@ def load_dcp_optim_state(
     Raises:
         FileNotFoundError: ``checkpoint_id`` does not exist.
         KeyError: ``key`` or its ``param_groups`` is not in the checkpoint.
-        ValueError: not a DCP checkpoint; metadata naming a class famp does not unpickle; chunks
-            that do not tile a tensor; an entry under ``key`` other than ``state`` and
-            ``param_groups``; a parameter in two param groups or a state entry in none.
+        ValueError: not a DCP checkpoint; metadata naming a class famp does not unpickle, or
+            malformed; a record that disagrees with its metadata, lies outside its file or in a
+            file outside the checkpoint; chunks that do not tile a tensor; an entry under
+            ``key`` other than ``state`` and ``param_groups``; a parameter in two param groups
+            or a state entry in none.
 
     Examples:
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
@@ -118,19 +125,23 @@ def read_dcp_param_shapes(
     """
     from famp import _dcp_reader as reader
 
-    metadata = reader.read_metadata(checkpoint_id)
-    _check_optim_entries(metadata, checkpoint_id, optim_key)
-    groups = reader.read_entries(checkpoint_id, [(optim_key, "param_groups")])[optim_key]
-    optim = _canonical({"param_groups": groups["param_groups"]}, optim_key)
+    ckpt = reader.Checkpoint(checkpoint_id)
+    flat = _check_optim_entries(ckpt.metadata, checkpoint_id, optim_key)
     model: dict[str, torch.Size] = {}
-    state: dict[str, list[torch.Size]] = {}
-    for _, md, path in reader.selected_entries(metadata, [(key,), (optim_key, "state")]):
-        if not reader.is_tensor_entry(md):
-            continue
-        if len(path) == 2 and path[0] == key:
+    for _, md, path in ckpt.entries([(key,)]):
+        if reader.is_tensor_entry(md) and len(path) == 2:
             model[str(path[1])] = torch.Size(md.size)  # type: ignore[union-attr]
-        elif len(path) == 4 and path[0] == optim_key:
-            state.setdefault(str(path[2]), []).append(torch.Size(md.size))  # type: ignore[union-attr]
+    if flat:
+        optim = _load_optim_state(checkpoint_id, optim_key, None, tensors=False)
+    else:
+        groups = reader.read_entries(checkpoint_id, [(optim_key, "param_groups")])[optim_key]
+        optim = _canonical({"param_groups": groups["param_groups"]}, optim_key)
+    state: dict[str, list[torch.Size]] = {}
+    for _, md, path in ckpt.entries([(optim_key,)]):
+        if reader.is_tensor_entry(md):
+            fqn = _state_fqn(path, flat, optim["param_groups"])
+            if fqn is not None:
+                state.setdefault(fqn, []).append(torch.Size(md.size))  # type: ignore[union-attr]
     shapes = {}
     for fqn in _group_fqns(optim["param_groups"]):
         shape = model.get(fqn)
@@ -165,10 +176,10 @@ def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
     """Bytes of the tensors saved under ``key``, from the metadata alone."""
     from famp import _dcp_reader as reader
 
-    metadata = reader.read_metadata(checkpoint_id)
-    _check_optim_entries(metadata, checkpoint_id, key)
+    ckpt = reader.Checkpoint(checkpoint_id)
+    _check_optim_entries(ckpt.metadata, checkpoint_id, key)
     total = 0
-    for _, md, _ in reader.selected_entries(metadata, [(key,)]):
+    for _, md, _ in ckpt.entries([(key,)]):
         if reader.is_tensor_entry(md):
             props, size = md.properties, md.size  # type: ignore[union-attr]
             total += torch.Size(size).numel() * torch.empty((), dtype=props.dtype).element_size()
@@ -176,35 +187,129 @@ def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
 
 
 def _load_optim_state(
-    checkpoint_id: str | os.PathLike[str], key: str, progress: Callable[[int], None] | None
+    checkpoint_id: str | os.PathLike[str],
+    key: str,
+    progress: Callable[[int], None] | None,
+    *,
+    tensors: bool = True,
 ) -> dict[str, Any]:
     from famp import _dcp_reader as reader
 
-    metadata = reader.read_metadata(checkpoint_id)
-    _check_optim_entries(metadata, checkpoint_id, key)
-    raw = reader.read_entries(checkpoint_id, [(key,)], progress)[key]
-    return _canonical(raw, key)
+    ckpt = reader.Checkpoint(checkpoint_id)
+    flat = _check_optim_entries(ckpt.metadata, checkpoint_id, key)
+    if not flat:
+        raw = reader.read_entries(checkpoint_id, [(key,)], progress)[key]
+        return _canonical(raw, key)
+    entries = ckpt.entries([(key,)])
+    wanted = [p for _, md, p in entries if tensors or not reader.is_tensor_entry(md)]
+    items = {str(p[1]): v for p, v in reader.iter_entries(ckpt, wanted, progress)}
+    model_order = [str(p[1]) for _, _, p in ckpt.entries([("model",)]) if len(p) == 2]
+    return _unflatten(items, key, model_order)
 
 
-def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> None:
+def _unflatten(items: dict[str, Any], where: str, model_order: list[str]) -> dict[str, Any]:
+    """The canonical form of a state saved with ``flatten_optimizer_state_dict=True``.
+
+    The saved keys are ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyperparameter>``.
+    Parameters whose hyperparameters are all equal form one group (the flattened form keeps no
+    group boundaries); groups and parameters follow the model's order where the checkpoint has
+    the model, else the saved order.
+    """
+    hyper: dict[str, dict[str, Any]] = {}
+    for name, value in items.items():
+        if name.startswith("param_groups."):
+            fqn, _, hp_name = name[len("param_groups.") :].rpartition(".")
+            if not fqn or not hp_name:
+                raise ValueError(f"DCP entry '{where}.{name}' names no parameter")
+            hyper.setdefault(fqn, {})[hp_name] = value
+    if not hyper:
+        raise KeyError(f"{where}.param_groups.<fqn>.<name> entries are not in the checkpoint")
+    rank = {fqn: i for i, fqn in enumerate(model_order)}
+    fqns = sorted(hyper, key=lambda f: rank.get(f, len(rank)))  # stable: saved order otherwise
+    by_fqn_len = sorted(fqns, key=len, reverse=True)
+    state: dict[str, dict[str, Any]] = {}
+    for name, value in items.items():
+        if not name.startswith("state."):
+            continue
+        rest = name[len("state.") :]
+        owner = next((f for f in by_fqn_len if rest.startswith(f + ".")), None)
+        if owner is None:
+            raise ValueError(f"DCP entry '{where}.{name}': its parameter is in no param group")
+        sub = rest[len(owner) + 1 :]
+        if "." in sub:
+            raise ValueError(
+                f"DCP entry '{where}.{name}': nested optimizer state ({sub!r}) is not supported"
+            )
+        state.setdefault(owner, {})[sub] = value
+    groups: list[dict[str, Any]] = []
+    for fqn in fqns:
+        hp = dict(sorted(hyper[fqn].items()))
+        same = next((g for g in groups if _same_hyper(g, hp)), None)
+        if same is None:
+            groups.append({**hp, "params": [fqn]})
+        else:
+            same["params"].append(fqn)
+    return _canonical({"state": state, "param_groups": groups}, where)
+
+
+def _same_hyper(group: dict[str, Any], hp: dict[str, Any]) -> bool:
+    other = {k: v for k, v in group.items() if k != "params"}
+    if other.keys() != hp.keys():
+        return False
+    for k, v in hp.items():
+        w = other[k]
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor)):
+                return False
+            if v.dtype != w.dtype or v.shape != w.shape or not torch.equal(v, w):
+                return False
+        elif type(v) is not type(w) or v != w:
+            return False
+    return True
+
+
+def _state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) -> str | None:
+    if not flat:
+        return str(path[2]) if len(path) == 4 and path[1] == "state" else None
+    name = str(path[1])
+    if not name.startswith("state."):
+        return None
+    fqns = sorted(_group_fqns(groups), key=len, reverse=True)
+    return next((f for f in fqns if name[len("state.") :].startswith(f + ".")), None)
+
+
+def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
+    """Check the entries under ``key``; return whether they are in the flattened layout."""
     from famp import _dcp_reader as reader
 
     paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]
-    if not any(p[0] == key for p in paths):
+    mine = [p for p in paths if p[0] == key]
+    if not mine:
         tops = sorted({str(p[0]) for p in paths})
         raise KeyError(
             f"key {key!r} is not in DCP checkpoint {os.fspath(checkpoint_id)!r}; "
             f"its top-level keys are {tops}"
         )
-    for p in paths:
-        if p[0] == key and (len(p) < 3 or p[1] not in _OPTIM_KEYS):
-            flat = ".".join(map(str, p))
-            raise ValueError(
-                f"DCP entry {flat!r} is not an optimizer state dict entry "
-                f"({key}.state.<fqn>.<name> or {key}.param_groups.<i>.<name>)"
+    flat = all(len(p) == 2 and str(p[1]).startswith(_FLAT_PREFIXES) for p in mine)
+    if flat:
+        if not any(str(p[1]).startswith("param_groups.") for p in mine):
+            raise KeyError(
+                f"{key}.param_groups.<fqn>.<name> entries are not in DCP checkpoint "
+                f"{os.fspath(checkpoint_id)!r}"
             )
-    if not any(p[0] == key and p[1] == "param_groups" for p in paths):
+        return True
+    for p in mine:
+        if len(p) < 3 or p[1] not in _OPTIM_KEYS:
+            flat_key = ".".join(map(str, p))
+            raise ValueError(
+                f"DCP entry {flat_key!r} (path {p!r}) is not an optimizer state dict entry: "
+                f"expected the paths ({key!r}, 'state', <fqn>, <name>) and ({key!r}, "
+                f"'param_groups', <i>, <name>), or, all flattened, ({key!r}, "
+                f"'state.<fqn>.<name>') and ({key!r}, 'param_groups.<fqn>.<name>')"
+            )
+    if not any(p[1] == "param_groups" for p in mine):
         raise KeyError(f"{key}.param_groups is not in DCP checkpoint {os.fspath(checkpoint_id)!r}")
+    return False
 
 
 def _canonical(raw: dict[str, Any], where: str) -> dict[str, Any]:

@@ -1,20 +1,23 @@
-"""DCP's own storage reader and load planner, restricted for offline use in one process.
+"""A DCP checkpoint read offline, in one process, trusting nothing in it.
 
-This is the only famp module that imports ``torch.distributed.checkpoint``. It runs no collective
-and needs no process group: it drives DCP's ``FileSystemReader`` and a ``DefaultLoadPlanner``
-through ``_load_state_dict(..., no_dist=True)``, the same path ``dcp_to_torch_save`` takes.
-``famp/_dcp.py`` imports it lazily, on the first read, so ``import famp`` does not pay for DCP.
+famp reads DCP's on-disk format itself (the public metadata classes of
+``torch.distributed.checkpoint.metadata``; each saved item is a ``torch.save`` record at a byte
+range of a ``.distcp`` file) instead of driving DCP's loader, so that every fact the metadata
+states is checked against the bytes before it is used:
 
-Two things differ from DCP's defaults, both so that an untrusted checkpoint is never unpickled:
+* ``.metadata`` (a plain pickle) is read by an unpickler that builds only DCP's metadata classes,
+  ``torch.Size``, dtypes, layouts and paths; its structure is then checked field by field;
+* every storage path stays inside the checkpoint directory, names a regular file (a symlink
+  whose target lies outside the directory is refused) and every byte range lies inside its file;
+* every tensor record is read with ``torch.load(weights_only=True)`` and must hold exactly the
+  dtype and the chunk shape the metadata states (DCP itself casts silently); non-tensor items
+  are read with ``torch.load(weights_only=True)`` (DCP uses ``weights_only=False``);
+* the saved chunks of every tensor must tile it exactly (no gap, no overlap).
 
-* the ``.metadata`` file (a plain pickle) is read with an unpickler that builds only DCP's metadata
-  classes, ``torch.Size``, dtypes, layouts and paths; anything else raises ``ValueError``;
-* non-tensor items (``param_groups`` values) are read with ``torch.load(weights_only=True)``
-  instead of DCP's ``weights_only=False``. Tensor items already are.
-
-Storage paths in the metadata must stay inside the checkpoint directory, and the saved chunks of
-every tensor that is read must tile it exactly (no gap, no overlap), so no element is left
-uninitialized.
+Any failure is a ``ValueError`` (``FileNotFoundError`` for a missing directory) naming the file
+and the key. DCP stores no checksums: flipped payload bytes read as wrong values, as in torch.
+``famp/_dcp.py`` imports this module lazily, on the first read, so ``import famp`` does not pay
+for ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -23,24 +26,19 @@ import io
 import itertools
 import math
 import os
-import pathlib
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
-    StorageMeta,
+    MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 Path = tuple[str | int, ...]
 """A key's path in the nested state dict, e.g. ``("optim", "state", "0.weight", "exp_avg")``."""
@@ -56,123 +54,348 @@ _METADATA_CLASSES = {
         "TensorProperties",
         "_MEM_FORMAT_ENCODING",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
 
 
-class _RefusedGlobalError(ValueError):
-    """A global that the metadata unpickler does not build."""
+class StorageRecord:
+    """Where one saved item lies: DCP's per-item storage info, rebuilt without DCP's class."""
+
+    relative_path: Any = None
+    offset: Any = None
+    length: Any = None
+    transform_descriptors: Any = None
+
+    def __setstate__(self, state: object) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"a storage record holds a {type(state).__name__}, not fields")
+        self.__dict__.update(state)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata classes and plain data only."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            return StorageRecord
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return getattr(torch, name)
-        msg = f"DCP .metadata refers to {module}.{name}, which famp does not unpickle"
-        raise _RefusedGlobalError(msg)
+        raise ValueError(f"DCP .metadata refers to {module}.{name}, which famp does not unpickle")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read without arbitrary unpickling."""
+class Checkpoint:
+    """A DCP checkpoint directory whose metadata has been read and checked."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint_id {str(self.path)!r} is not a DCP checkpoint: no {path}")
-        with self.fs.create_stream(path, "rb") as stream:
-            try:
-                metadata = _MetadataUnpickler(stream).load()
-            except _RefusedGlobalError:
-                raise
-            except Exception as err:  # whatever a malformed pickle makes the unpickler raise
-                msg = f"DCP metadata {str(path)!r} is not readable: {type(err).__name__}: {err}"
-                raise ValueError(msg) from err
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"DCP metadata {str(path)!r} holds a {type(metadata).__name__}")
-        for index, info in (metadata.storage_data or {}).items():
-            rel = pathlib.PurePath(str(getattr(info, "relative_path", "")))
-            if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-                raise ValueError(f"DCP item {index.fqn!r} points outside the checkpoint: {rel}")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
-        metadata.storage_meta = storage_meta
-        return metadata
+    def __init__(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        self.root = _existing_dir(checkpoint_id)
+        self.metadata = _read_metadata(self.root)
+        self._sizes: dict[str, int] = {}
 
+    def entries(
+        self, prefixes: Iterable[Path]
+    ) -> list[tuple[str, TensorStorageMetadata | BytesStorageMetadata, Path]]:
+        """``(flat key, storage metadata, path)`` of every entry whose path starts with a prefix."""
+        prefixes = [tuple(p) for p in prefixes]
+        out = []
+        for key, md in self.metadata.state_dict_metadata.items():
+            path = entry_path(self.metadata, key)
+            if any(path[: len(p)] == p for p in prefixes):
+                out.append((key, md, path))
+        return out
 
-class OfflineLoadPlanner(DefaultLoadPlanner):
-    """Rebuilds the saved entries under some path prefixes as full tensors and plain values.
+    def check_records(self, keys: Iterable[str]) -> None:
+        """Check, from the metadata and the files' sizes, every record that ``keys`` read."""
+        for key in keys:
+            for index in self._indices(key):
+                self._record(key, index)
 
-    Like DCP's ``_EmptyStateDictLoadPlanner``, but selects entries by their unflattened path, reads
-    non-tensor items with ``weights_only=True`` and reports progress.
-    """
+    def read(self, key: str) -> Any:
+        """The entry ``key``: a whole tensor assembled from its chunks, or a plain value."""
+        md = self.metadata.state_dict_metadata[key]
+        if isinstance(md, BytesStorageMetadata):
+            return self._load(key, MetadataIndex(key), "item", plain=True)
+        return self.read_tensor(key, md)
 
-    def __init__(
-        self, prefixes: Iterable[Path], progress: Callable[[int], None] | None = None
-    ) -> None:
-        super().__init__()
-        self.prefixes = [tuple(p) for p in prefixes]
-        self.progress = progress
+    def read_tensor(self, key: str, md: TensorStorageMetadata) -> torch.Tensor:
+        """The tensor ``key`` assembled whole, on CPU, in its saved dtype."""
+        dtype, size = md.properties.dtype, torch.Size(md.size)
+        chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
+        if len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(size):
+            return self.read_chunk(key, md, chunks[0]).contiguous()
+        out = torch.empty(size, dtype=dtype)
+        for chunk in chunks:
+            view = out
+            for dim, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                view = view.narrow(dim, o, s)
+            view.copy_(self.read_chunk(key, md, chunk))
+        return out
 
-    def set_up_planner(
+    def read_region(
         self,
-        state_dict: dict[str, Any],
-        metadata: Metadata | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        if metadata is None:
-            raise ValueError("DCP metadata is missing")
-        for key, md, path in selected_entries(metadata, self.prefixes):
-            if isinstance(md, TensorStorageMetadata):
-                check_chunks_tile(key, md)
-                value: Any = torch.empty(md.size, dtype=md.properties.dtype)
-            else:
-                value = md
-            set_element(state_dict, path, value)
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        key: str,
+        md: TensorStorageMetadata,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of tensor ``key``, reading only the chunks it overlaps."""
+        out: torch.Tensor | None = None
+        for chunk in md.chunks:
+            if math.prod(chunk.sizes) == 0:
+                continue
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
+            hi = [
+                min(o + s, c + cs)
+                for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
+            ]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            saved = self.read_chunk(key, md, chunk)
+            if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
+                return saved.contiguous()
+            if out is None:
+                out = torch.empty(sizes, dtype=md.properties.dtype)
+            src, dst = saved, out
+            for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+                src = src.narrow(dim, a - chunk.offsets[dim], b - a)
+                dst = dst.narrow(dim, a - offsets[dim], b - a)
+            dst.copy_(src)
+            del saved, src
+        return out if out is not None else torch.empty(sizes, dtype=md.properties.dtype)
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
+    def raw_bytes(self, key: str) -> bytes:
+        """The stored bytes of the item ``key``, as checked by ``_record``."""
+        record = self._record(key, MetadataIndex(key))
+        with open(os.path.join(self.root, record.relative_path), "rb") as f:
+            f.seek(record.offset)
+            return f.read(record.length)
+
+    def read_chunk(
+        self, key: str, md: TensorStorageMetadata, chunk: ChunkStorageMetadata
+    ) -> torch.Tensor:
+        """One saved chunk of ``key``, checked against its metadata."""
+        where = f"tensor {key!r} (chunk at offsets {list(chunk.offsets)})"
+        value = self._load(key, MetadataIndex(key, chunk.offsets), where, plain=False)
+        rel = self._record(key, MetadataIndex(key, chunk.offsets)).relative_path
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
             raise ValueError(
-                f"DCP item {fqn!r} is not plain data; famp does not unpickle it"
-            ) from err
-        set_element(self.original_state_dict, self.mappings[fqn], obj)
-        if self.progress is not None:
-            self.progress(0)
+                f"DCP file {rel!r}: the record of {where} holds a {type(value).__name__}, "
+                "not a dense tensor"
+            )
+        if value.dtype != md.properties.dtype:
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {where} holds {value.dtype} data where the "
+                f"metadata says {md.properties.dtype}"
+            )
+        if tuple(value.shape) != tuple(chunk.sizes):
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {where} holds shape {list(value.shape)} where "
+                f"the metadata says {list(chunk.sizes)}"
+            )
+        return value
 
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        if self.progress is not None:
-            self.progress(tensor.numel() * tensor.element_size())
+    def _indices(self, key: str) -> list[MetadataIndex]:
+        md = self.metadata.state_dict_metadata[key]
+        if isinstance(md, BytesStorageMetadata):
+            return [MetadataIndex(key)]
+        return [MetadataIndex(key, c.offsets) for c in md.chunks if math.prod(c.sizes) > 0]
+
+    def _record(self, key: str, index: MetadataIndex) -> StorageRecord:
+        record: StorageRecord | None = self.metadata.storage_data.get(index)
+        if record is None:
+            raise ValueError(f"DCP metadata has no storage record for {key!r} at {index.offset}")
+        rel = record.relative_path
+        if rel not in self._sizes:
+            self._sizes[rel] = _file_size(self.root, rel)
+        end = record.offset + record.length
+        if end > self._sizes[rel]:
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {key!r} spans bytes {record.offset}..{end}, "
+                f"past the file's end ({self._sizes[rel]} bytes): the file is truncated"
+            )
+        return record
+
+    def _load(self, key: str, index: MetadataIndex, where: str, *, plain: bool) -> Any:
+        record = self._record(key, index)
+        rel = record.relative_path
+        with open(os.path.join(self.root, rel), "rb") as f:
+            window = _Window(f, record.offset, record.length)
+            try:
+                return torch.load(window, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+            except pickle.UnpicklingError as err:
+                what = "is not plain data" if plain else "is not a plain tensor"
+                raise ValueError(
+                    f"DCP file {rel!r}: {where} {key!r} {what}; famp does not unpickle it"
+                ) from err
+            except Exception as err:  # whatever damaged bytes make torch.load raise
+                raise ValueError(
+                    f"DCP file {rel!r}: the record of {where} {key!r} "
+                    f"(bytes {record.offset}..{record.offset + record.length}) is not a torch.save "
+                    f"record: {_reason(err)}"
+                ) from err
+
+
+class _Window(io.RawIOBase):
+    """The byte range ``[offset, offset + length)`` of an open file, as a seekable file."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n]) or 0
+        self.pos += got
+        return got
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, EOFError):
+        return "it ends early (truncated or damaged)"
+    text = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+    if not text or "weights_only" in text:
+        return f"{type(err).__name__} (damaged bytes)"
+    return text[:200]
+
+
+def _file_size(root: str, rel: str) -> int:
+    path = os.path.join(root, rel)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if os.path.commonpath([target, os.path.realpath(root)]) != os.path.realpath(root):
+            raise ValueError(
+                f"DCP file {rel!r} is a symlink to {target!r}, outside the checkpoint directory; "
+                "famp does not follow it"
+            )
+    if not os.path.isfile(path):
+        raise ValueError(f"DCP file {rel!r} named by the metadata is missing from {root!r}")
+    return os.path.getsize(path)
+
+
+def _read_metadata(root: str) -> Metadata:
+    path = os.path.join(root, ".metadata")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint_id {root!r} is not a DCP checkpoint: no {path}")
+    with open(path, "rb") as stream:
+        try:
+            metadata = _MetadataUnpickler(stream).load()
+        except ValueError as err:
+            if "famp does not unpickle" in str(err):
+                raise
+            raise ValueError(f"DCP metadata {path!r} is not readable: {err}") from err
+        except Exception as err:  # whatever a malformed pickle makes the unpickler raise
+            reason = _reason(err)
+            raise ValueError(f"DCP metadata {path!r} is not readable: {reason}") from err
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"DCP metadata {path!r} holds a {type(metadata).__name__}")
+    _check_metadata(metadata, path)
+    return metadata
+
+
+def _check_metadata(metadata: Metadata, where: str) -> None:
+    """Raise ``ValueError`` naming the field unless ``metadata`` is well formed."""
+    sdm = getattr(metadata, "state_dict_metadata", None)
+    planner = getattr(metadata, "planner_data", None)
+    storage = getattr(metadata, "storage_data", None)
+    for name, value in (("state_dict_metadata", sdm), ("storage_data", storage)):
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"DCP metadata {where!r}: {name} is a {type(value).__name__}, not a dict"
+            )
+    if planner is not None and not isinstance(planner, dict):
+        raise ValueError(f"DCP metadata {where!r}: planner_data is a {type(planner).__name__}")
+    assert isinstance(sdm, dict)
+    assert isinstance(storage, dict)
+    for key, md in sdm.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"DCP metadata {where!r}: entry key {key!r} is not a non-empty str")
+        path = (planner or {}).get(key, (key,))
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(type(p) in (str, int) for p in path)
+            or not isinstance(path[0], str)
+        ):
+            raise ValueError(f"DCP metadata {where!r}: the path of {key!r} is malformed: {path!r}")
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor_md(key, md, where)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise ValueError(f"DCP metadata {where!r}: entry {key!r} is a {type(md).__name__}")
+    for index, record in storage.items():
+        fqn = getattr(index, "fqn", None)
+        if not isinstance(index, MetadataIndex) or not isinstance(record, StorageRecord):
+            raise ValueError(f"DCP metadata {where!r}: storage_data entry for {fqn!r} is malformed")
+        rel, offset, length = record.relative_path, record.offset, record.length
+        if not isinstance(rel, str) or not _inside(rel):
+            raise ValueError(f"DCP item {fqn!r} points outside the checkpoint: {rel!r}")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {fqn!r} has offset {offset!r} and length "
+                f"{length!r}; both must be ints >= 0"
+            )
+        if record.transform_descriptors:
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {fqn!r} is stored through extensions "
+                f"{record.transform_descriptors!r}, which famp does not read"
+            )
+
+
+def _inside(rel: str) -> bool:
+    parts = rel.replace("\\", "/").split("/")
+    return bool(rel) and not os.path.isabs(rel) and ".." not in parts and "\x00" not in rel
+
+
+def _is_index(value: object, ndim: int) -> bool:
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == ndim
+        and all(type(v) is int and v >= 0 for v in value)
+    )
+
+
+def _check_tensor_md(key: str, md: TensorStorageMetadata, where: str) -> None:
+    props = getattr(md, "properties", None)
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+    if not isinstance(props, TensorProperties) or not isinstance(
+        getattr(props, "dtype", None), torch.dtype
+    ):
+        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has no dtype ({props!r})")
+    if not isinstance(size, tuple) or not _is_index(size, len(size)):
+        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has size {size!r}")
+    if not isinstance(chunks, list) or not all(
+        isinstance(c, ChunkStorageMetadata)
+        and _is_index(getattr(c, "offsets", None), len(size))
+        and _is_index(getattr(c, "sizes", None), len(size))
+        for c in chunks
+    ):
+        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has malformed chunks")
+    check_chunks_tile(key, md)
 
 
 def entry_path(metadata: Metadata, key: str) -> Path:
     """The unflattened path of a flattened metadata key."""
     planner_data = metadata.planner_data or {}
     return tuple(planner_data.get(key, (key,)))
-
-
-def selected_entries(
-    metadata: Metadata, prefixes: Iterable[Path]
-) -> list[tuple[str, TensorStorageMetadata | BytesStorageMetadata, Path]]:
-    """``(flat key, storage metadata, path)`` of every entry whose path starts with a prefix."""
-    prefixes = [tuple(p) for p in prefixes]
-    out = []
-    for key, md in metadata.state_dict_metadata.items():
-        path = entry_path(metadata, key)
-        if any(path[: len(p)] == p for p in prefixes):
-            out.append((key, md, path))
-    return out
 
 
 def check_chunks_tile(key: str, md: TensorStorageMetadata) -> None:
@@ -209,9 +432,61 @@ def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     )
 
 
+def set_element(root: dict[str, Any], path: Path, value: Any) -> None:
+    """Put ``value`` at ``path`` in ``root``, as DCP nests entries (int keys make lists)."""
+    container: Any = root
+    for key, nxt in itertools.pairwise(path):
+        container = _child(container, key, [] if type(nxt) is int else {}, path)
+    _put(container, path[-1], value, path)
+
+
+def _child(container: Any, key: str | int, default: Any, path: Path) -> Any:
+    _put(container, key, None, path, only_if_missing=True)
+    child = container[key]
+    if child is None:
+        container[key] = child = default
+    if type(child) is not type(default):
+        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
+    return child
+
+
+def _put(
+    container: Any, key: str | int, value: Any, path: Path, only_if_missing: bool = False
+) -> None:
+    if isinstance(container, dict) and type(key) is str:
+        if not only_if_missing or key not in container:
+            container[key] = value
+    elif isinstance(container, list) and type(key) is int:
+        if key > 1_000_000:
+            raise ValueError(f"DCP entry {'.'.join(map(str, path))!r}: list index {key} too large")
+        container.extend([None] * (key + 1 - len(container)))
+        if not only_if_missing or container[key] is None:
+            container[key] = value
+    else:
+        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
+
+
 def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
-    """The checkpoint's metadata, read without arbitrary unpickling."""
-    return SafeFileSystemReader(_existing_dir(checkpoint_id)).read_metadata()
+    """The checkpoint's metadata, read without arbitrary unpickling and checked."""
+    return Checkpoint(checkpoint_id).metadata
+
+
+def iter_entries(
+    ckpt: Checkpoint,
+    prefixes: Iterable[Path],
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[tuple[Path, Any]]:
+    """``(path, value)`` of every entry under ``prefixes``, in the metadata's order, one at a time.
+
+    Every record is checked against the files' sizes before the first is read.
+    """
+    selected = ckpt.entries(prefixes)
+    ckpt.check_records(k for k, _, _ in selected)
+    for key, _, path in selected:
+        value = ckpt.read(key)
+        if progress is not None:
+            progress(value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0)
+        yield path, value
 
 
 def read_entries(
@@ -220,22 +495,9 @@ def read_entries(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The nested state dict of every saved entry under ``prefixes``, tensors whole, on CPU."""
-    path = _existing_dir(checkpoint_id)
     state_dict: dict[str, Any] = {}
-    try:
-        _load_state_dict(
-            state_dict,
-            storage_reader=SafeFileSystemReader(path),
-            planner=OfflineLoadPlanner(prefixes, progress),
-            no_dist=True,
-        )
-    except CheckpointException as err:  # DCP wraps what failed inside its steps
-        (exc, _), *_ = err.failures.values()
-        if isinstance(exc, (ValueError, KeyError, OSError)):
-            raise exc from None
-        raise ValueError(
-            f"DCP checkpoint {path!r} is not readable: {type(exc).__name__}: {exc}"
-        ) from exc
+    for path, value in iter_entries(Checkpoint(checkpoint_id), prefixes, progress):
+        set_element(state_dict, path, value)
     return state_dict
 
 

@@ -11,7 +11,13 @@ shards are empty) for two steps and ``dcp.save`` ``{"model": msd, "optim": osd}`
 by its local tensor to ``DIR/local{W}_{rank}.pt``. If ``DIR/famp{W}/rank{rank:05d}.pt`` exist
 (``famp-reshard`` output), a fresh model and optimizer also load them as a user would
 (``DTensor.from_local`` + ``set_optimizer_state_dict``) and record the result the same way in
-``DIR/fromfamp{W}_{rank}.pt``.
+``DIR/fromfamp{W}_{rank}.pt``. If ``DIR/dcp{W}`` exists (``famp-reshard --format dcp`` output),
+a fresh model and optimizer ``dcp.load`` it and record optimizer and model state in
+``DIR/fromdcp{W}_{rank}.pt``; the direct load's model state goes to ``DIR/model{W}_{rank}.pt``.
+
+``save`` also writes ``DIR/ckpt_flat`` (``flatten_optimizer_state_dict=True``) and, from the
+same training with matrices sharded on dim 1 (``shard_placement_fn``), ``DIR/ckpt_dim1`` and its
+full optimizer state ``DIR/full_dim1.pt``.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -77,11 +84,34 @@ def build_optimizer(model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Opti
     )
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module, dim: int = 0) -> None:
+    """FSDP2 on each layer and the root; ``dim=1`` shards on dim 1 what divides evenly there.
+
+    (FSDP2 refuses uneven sharding on dims other than 0.)
+    """
+    kwargs: dict[str, Any] = {}
+    if dim:
+        w = dist.get_world_size()
+        kwargs["shard_placement_fn"] = lambda p: Shard(
+            dim if p.dim() > dim and p.shape[dim] % w == 0 else 0
+        )
     for layer in model:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, rank: int) -> None:
+    torch.manual_seed(1 + rank)
+    for _ in range(2):
+        loss = model(torch.randn(8, 6)).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
+def model_local(msd: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in msd.items()}
 
 
 def to_local(osd: dict[str, Any]) -> dict[str, Any]:
@@ -123,14 +153,25 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
         optim = build_optimizer(model, 1.0 if mode == "save" else 10.0)
         ckpt = os.path.join(out, "ckpt")
         if mode == "save":
-            torch.manual_seed(1 + rank)
-            for _ in range(2):
-                loss = model(torch.randn(8, 6)).square().mean()
-                loss.backward()
-                optim.step()
-                optim.zero_grad(set_to_none=True)
+            train(model, optim, rank)
             msd, osd = get_state_dict(model, optim)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+            # torchtitan's layout: the optimizer state flattened to ("optim", "state.<fqn>.<k>")
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            fmsd, fosd = get_state_dict(model, optim, options=flat)
+            dcp.save({"model": fmsd, "optim": fosd}, checkpoint_id=os.path.join(out, "ckpt_flat"))
+            # The same training with matrices sharded on dim 1 (shard_placement_fn).
+            model1 = build_model()
+            shard(model1, dim=1)
+            optim1 = build_optimizer(model1)
+            train(model1, optim1, rank)
+            msd1, osd1 = get_state_dict(model1, optim1)
+            dcp.save({"model": msd1, "optim": osd1}, checkpoint_id=os.path.join(out, "ckpt_dim1"))
+            full1 = get_optimizer_state_dict(
+                model1, optim1, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if rank == 0:
+                torch.save(full1, os.path.join(out, "full_dim1.pt"))
             torch.save(to_local(osd), os.path.join(out, f"local{world_size}_{rank}.pt"))
             full = get_optimizer_state_dict(
                 model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -146,6 +187,28 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
             )
             local = to_local(get_optimizer_state_dict(model, optim))
             torch.save(local, os.path.join(out, f"local{world_size}_{rank}.pt"))
+            torch.save(
+                model_local(get_model_state_dict(model)),
+                os.path.join(out, f"model{world_size}_{rank}.pt"),
+            )
+            famp_dcp = os.path.join(out, f"dcp{world_size}")
+            if os.path.isdir(famp_dcp):  # famp-reshard --format dcp output, loaded by DCP
+                model = build_model()
+                shard(model)
+                optim = build_optimizer(model, 10.0)
+                msd, osd = get_state_dict(model, optim)
+                state = {"model": msd, "optim": osd}
+                dcp.load(state, checkpoint_id=famp_dcp)
+                set_state_dict(
+                    model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
+                torch.save(
+                    {
+                        "optim": to_local(get_optimizer_state_dict(model, optim)),
+                        "model": model_local(get_model_state_dict(model)),
+                    },
+                    os.path.join(out, f"fromdcp{world_size}_{rank}.pt"),
+                )
             famp_file = os.path.join(out, f"famp{world_size}", f"rank{rank:05d}.pt")
             if os.path.exists(famp_file):  # famp-reshard's rank file, loaded as a user would
                 model = build_model()

@@ -14,6 +14,7 @@ import runpy
 import subprocess
 import sys
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import pytest
@@ -183,9 +184,6 @@ def test_existing_outputs_need_force(
     ("argv", "message"),
     [
         (["{missing}", "--dry-run"], "does not exist"),
-        (["{full}"], "nothing to do"),
-        (["{full}", "-n", "2"], "--world-size needs --out DIR"),
-        (["{full}", "-o", "{out}"], "--out needs --world-size"),
         (["{full}", "{groups}", "-n", "2", "-o", "{out}"], "differs from shards[0]"),
         (["{pickle}", "-n", "2", "-o", "{out}"], "refused it"),
         (["{notosd}", "-n", "2", "-o", "{out}"], "keys are ['a', 'b']"),
@@ -266,6 +264,15 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
+    for argv, message in [
+        (["x.pt"], "nothing to do"),
+        (["x.pt", "-n", "2"], "--world-size needs --out DIR"),
+        (["x.pt", "-o", "out"], "--out needs --world-size"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert f"famp-reshard: error: {message}" in capsys.readouterr().err
 
 
 def test_help_documents_sources_outputs_and_safety(capsys: pytest.CaptureFixture[str]) -> None:
@@ -331,3 +338,126 @@ def test_python_m_famp_reshard_runs_as_a_process(tmp_path: pathlib.Path, dcp_dir
     assert bad.returncode == 1
     assert "famp-reshard: error: SOURCE" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def _assert_same_tree(actual: Any, expected: Any, where: str = "") -> None:
+    """Same nested structure and key order, same types, tensors of the same dtype bit for bit."""
+    assert type(actual) is type(expected), where
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key, value in expected.items():
+            _assert_same_tree(actual[key], value, f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_same_tree(a, e, f"{where}.{i}")
+    elif isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, where
+        assert_bitwise_equal(actual, expected)
+    else:
+        assert actual == expected, where
+
+
+@pytest.mark.parametrize("max_memory", [None, "1K", "0.5M"])
+def test_full_from_dcp_equals_dcp_to_torch_save(
+    tmp_path: pathlib.Path,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    max_memory: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if max_memory == "1K":  # the copy through famp's own buffer, as without numpy
+
+        def no_numpy(self: torch.Tensor) -> None:
+            raise RuntimeError("Numpy is not available")
+
+        monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    # bf16 and int state, a 0-d tensor, a tuple hyperparameter, an extra top-level key, and
+    # tensors saved in column blocks (not dim-0 slabs), next to the real AdamW state.
+    model, osd = trained
+    extra = {
+        "bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "count": torch.tensor(5, dtype=torch.int64),
+        "meta": {"epoch": 3, "betas": (0.9, 0.99)},
+    }
+    ckpt = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model, "optim": osd, "extra": extra}, checkpoint_id=ckpt, no_dist=True)
+        dcp_to_torch_save(ckpt, tmp_path / "torch.pt")
+    argv = [str(ckpt), "--full", str(tmp_path / "famp.pt")]
+    assert main(argv + ([] if max_memory is None else ["--max-memory", max_memory])) == 0
+    expected = torch.load(tmp_path / "torch.pt", weights_only=True)
+    _assert_same_tree(torch.load(tmp_path / "famp.pt", weights_only=True), expected)
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "famp.pt") as zf:
+        assert zf.testzip() is None  # every record's CRC-32 is right
+    assert _leftovers(tmp_path) == []
+
+
+def test_full_from_dcp_with_rank_files_writes_both_or_nothing(
+    tmp_path: pathlib.Path, dcp_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setattr(torch, "save", _fail_on_second(torch.save))
+    argv = [dcp_dir, "-n", "2", "-o", str(tmp_path / "w2"), "--full", str(tmp_path / "f.pt")]
+    assert main(argv) == 1  # the rank files fail after --full was streamed
+    assert sorted(os.listdir(tmp_path)) == before
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, "w2", "f.pt"])
+
+
+def _fail_on_second(real_save: Any) -> Any:
+    calls = []
+
+    def failing_save(obj: object, path: Any) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_save(obj, path)
+
+    return failing_save
+
+
+def test_interrupted_streaming_leaves_nothing(
+    tmp_path: pathlib.Path, dcp_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from famp import _dcp_reader
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_dcp_reader.Checkpoint, "read_chunk", interrupted)
+    before = sorted(os.listdir(tmp_path))
+    for argv in (
+        [dcp_dir, "--full", str(tmp_path / "f.pt")],
+        [dcp_dir, "-n", "2", "-o", str(tmp_path / "d"), "--format", "dcp"],
+        [dcp_dir, "-n", "2", "-o", str(tmp_path / "d"), "--format", "dcp", "--workers", "2"],
+    ):
+        with pytest.raises((KeyboardInterrupt, BrokenProcessPool)):
+            main(argv)
+        assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"), [("512M", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536), ("4096", 4096)]
+)
+def test_max_memory_sizes(text: str, nbytes: int) -> None:
+    from famp._cli import _size
+
+    assert _size(text) == nbytes
+
+
+def test_max_memory_with_whole_state_outputs_is_a_usage_error(
+    full_file: str, dcp_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        [dcp_dir, "-n", "2", "-o", "out", "--max-memory", "1G"],
+        [full_file, "--full", "x.pt", "--max-memory", "1G"],
+        [dcp_dir, "--full", "x.pt", "--max-memory", "lots"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "--max-memory" in capsys.readouterr().err

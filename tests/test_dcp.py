@@ -23,14 +23,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import famp
 from famp._cli import main
 from tests.helpers import assert_bitwise_equal
+from tests.test_cli import _assert_same_tree as assert_same_tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dcp_worker.py"
 SAVE_W, LOAD_W = 4, 3
+DCP_OUT_W = (1, LOAD_W)  # load jobs: DCP's own load of the W=4 checkpoint, and of famp's output
 PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in order
     "0.weight": (5, 6),
     "0.bias": (5,),
@@ -62,7 +65,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     _job("save", SAVE_W, out)
     # famp's rank files for W=3, which the load job also feeds to real FSDP2.
     assert main([str(out / "ckpt"), "-n", str(LOAD_W), "-o", str(out / f"famp{LOAD_W}")]) == 0
-    _job("load", LOAD_W, out)
+    for w in DCP_OUT_W:  # famp's DCP output for W ranks, which the load jobs dcp.load
+        argv = [str(out / "ckpt"), "-n", str(w), "-o", str(out / f"dcp{w}"), "--format", "dcp"]
+        assert main(argv) == 0
+    for w in DCP_OUT_W:
+        _job("load", w, out)
     return out
 
 
@@ -136,7 +143,9 @@ def test_famp_reshard_cli_writes_what_dcp_loads_on_each_rank(
     for rank in range(LOAD_W):
         expected = _load(real / f"local{LOAD_W}_{rank}.pt")
         assert_osd_bitwise_equal(_load(out3 / f"rank{rank:05d}.pt"), expected)
-    assert_osd_bitwise_equal(_load(full_file), _load(real / "full.pt"))
+    # --full of a DCP checkpoint: the whole checkpoint, as torch's dcp_to_torch_save writes it.
+    dcp_to_torch_save(real / "ckpt", tmp_path / "torch.pt")
+    assert_same_tree(_load(full_file), _load(tmp_path / "torch.pt"))
     # The rank files themselves reshard back to what the 4 saving ranks held.
     out4 = tmp_path / "w4"
     files = [str(out3 / f"rank{r:05d}.pt") for r in range(LOAD_W)]
@@ -154,6 +163,63 @@ def test_famp_rank_files_load_into_real_fsdp2_as_dcp_would(real: pathlib.Path) -
     for rank in range(LOAD_W):
         expected = _load(real / f"local{LOAD_W}_{rank}.pt")
         assert_osd_bitwise_equal(_load(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", DCP_OUT_W)
+def test_famp_dcp_output_loads_into_real_fsdp2_as_the_source_does(
+    real: pathlib.Path, world_size: int
+) -> None:
+    # W real ranks dcp.load-ed famp-reshard --format dcp output into a fresh FSDP2 model and
+    # AdamW: model and optimizer state equal, bit for bit, what loading the W=4 source gave.
+    for rank in range(world_size):
+        got = _load(real / f"fromdcp{world_size}_{rank}.pt")
+        assert_osd_bitwise_equal(got["optim"], _load(real / f"local{world_size}_{rank}.pt"))
+        expected_model = _load(real / f"model{world_size}_{rank}.pt")
+        assert list(got["model"]) == list(expected_model)
+        for fqn, value in expected_model.items():
+            assert_bitwise_equal(got["model"][fqn], value)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dcp_output_is_the_same_files_for_any_number_of_workers(
+    real: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    outs = []
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        argv = [str(real / "ckpt"), "-n", "3", "-o", str(out), "--format", "dcp"]
+        assert main([*argv, "--workers", str(workers)]) == 0
+        outs.append(out)
+    names = sorted(os.listdir(outs[0]))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert names == sorted(os.listdir(outs[1]))
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_flattened_optimizer_checkpoint_reads_as_the_nested_one(real: pathlib.Path) -> None:
+    # StateDictOptions(flatten_optimizer_state_dict=True), torchtitan's layout, of the same job.
+    flat = famp.load_dcp_optim_state(real / "ckpt_flat")
+    assert_osd_bitwise_equal(flat, _load(real / "full.pt"))
+    assert famp.read_dcp_param_shapes(real / "ckpt_flat") == famp.read_dcp_param_shapes(
+        real / "ckpt"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpoint_of_params_sharded_on_dim_1_reads_whole(real: pathlib.Path) -> None:
+    # fully_shard(..., shard_placement_fn=Shard(1)): the saved chunks are column blocks.
+    full = famp.load_dcp_optim_state(real / "ckpt_dim1")
+    assert_osd_bitwise_equal(full, _load(real / "full_dim1.pt"))
+    metadata = pickle.loads((real / "ckpt_dim1" / ".metadata").read_bytes())
+    chunks = metadata.state_dict_metadata["optim.state.4.proj.weight.exp_avg"].chunks
+    assert any(c.offsets[1] > 0 for c in chunks)  # really sharded on dim 1
 
 
 # --- one process: round trips through dcp.save and bad input ---------------------------------
@@ -237,7 +303,9 @@ def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(
 ) -> None:
     osd = _osd()
     _save({"optim": {**osd, "extra": torch.zeros(2)}}, tmp_path / "a")
-    with pytest.raises(ValueError, match=r"'optim\.extra' is not an optimizer state dict entry"):
+    with pytest.raises(
+        ValueError, match=r"'optim\.extra' \(path .*\) is not an optimizer state dict entry"
+    ):
         famp.load_dcp_optim_state(tmp_path / "a")
     twice = {**osd, "param_groups": [{"lr": 0.1, "params": ["w", "b"]}, {"params": ["b"]}]}
     _save({"optim": twice}, tmp_path / "b")

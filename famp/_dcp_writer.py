@@ -1,0 +1,295 @@
+"""A DCP checkpoint re-chunked for W ranks, written offline, one output rank at a time.
+
+What ``dcp.load`` reads does not depend on how the saved chunks are cut: it copies from every
+saved chunk that overlaps what a rank asks for. famp therefore writes every tensor of one
+dimension or more as FSDP2's dim-0 ``torch.chunk`` over W ranks, rank ``r``'s chunks in
+``__<r>_0.distcp``, and 0-d tensors and non-tensor items whole in ``__0_0.distcp`` (their
+records are copied byte for byte after they are read and checked). Paths, dtypes and
+``planner_data`` are the source's: a nested or flattened optimizer state stays what it was, and
+a job on W ranks loads the output as it would load the source.
+
+Each output rank reads only the saved chunks that overlap its rows and holds one saved chunk
+and one output chunk at a time, so memory stays within about twice the largest saved chunk. The
+ranks are independent: ``workers`` processes write them in parallel, and the files do not
+depend on how many.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import multiprocessing
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from famp import _compat
+from famp._dcp_reader import Checkpoint
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+Record = tuple[str, int, int]  # relative path, offset, length
+
+
+def rank_boxes(size: Sequence[int], world_size: int) -> list[Box | None]:
+    """Each rank's ``(offsets, sizes)`` of a tensor of ``size``: FSDP2's dim-0 ``torch.chunk``."""
+    if len(size) == 0:
+        return [((), ())] + [None] * (world_size - 1)
+    rows = size[0]
+    step = max(1, math.ceil(rows / world_size))
+    boxes: list[Box | None] = []
+    for r in range(world_size):
+        start, stop = min(rows, r * step), min(rows, (r + 1) * step)
+        rest = tuple(size[1:])
+        boxes.append(((start, *([0] * len(rest))), (stop - start, *rest)) if stop > start else None)
+    if all(b is None for b in boxes):  # a tensor with no element: one empty chunk on rank 0
+        boxes[0] = (tuple([0] * len(size)), tuple(size))
+    return boxes
+
+
+def _plan(
+    ckpt: Checkpoint, keys: Sequence[str], world_size: int
+) -> list[list[tuple[str, Box | None]]]:
+    """Per output rank, the ``(key, box)`` it writes (box None: a non-tensor item)."""
+    plan: list[list[tuple[str, Box | None]]] = [[] for _ in range(world_size)]
+    for key in keys:
+        md = ckpt.metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            for r, box in enumerate(rank_boxes(tuple(md.size), world_size)):
+                if box is not None:
+                    plan[r].append((key, box))
+        else:
+            plan[0].append((key, None))
+    return plan
+
+
+def _write_rank(
+    root: str, out_dir: str, rank: int, items: Sequence[tuple[str, Box | None]]
+) -> list[Record]:
+    """Write rank ``rank``'s file; return each item's record, in ``items`` order."""
+    ckpt = Checkpoint(root)
+    name = f"__{rank}_0.distcp"
+    records: list[Record] = []
+    with open(os.path.join(out_dir, name), "wb") as f:
+        for key, box in items:
+            offset = f.tell()
+            if box is None:
+                ckpt.read(key)  # checked: plain data only
+                f.write(ckpt.raw_bytes(key))
+            else:
+                md = ckpt.metadata.state_dict_metadata[key]
+                assert isinstance(md, TensorStorageMetadata)
+                torch.save(ckpt.read_region(key, md, *box), f)
+            records.append((name, offset, f.tell() - offset))
+    return records
+
+
+def write_dcp(
+    root: str,
+    out_dir: str,
+    keys: Sequence[str],
+    world_size: int,
+    *,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write the entries ``keys`` of checkpoint ``root`` to ``out_dir`` for ``world_size`` ranks."""
+    ckpt = Checkpoint(root)
+    ckpt.check_records(keys)
+    plan = _plan(ckpt, keys, world_size)
+    results: list[list[Record]] = [[] for _ in range(world_size)]
+    if workers <= 1:
+        for rank in range(world_size):
+            results[rank] = _write_rank(root, out_dir, rank, plan[rank])
+            if progress is not None:
+                progress(1)
+    else:
+        context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {
+                pool.submit(_write_rank, root, out_dir, rank, plan[rank]): rank
+                for rank in range(world_size)
+            }
+            for future in concurrent.futures.as_completed(futures):
+                results[futures[future]] = future.result()
+                if progress is not None:
+                    progress(1)
+    _write_metadata(ckpt, out_dir, keys, plan, results)
+
+
+def _write_metadata(
+    ckpt: Checkpoint,
+    out_dir: str,
+    keys: Sequence[str],
+    plan: list[list[tuple[str, Box | None]]],
+    results: list[list[Record]],
+) -> None:
+    source = ckpt.metadata
+    chunks: dict[str, list[ChunkStorageMetadata]] = {k: [] for k in keys}
+    storage: dict[MetadataIndex, object] = {}
+    for items, records in zip(plan, results, strict=True):
+        for (key, box), (name, offset, length) in zip(items, records, strict=True):
+            if box is None:
+                index = MetadataIndex(key)
+            else:
+                offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
+                index = MetadataIndex(key, offsets, len(chunks[key]))
+                chunks[key].append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            storage[index] = _compat.dcp_storage_info(name, offset, length)
+    state_dict_metadata: dict[str, Any] = {}
+    for key in keys:
+        md = source.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            md = TensorStorageMetadata(properties=md.properties, size=md.size, chunks=chunks[key])
+        state_dict_metadata[key] = md
+    planner = source.planner_data or {}
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data={k: planner[k] for k in keys if k in planner},
+        storage_data=storage,
+        version=getattr(source, "version", None),
+    )
+    with open(os.path.join(out_dir, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def write_torch_save(
+    root: str,
+    path: str,
+    *,
+    buffer_bytes: int = 64 * 2**20,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write what ``dcp_to_torch_save(root, path)`` writes, holding one saved chunk at a time.
+
+    ``torch.save`` first writes the whole nested dict with every tensor a placeholder whose bytes
+    are skipped (``torch.serialization.skip_data``; ``torch.empty`` pages are never touched, so
+    they cost no memory); then each tensor's bytes are written into its record, chunk by chunk,
+    through a buffer of ``buffer_bytes``, and the records' CRC-32 fields are set.
+    """
+    from famp._dcp_reader import set_element
+
+    ckpt = Checkpoint(root)
+    entries = ckpt.entries([()])  # every entry, in the metadata's order
+    ckpt.check_records(k for k, _, _ in entries)
+    tree: dict[str, Any] = {}
+    tensors: list[tuple[str, TensorStorageMetadata, torch.Tensor]] = []
+    for key, md, p in entries:
+        if isinstance(md, TensorStorageMetadata):
+            placeholder = torch.empty(md.size, dtype=md.properties.dtype)
+            tensors.append((key, md, placeholder))
+            set_element(tree, p, placeholder)
+        else:
+            set_element(tree, p, ckpt.read(key))
+    with torch.serialization.skip_data():
+        torch.save(tree, path)
+    order = _pickling_order(tree)  # storage keys "0", "1", ... in this order
+    by_id = {id(t): (key, md) for key, md, t in tensors}
+    if len(order) != len(tensors) or {id(t) for t in order} != set(by_id):
+        raise AssertionError("placeholders pickled in an unexpected order")
+    with open(path, "r+b") as f, zipfile.ZipFile(path) as zf:
+        infos = {info.filename: info for info in zf.infolist()}
+        prefix = next(n for n in infos if n.endswith("/data.pkl"))[: -len("data.pkl")]
+        crcs: dict[str, int] = {}
+        largest = max((t.numel() * t.element_size() for t in order), default=1)
+        buffer = bytearray(max(1, min(buffer_bytes, largest)))
+        for storage_key, placeholder in enumerate(order):
+            key, md = by_id[id(placeholder)]
+            info = infos[f"{prefix}data/{storage_key}"]
+            nbytes = placeholder.numel() * placeholder.element_size()
+            if info.file_size != nbytes:
+                raise AssertionError(f"record {info.filename} holds {info.file_size} bytes")
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            start = info.header_offset + 30 + name_len + extra_len
+            crc = 0
+            for byte_offset, data in _row_slabs(ckpt, key, md):
+                f.seek(start + byte_offset)
+                crc = _write_bytes(f, data, buffer, crc)
+                if progress is not None:
+                    progress(data.numel() * data.element_size())
+            crcs[info.filename] = crc
+        _set_crcs(f, zf, crcs)
+
+
+def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Tensors in the order ``pickle`` meets them: dicts in insertion order, lists in order."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _pickling_order(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _pickling_order(value, out)
+    return out
+
+
+def _row_slabs(
+    ckpt: Checkpoint, key: str, md: TensorStorageMetadata
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(byte offset, contiguous tensor)`` pieces of ``key`` in row-major order, lazily.
+
+    Saved chunks that are whole rows (dim-0 slabs: FSDP2) are written as they are read; any
+    other chunking is assembled whole first.
+    """
+    size = tuple(md.size)
+    chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
+    row_bytes = math.prod(size[1:]) * md.properties.dtype.itemsize if size else 0
+    slabs = all(tuple(c.sizes[1:]) == size[1:] and not any(c.offsets[1:]) for c in chunks)
+    if size and slabs:
+        for chunk in chunks:
+            yield chunk.offsets[0] * row_bytes, ckpt.read_chunk(key, md, chunk).contiguous()
+    else:
+        yield 0, ckpt.read_tensor(key, md)
+
+
+def _write_bytes(f: Any, data: torch.Tensor, buffer: bytearray, crc: int) -> int:
+    """Write ``data``'s bytes at ``f``'s position; return the running CRC-32."""
+    flat = data.reshape(-1).view(torch.uint8) if data.dim() else data.reshape(1).view(torch.uint8)
+    try:  # numpy exposes the tensor's own memory: no copy (torch does not need numpy)
+        view = memoryview(flat.numpy())  # type: ignore[arg-type]
+    except (ImportError, RuntimeError, TypeError):
+        view = None
+    if view is not None:
+        f.write(view)
+        return zlib.crc32(view, crc)
+    step = len(buffer)
+    for start in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - start)
+        chunk = memoryview(buffer)[:n]
+        torch.frombuffer(chunk, dtype=torch.uint8).copy_(flat[start : start + n])
+        f.write(chunk)
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _set_crcs(f: Any, zf: zipfile.ZipFile, crcs: dict[str, int]) -> None:
+    """Write each record's CRC-32 into its local header and its central directory entry."""
+    for info in zf.infolist():
+        if info.filename in crcs:
+            f.seek(info.header_offset + 14)
+            f.write(struct.pack("<I", crcs[info.filename]))
+    f.seek(zf.start_dir)
+    for info in zf.infolist():
+        entry = f.tell()
+        header = f.read(46)
+        if header[:4] != b"PK\x01\x02":
+            raise AssertionError("unexpected zip central directory")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
+        if info.filename in crcs:
+            f.seek(entry + 16)
+            f.write(struct.pack("<I", crcs[info.filename]))
+        f.seek(entry + 46 + name_len + extra_len + comment_len)

@@ -1,0 +1,301 @@
+"""Damaged and crafted DCP checkpoints: every fact in the metadata is checked against the bytes.
+
+Each case is an attack or an accident found by adversarial runs (issue 12): the reader must stop
+with one ``ValueError`` naming the file and the key, ``famp-reshard`` with one
+``famp-reshard: error:`` line and exit 1, writing nothing, and no message may advise
+``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import stat
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import strategies as st
+
+import famp
+from famp._cli import main
+
+KEY = "optim.state.w.exp_avg"
+
+
+def _osd() -> dict[str, Any]:
+    return {
+        "state": {
+            "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
+            "b": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)},
+        },
+        "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
+    }
+
+
+def _save(path: pathlib.Path) -> pathlib.Path:
+    with warnings.catch_warnings():  # no process group: DCP warns that it saves in one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"optim": _osd()}, checkpoint_id=path, no_dist=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return _save(tmp_path_factory.mktemp("pristine") / "ckpt")
+
+
+@pytest.fixture
+def ckpt(tmp_path: pathlib.Path, pristine: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(shutil.copytree(pristine, tmp_path / "ckpt"))
+
+
+def _tamper(path: pathlib.Path, edit: Callable[[Any], None]) -> None:
+    metadata_file = path / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # the test's own trusted file
+    edit(metadata)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+def _record(metadata: Any, key: str = KEY) -> Any:
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == key)
+
+
+def _cli_refuses(ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str], message: str) -> None:
+    """famp-reshard exits 1 with one error line holding ``message``, writing nothing."""
+    parent = ckpt.parent
+    before = sorted(os.listdir(parent))
+    status = main([str(ckpt), "-n", "2", "-o", str(parent / "out"), "--full", str(parent / "f")])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert err.count("\n") == 1, err
+    assert err.startswith("famp-reshard: error: "), err
+    assert message in err, err
+    assert "weights_only=False" not in err
+    assert sorted(os.listdir(parent)) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bfloat16])
+def test_metadata_dtype_that_disagrees_with_the_bytes_is_refused(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str], dtype: torch.dtype
+) -> None:
+    # DCP itself copies the float32 bytes into a tensor of the stated dtype: silent truncation.
+    def retype(metadata: Any) -> None:
+        metadata.state_dict_metadata[KEY].properties.dtype = dtype
+
+    _tamper(ckpt, retype)
+    message = f"'__0_0.distcp': the record of tensor '{KEY}' (chunk at offsets [0, 0]) holds "
+    with pytest.raises(
+        ValueError, match=rf"holds torch\.float32 data where the metadata says {dtype}"
+    ):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_metadata_shape_that_disagrees_with_the_bytes_is_refused(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def reshape(metadata: Any) -> None:
+        md = metadata.state_dict_metadata[KEY]
+        md.size = torch.Size([3, 4])
+        md.chunks[0].sizes = torch.Size([3, 4])
+
+    _tamper(ckpt, reshape)
+    with pytest.raises(ValueError, match=r"holds shape \[4, 3\] where the metadata says \[3, 4\]"):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, f"tensor '{KEY}'")
+
+
+def _storage_as_list(m: Any) -> None:
+    m.storage_data = list(m.storage_data.values())
+
+
+def _planner_as_list(m: Any) -> None:
+    m.planner_data = list(m.planner_data.values())
+
+
+def _empty_path(m: Any) -> None:
+    m.planner_data[KEY] = ()
+
+
+def _no_properties(m: Any) -> None:
+    m.state_dict_metadata[KEY].properties = None
+
+
+def _string_offset(m: Any) -> None:
+    _record(m).offset = "0"
+
+
+def _chunks_as_dict(m: Any) -> None:
+    m.state_dict_metadata[KEY].chunks = {}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_storage_as_list, "storage_data is a list, not a dict"),
+        (_planner_as_list, "planner_data is a list"),
+        (_empty_path, f"the path of '{KEY}' is malformed: ()"),
+        (_no_properties, f"tensor '{KEY}' has no dtype (None)"),
+        (_string_offset, f"the record of '{KEY}' has offset '0'"),
+        (_chunks_as_dict, f"tensor '{KEY}' has malformed chunks"),
+    ],
+)
+def test_malformed_metadata_of_allowed_classes_is_one_clear_error(
+    ckpt: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: Callable[[Any], None],
+    message: str,
+) -> None:
+    _tamper(ckpt, edit)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def _distcp_bytes(ckpt: pathlib.Path) -> tuple[pathlib.Path, Any]:
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    record = _record(metadata)
+    return ckpt / record.relative_path, record
+
+
+def test_garbage_in_a_tensor_record_never_advises_weights_only_false(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, record = _distcp_bytes(ckpt)
+    data = bytearray(path.read_bytes())
+    # the pickle sits right after the zip's first local header: make it name a global
+    start = data.index(b"data.pkl", record.offset) + len(b"data.pkl")
+    evil = pickle.dumps(os.system, protocol=2)
+    data[start : start + len(evil)] = evil
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"tensor '{KEY}'") as info:
+        famp.load_dcp_optim_state(ckpt)
+    assert "weights_only" not in str(info.value)
+    _cli_refuses(ckpt, capsys, "__0_0.distcp")
+
+
+def test_a_truncated_distcp_file_names_the_file_and_the_key(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, record = _distcp_bytes(ckpt)
+    path.write_bytes(path.read_bytes()[: record.offset + record.length // 2])
+    message = f"DCP file '__0_0.distcp': the record of '{KEY}' spans bytes"
+    with pytest.raises(ValueError, match=r"past the file's end .*: the file is truncated") as info:
+        famp.load_dcp_optim_state(ckpt)
+    assert message in str(info.value)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_negative_offset_names_the_file_and_the_key(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def negative(metadata: Any) -> None:
+        _record(metadata).offset = -5
+
+    _tamper(ckpt, negative)
+    message = f"DCP file '__0_0.distcp': the record of '{KEY}' has offset -5"
+    with pytest.raises(ValueError, match="both must be ints >= 0"):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_distcp_symlink_out_of_the_checkpoint_is_not_followed(
+    ckpt: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside = tmp_path / "elsewhere.distcp"
+    (ckpt / "__0_0.distcp").rename(outside)
+    (ckpt / "__0_0.distcp").symlink_to(outside)
+    message = "DCP file '__0_0.distcp' is a symlink to"
+    with pytest.raises(ValueError, match="outside the checkpoint directory; famp does not follow"):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_distcp_symlink_inside_the_checkpoint_is_read(ckpt: pathlib.Path) -> None:
+    (ckpt / "__0_0.distcp").rename(ckpt / "data.bin")
+    (ckpt / "__0_0.distcp").symlink_to("data.bin")
+    assert famp.load_dcp_optim_state(ckpt)["param_groups"][1]["lr"] == 0.2
+
+
+def test_a_missing_distcp_file_is_named(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (ckpt / "__0_0.distcp").unlink()
+    message = "DCP file '__0_0.distcp' named by the metadata is missing"
+    with pytest.raises(ValueError, match=message):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_outputs_get_the_modes_torch_save_gives_under_the_umask(
+    pristine: pathlib.Path, tmp_path: pathlib.Path, umask: int
+) -> None:
+    old = os.umask(umask)
+    try:
+        torch.save({}, tmp_path / "reference.pt")
+        os.mkdir(tmp_path / "reference_dir")
+        assert (
+            main(
+                [
+                    str(pristine),
+                    "-n",
+                    "2",
+                    "-o",
+                    str(tmp_path / "w2"),
+                    "--full",
+                    str(tmp_path / "f.pt"),
+                ]
+            )
+            == 0
+        )
+    finally:
+        os.umask(old)
+
+    def mode(p: pathlib.Path) -> int:
+        return stat.S_IMODE(p.stat().st_mode)
+
+    assert mode(tmp_path / "f.pt") == mode(tmp_path / "reference.pt") == 0o666 & ~umask
+    assert mode(tmp_path / "w2") == mode(tmp_path / "reference_dir") == 0o777 & ~umask
+    for rank_file in (tmp_path / "w2").iterdir():
+        assert mode(rank_file) == 0o666 & ~umask
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    target=st.sampled_from([".metadata", "__0_0.distcp"]),
+    cut=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    flips=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 255)), max_size=8),
+)
+def test_damaged_checkpoints_read_or_fail_with_one_clear_line(
+    pristine: pathlib.Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    target: str,
+    cut: float | None,
+    flips: list[tuple[float, int]],
+) -> None:
+    ckpt = pathlib.Path(shutil.copytree(pristine, tmp_path_factory.mktemp("fuzz") / "ckpt"))
+    data = bytearray((ckpt / target).read_bytes())
+    for where, xor in flips:
+        data[int(where * (len(data) - 1))] ^= xor
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    (ckpt / target).write_bytes(bytes(data))
+    message = ""
+    try:
+        famp.load_dcp_optim_state(ckpt)
+    except (ValueError, KeyError) as err:  # flipped payload bytes may also read as other values
+        message = str(err)
+    assert "weights_only=False" not in message
+    out = ckpt.parent / "out"
+    status = main([str(ckpt), "-n", "2", "-o", str(out)])
+    assert status in (0, 1)
+    assert out.exists() == (status == 0)
