@@ -14,6 +14,7 @@ import fnmatch
 import functools
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
+from famp._autocast_recompute import calls, end_of_outermost_call, observe
 from famp._autocast_region import policy_state, region
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
@@ -33,15 +35,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # --- the record of one call -----------------------------------------------------------------------
 
-_LOCAL = threading.local()
-
-
-def _calls() -> list[_Call]:
-    calls: list[_Call] | None = getattr(_LOCAL, "calls", None)
-    if calls is None:
-        calls = []
-        _LOCAL.calls = calls
-    return calls
+_calls = calls
 
 
 def current_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -53,7 +47,7 @@ def current_state(device_type: str) -> tuple[bool, torch.dtype]:
     state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     calls = _calls()
     if calls:
-        record = calls[-1]
+        record: _Call = calls[-1]
         scope = record.scopes[-1] if record.scopes else None
         if scope is not None and record.device_type == device_type and state == record.base:
             return scope
@@ -78,6 +72,7 @@ class _Call:
     """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
 
     def __init__(self, transform: _Transform, device_type: str) -> None:
+        self.transform = transform
         self.device_type = device_type
         self.base = policy_state(transform.policy)
         self.overrides = transform.overrides
@@ -95,9 +90,39 @@ class _Call:
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
 
+    # Activation checkpointing (famp._autocast_recompute): a record made again for a recomputation.
+
+    def frozen(self) -> Callable[[], _Call]:
+        """A factory of this call's record as it is now, with a fresh cast cache."""
+        return partial(
+            _Call.replayed, self.transform, self.device_type, self.module_policy, tuple(self.scopes)
+        )
+
+    @staticmethod
+    def replayed(
+        transform: _Transform,
+        device_type: str,
+        module_policy: dict[torch.nn.Module, Policy | None],
+        scopes: tuple[tuple[bool, torch.dtype] | None, ...],
+    ) -> _Call:
+        record = _Call(transform, device_type)
+        record.track = True  # a recomputation runs eagerly, in backward
+        record.module_policy = module_policy
+        record.scopes = list(scopes)
+        return record
+
+    def new_mode(self) -> FampMode:
+        return FampMode(self)
+
+    def use_hooks(self, change: int) -> None:
+        if self.patterns:
+            _hooks(change)
+
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if self.track:
+            observe(args)
         if not self.scopes and module not in self.module_policy:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
@@ -114,6 +139,8 @@ class _Call:
         return policy.cast_to_compute(args)
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        if self.track:
+            observe(output)
         inner = self.scopes.pop() if self.scopes else None
         policy = self.module_policy.get(module)
         if policy is None:
@@ -287,12 +314,13 @@ class _Transform:
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = _Call(self, device_type)
-        calls = _calls()
-        for outer in calls:
+        if record.track:
+            observe((args, kwargs))  # a checkpointed block may begin with this call
+        stack = _calls()
+        for outer in stack:
             outer.suspended += 1
-        calls.append(record)
-        if self.patterns:
-            _hooks(+1)
+        stack.append(record)
+        record.use_hooks(+1)
         try:
             with region(device_type, *record.base, call=True):
                 if record.intercepts:
@@ -300,12 +328,15 @@ class _Transform:
                         out = self.fn(*args, **kwargs)
                 else:
                     out = self.fn(*args, **kwargs)
+            if record.track:
+                observe(out)
         finally:
-            calls.pop()
-            for outer in calls:
+            stack.pop()
+            for outer in stack:
                 outer.suspended -= 1
-            if self.patterns:
-                _hooks(-1)
+            record.use_hooks(-1)
+            if not stack and record.track:
+                end_of_outermost_call()
         return self.policy.cast_to_output(out)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from famp._autocast_recompute import bracket_outputs, observe
 from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
@@ -311,6 +312,17 @@ class FampMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         owner = self.owner
+        if not owner.track:
+            return self._op(owner, func, args, kwargs)
+        block = observe(args)  # eagerly: is this op inside a checkpointed block?
+        out = self._op(owner, func, args, kwargs)
+        if block is not None:
+            bracket_outputs(out, block)
+        return out
+
+    def _op(
+        self, owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
         if owner.track:

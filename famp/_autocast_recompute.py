@@ -1,0 +1,174 @@
+"""Activation checkpointing inside `famp.autocast`: famp's state is back while torch recomputes.
+
+`torch.utils.checkpoint` restores torch's own autocast state (enabled, dtype, cache) around a
+recomputation, and nothing else: famp's op overrides, module scopes and cast cache live in the call
+record and its `TorchFunctionMode`, both gone by the time backward runs. famp therefore ties its
+state to the autograd graph, with public node hooks: each node whose backward may recompute a
+checkpointed block gets a pre-hook that re-enters the famp state in effect where the block began
+(the stack of calls, each with its module scopes, and a fresh cast cache) and a hook that leaves it.
+
+- Non-reentrant and selective checkpointing recompute from inside the backward of any node whose
+  saved tensors the checkpoint packed: every node an op creates while saved-tensor hooks are
+  active is bracketed, with the state at the first famp event of that block (an op, a module
+  entry or exit, a nested call starting).
+- Reentrant checkpointing recomputes inside the backward of its own node
+  (`CheckpointFunctionBackward`), which famp finds on the block's outputs at the next famp event,
+  where the state is the block's again.
+
+Outside a recomputation the pushed state is inert: famp's mode applies overrides and module scopes
+only while torch's autocast state is the call's own, which checkpoint restores around `fn` alone.
+Compiled graphs need none of this: Dynamo traces the block once, famp's casts included, and the
+recomputation replays that graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from famp._compat import saved_tensors_hooks_top
+
+_LOCAL = threading.local()
+_KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
+_REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
+
+# A snapshot: the calls in effect, outermost first, each as a factory of a fresh call record.
+Snapshot = tuple[Callable[[], Any], ...]
+
+
+def calls() -> list[Any]:
+    """This thread's stack of running `famp.autocast` call records, innermost last."""
+    stack: list[Any] | None = getattr(_LOCAL, "calls", None)
+    if stack is None:
+        stack = []
+        _LOCAL.calls = stack
+    return stack
+
+
+def _snapshot() -> Snapshot:
+    return tuple(record.frozen() for record in calls())
+
+
+def _regions() -> dict[int, tuple[object, Snapshot]]:
+    regions: dict[int, tuple[object, Snapshot]] | None = getattr(_LOCAL, "regions", None)
+    if regions is None:
+        regions = {}
+        _LOCAL.regions = regions
+    return regions
+
+
+def observe(values: Any) -> Snapshot | None:
+    """Called eagerly before each famp event; returns the block's snapshot inside a checkpoint.
+
+    Inside saved-tensor hooks (a non-reentrant checkpoint) the first event of the block records
+    the state. After a grad-free op (the forward of a reentrant checkpoint runs without grad), the
+    tensors of each event are searched for a reentrant checkpoint's node, bracketed with the state
+    of now (the block's: module entries and exits within it are balanced).
+    """
+    grad = torch.is_grad_enabled()
+    if not grad:
+        _LOCAL.grad_free = True
+    elif getattr(_LOCAL, "grad_free", False):
+        _bracket_reentrant(values)
+    top = saved_tensors_hooks_top()
+    if top is None or not grad:
+        return None
+    regions = _regions()
+    key = id(top[0])
+    found = regions.get(key)
+    if found is None or found[0] is not top[0]:
+        found = (top[0], _snapshot())
+        regions[key] = found
+    return found[1]
+
+
+def end_of_outermost_call() -> None:
+    """Forget the blocks seen: the graph's hooks hold what recomputation needs."""
+    _LOCAL.regions = {}
+    _LOCAL.grad_free = False
+
+
+def _tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(values, torch.Tensor):
+        out.append(values)
+    elif depth < 3 and isinstance(values, (list, tuple)):
+        for v in values:
+            _tensors(v, out, depth + 1)
+    elif depth < 3 and isinstance(values, dict):
+        for v in values.values():
+            _tensors(v, out, depth + 1)
+
+
+def bracket_outputs(out: Any, snapshot: Snapshot) -> None:
+    """Bracket the nodes of an op's outputs made inside a non-reentrant checkpoint's block."""
+    found: list[torch.Tensor] = []
+    _tensors(out, found)
+    for t in found:
+        node = t.grad_fn
+        if node is not None:
+            _bracket(node, snapshot)
+
+
+def _bracket_reentrant(values: Any) -> None:
+    found: list[torch.Tensor] = []
+    _tensors(values, found)
+    for t in found:
+        node: Any = t.grad_fn
+        if node is not None and node.name() == _REENTRANT_NODE and _KEY not in node.metadata:
+            _bracket(node, _snapshot())
+
+
+def _bracket(node: Any, snapshot: Snapshot) -> None:
+    metadata = node.metadata
+    if _KEY in metadata:
+        return
+    metadata[_KEY] = True
+    replay = _Replay(snapshot)
+    node.register_prehook(replay.enter)
+    node.register_hook(replay.exit)
+
+
+class _Replay:
+    """famp's state at the start of a checkpointed block, entered around one node's backward."""
+
+    __slots__ = ("active", "snapshot")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.active: list[tuple[int, list[Any], list[Any]]] = []
+
+    def enter(self, grad_outputs: Any) -> None:
+        stack = calls()
+        records = [make() for make in self.snapshot]
+        for outer in stack:  # calls running on this thread while backward runs: suspended
+            outer.suspended += len(records)
+        for i, record in enumerate(records):
+            record.suspended = len(records) - 1 - i
+        depth = len(stack)
+        stack.extend(records)
+        modes = []
+        for record in records:
+            record.use_hooks(+1)
+            if record.intercepts:
+                mode = record.new_mode()
+                mode.__enter__()
+                modes.append(mode)
+        self.active.append((depth, records, modes))
+
+    def exit(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        if not self.active:
+            return
+        depth, records, modes = self.active.pop()
+        for mode in reversed(modes):
+            mode.__exit__(None, None, None)
+        for record in records:
+            record.use_hooks(-1)
+        stack = calls()
+        del stack[depth:]
+        for outer in stack:
+            outer.suspended -= len(records)
+        if not stack:
+            end_of_outermost_call()
