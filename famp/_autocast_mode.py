@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from famp._autocast_recompute import bracket_outputs, observe
 from famp._op_calls import CALLS, COPIES, call, op_name
@@ -294,6 +295,11 @@ def overrides_for(rules: OpRules | None) -> Overrides | None:
     return found if found else None
 
 
+def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return fn(*args, **kwargs)
+
+
 class FampMode(TorchFunctionMode):
     """Applies one `famp.autocast` call's overrides and module scopes; see the module docstring."""
 
@@ -332,6 +338,15 @@ class FampMode(TorchFunctionMode):
             if dtype is not owner.seen_dtype:
                 torch.clear_autocast_cache()
                 owner.seen_dtype = dtype
+        if func is checkpoint and func not in self.inside:
+            # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)
+            # and traces the block with the mode popped: trace it with the mode pushed again.
+            self.inside.add(func)
+            try:
+                block, *rest = args
+                return func(functools.partial(_under, self, block), *rest, **kwargs)
+            finally:
+                self.inside.discard(func)
         if owner.overrides is not None and func not in self.inside:
             body = owner.overrides.enter.get(func)
             if body is not None:
