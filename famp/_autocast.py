@@ -317,6 +317,10 @@ class _Transform:
         if record.track:
             observe((args, kwargs))  # a checkpointed block may begin with this call
         stack = _calls()
+        if stack:
+            # Nested in another call, the transform is a module rule spelled as a function: its
+            # positional inputs are cast to its compute dtype as a matched module's are.
+            args = self.policy.cast_to_compute(args)
         for outer in stack:
             outer.suspended += 1
         stack.append(record)

@@ -186,6 +186,61 @@ def test_nested_transforms_with_other_dtypes_work_where_torch_fails() -> None:
     assert _autocast_state() == CLEAN
 
 
+POLICIES = [f"c={c},o={o}" for c in ("f32", "bf16", "f16") for o in ("f32", "bf16", "f16")]
+
+
+class _Three(nn.Module):
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = self.block(h) if self.inner is None else self.inner(h)
+        return self.head(h.float() if h.dtype != self.head.weight.dtype else h)
+
+
+def _outputs_and_grads(net: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> list[Any]:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    out = fn(x)
+    return [out, *torch.autograd.grad(out.float().pow(2).sum(), [x, *net.parameters()])]
+
+
+@pytest.mark.parametrize("inner", POLICIES)
+@pytest.mark.parametrize("outer", POLICIES)
+def test_nested_transform_equals_module_rule_and_torch_nesting(outer: str, inner: str) -> None:
+    # A famp.autocast call nested in another is the module rule with the same policy, spelled as
+    # a function: same outputs, dtypes and gradients, for every pair of policies; both equal
+    # torch.autocast nested by hand (inputs cast to the inner compute dtype, outputs to its
+    # output dtype, as the rule says).
+    ruled = _Three()
+    by_rule = _outputs_and_grads(ruled, famp.autocast(ruled, outer, module_rules={"block": inner}))
+    nested = _Three()
+    nested.inner = famp.autocast(nested.block, inner)
+    by_call = _outputs_and_grads(nested, famp.autocast(nested, outer))
+    ref, p_out, p_in = _Three(), famp.get_policy(outer), famp.get_policy(inner)
+
+    def torch_nesting(x: torch.Tensor) -> torch.Tensor:
+        def state(p: famp.Policy) -> dict[str, Any]:
+            lower = p.compute_dtype in (BF16, F16)
+            return {"dtype": p.compute_dtype if lower else BF16, "enabled": lower}
+
+        with torch.autocast("cpu", **state(p_out)):
+            h = ref.inp(x)
+            with torch.autocast("cpu", **state(p_in)):
+                h = p_in.cast_to_output(ref.block(p_in.cast_to_compute(h)))
+            out = ref.head(h.float() if h.dtype != ref.head.weight.dtype else h)
+        return p_out.cast_to_output(out)
+
+    expected = _outputs_and_grads(ref, torch_nesting)
+    assert by_call[0].dtype == p_out.output_dtype
+    for a, b, e in zip(by_call, by_rule, expected, strict=True):
+        assert_bitwise_equal(a, b)
+        assert_bitwise_equal(a, e)
+
+
 def test_inner_transform_governs_its_ops_not_the_outer_rules() -> None:
     lin, x = nn.Linear(4, 4), torch.randn(2, 4)
     outer_rules = famp.default_rules("cpu").override({"linear": "float32"})
