@@ -287,12 +287,35 @@ def _overrides_for(rules: OpRules) -> Overrides:
     return Overrides(rules)
 
 
+def _find_overrides(rules: OpRules) -> Overrides | None:
+    found = _overrides_for(rules)
+    return found if found else None
+
+
+# Dynamo cannot trace the op schemas the overrides are read from. Inside a compiled function that
+# builds a transform, they are computed at trace time and looked up here by a constant key.
+_TRACED: dict[int, tuple[OpRules, Overrides | None]] = {}
+
+
+def _traced_key(rules: OpRules) -> int:
+    key = id(rules)
+    if key not in _TRACED or _TRACED[key][0] is not rules:
+        _TRACED[key] = (rules, _find_overrides(rules))
+    return key
+
+
+_constant_key: Callable[[OpRules], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _traced_key
+)
+
+
 def overrides_for(rules: OpRules | None) -> Overrides | None:
     """The overrides `rules` makes against its device's defaults, or None if there are none."""
     if rules is None:
         return None
-    found = _overrides_for(rules)
-    return found if found else None
+    if torch.compiler.is_compiling():
+        return _TRACED[_constant_key(rules)][1]
+    return _find_overrides(rules)
 
 
 def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

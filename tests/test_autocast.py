@@ -1035,3 +1035,24 @@ def test_overrides_compile_through_torch_python_functions_they_do_not_touch() ->
     explanation = torch._dynamo.explain(f)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
+
+
+BUILT_INSIDE_W = torch.randn(4, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+
+def _built_inside(x: torch.Tensor, rules: famp.OpRules) -> torch.Tensor:
+    return famp.autocast(lambda x: F.linear(x, BUILT_INSIDE_W).softmax(-1), "c=bf16", rules=rules)(
+        x
+    )
+
+
+def test_a_transform_with_rules_builds_inside_a_compiled_function() -> None:
+    # Dynamo cannot trace the op schemas the overrides are read from: famp reads them at trace
+    # time. The compiled function must apply the overrides as the eager one does.
+    x = torch.randn(2, 4)
+    rules = _cpu_rules({"linear": "float32", "softmax": "lower"})
+    expected = _built_inside(x, rules)
+    actual = torch.compile(_built_inside, fullgraph=True, backend="aot_eager")(x, rules)
+    assert actual.dtype == BF16
+    assert_bitwise_equal(actual, expected)
+    assert not torch.equal(actual, _built_inside(x, _cpu_rules({})))
