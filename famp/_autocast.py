@@ -18,13 +18,14 @@ from functools import partial
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.modules.module as torch_module
-from torch.utils import _pytree as pytree
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_recompute import calls, end_of_outermost_call, observe
 from famp._autocast_region import policy_state, region
+from famp._compat import functorch_transforms_active, traced_module_hooks, tree_leaves
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
@@ -194,13 +195,14 @@ class _Call:
 
 
 # --- module hooks ---------------------------------------------------------------------------------
-# Global forward hooks, present only while a call with module rules runs. They are written into
-# torch's hook dicts directly because Dynamo cannot build a RemovableHandle; the key is negative so
-# it never meets a handle id (those count up from 0).
+# Global forward hooks, present only while a call with module rules runs (or a recomputation of
+# such a call), registered with torch's public functions. Dynamo cannot trace the creation of their
+# handles: while tracing they go through famp._compat (their additions and removals cancel out in
+# a graph).
 
-_HOOK_KEY = -0xFA4D
 _hook_users = [0]  # calls with module rules running, in all threads
 _HOOK_LOCK = threading.Lock()
+_handles: list[RemovableHandle] = []
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
@@ -220,13 +222,18 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
 def _count_hook_user(change: int) -> None:
     _hook_users[0] += change
     if change > 0 and _hook_users[0] == 1:
-        torch_module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
-        torch_module._global_forward_hooks[_HOOK_KEY] = _post_hook
-        torch_module._global_forward_hooks_always_called[_HOOK_KEY] = True
+        if torch.compiler.is_compiling():
+            traced_module_hooks(_pre_hook, _post_hook)
+        else:
+            _handles.append(register_module_forward_pre_hook(_pre_hook))
+            _handles.append(register_module_forward_hook(_post_hook, always_call=True))
     elif change < 0 and _hook_users[0] == 0:
-        del torch_module._global_forward_pre_hooks[_HOOK_KEY]
-        del torch_module._global_forward_hooks[_HOOK_KEY]
-        del torch_module._global_forward_hooks_always_called[_HOOK_KEY]
+        if torch.compiler.is_compiling():
+            traced_module_hooks(None, None)
+        else:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
 
 
 def _hooks(change: int) -> None:
@@ -251,7 +258,7 @@ def _devices(tree: Any, found: set[str]) -> None:
         for item in tree.values():
             _devices(item, found)
     elif tree is not None and not isinstance(tree, (int, float, str, bool)):
-        leaves = pytree.tree_leaves(tree)
+        leaves = tree_leaves(tree)
         found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
 
 
@@ -304,7 +311,7 @@ class _Transform:
             )
         if (
             torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()  # torch.compile cannot run in torch.func
+            or functorch_transforms_active()  # torch.compile cannot run in torch.func
             or not (self.compile or (self.compile is None and device_type == "cuda"))
         ):
             return self.run(device_type, *args, **kwargs)

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast_recompute import bracket_outputs, observe
+from famp._compat import OpOverload, op_schema
 from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
@@ -39,7 +40,7 @@ def _functional_overloads(packet: str) -> tuple[str, ...]:
         ops = getattr(torch.ops.aten, packet)
     except (AttributeError, RuntimeError):
         return ()
-    return tuple(o for o in ops.overloads() if not getattr(ops, o)._schema.is_mutable)
+    return tuple(o for o in ops.overloads() if not op_schema(getattr(ops, o)).is_mutable)
 
 
 class Overrides:
@@ -125,7 +126,7 @@ def resolve_overload(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any])
     """The first functional overload of `aten::<packet>` whose schema the call's arguments fit."""
     ops = getattr(torch.ops.aten, packet)
     for overload in _functional_overloads(packet):
-        schema = getattr(ops, overload)._schema
+        schema = op_schema(getattr(ops, overload))
         params = list(schema.arguments)
         positional = [p for p in params if not p.kwarg_only]
         if len(args) > len(positional):
@@ -226,10 +227,10 @@ def cast_args(
 
 
 def _spelled_out(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     full, rest = list(args), dict(kwargs)
-    for arg in func._schema.arguments[len(args) :]:
+    for arg in op_schema(func).arguments[len(args) :]:
         if arg.kwarg_only:
             break
         if arg.name in rest:
@@ -268,8 +269,8 @@ def apply_rule(
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
-            if isinstance(func, torch._ops.OpOverload) and not any(
-                a.name == "dtype" for a in func._schema.arguments
+            if isinstance(func, OpOverload) and not any(
+                a.name == "dtype" for a in op_schema(func).arguments
             ):
                 # An overload without dtype: redispatch with every positional argument spelled out
                 # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).

@@ -30,8 +30,8 @@ def _autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_cache_enabled(),
         nesting,
         torch._C._len_torch_function_stack(),
-        famp_autocast._HOOK_KEY in torch_module._global_forward_pre_hooks,
-        famp_autocast._HOOK_KEY in torch_module._global_forward_hooks,
+        famp_autocast._pre_hook in torch_module._global_forward_pre_hooks.values(),
+        famp_autocast._post_hook in torch_module._global_forward_hooks.values(),
         len(famp_autocast._calls()),
     )
 
@@ -1056,3 +1056,15 @@ def test_a_transform_with_rules_builds_inside_a_compiled_function() -> None:
     assert actual.dtype == BF16
     assert_bitwise_equal(actual, expected)
     assert not torch.equal(actual, _built_inside(x, _cpu_rules({})))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: bool) -> None:
+    # Eagerly the module hooks are registered with torch's public functions; while Dynamo traces
+    # (which cannot build their handles) they must still be seen, with shapes static or dynamic.
+    loss = _compile_loss(**COMPILE_CASES["module_rules"])
+    compiled_loss = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for rows in (5, 7):
+        x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows))
+        assert_bitwise_equal(compiled_loss(x), loss(x))
+        assert _autocast_state() == CLEAN
