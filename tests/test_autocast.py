@@ -1068,3 +1068,37 @@ def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: 
         x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows))
         assert_bitwise_equal(compiled_loss(x), loss(x))
         assert _autocast_state() == CLEAN
+
+
+# --- the copies of torch's Python functions (famp/_op_calls.py) ---------------------------------
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_checks() -> None:
+    # The mode enters copies of torch's Python functions whose has_torch_function* globals answer
+    # False. On the installed torch, each copy must be the original in everything else: the same
+    # code, defaults, closure, and every global its code names bound to the same object as in the
+    # original's module now (so a global torch sets or changes after famp's import is no risk).
+    from famp._op_calls import _CHECKS, COPIES
+
+    assert len(COPIES) > 100  # F.*, torch.functional.*, Python Tensor methods
+    for original, copy in COPIES.items():
+        assert copy.__code__ is original.__code__, original
+        assert copy.__defaults__ is original.__defaults__, original
+        assert copy.__kwdefaults__ is original.__kwdefaults__, original
+        assert copy.__closure__ is original.__closure__, original
+        assert set(_CHECKS) & _code_names(original.__code__), original
+        for name in _code_names(original.__code__):
+            if name in _CHECKS:
+                assert copy.__globals__[name](torch.ones(1)) is False
+            elif name in original.__globals__:
+                assert copy.__globals__[name] is original.__globals__[name], (original, name)
+            else:
+                assert name not in copy.__globals__, (original, name)
