@@ -85,6 +85,7 @@ class _Call:
         self.track = not torch.compiler.is_compiling()
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
@@ -123,7 +124,7 @@ class _Call:
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
         if self.track:
-            observe(args)
+            observe(self, args)
         if not self.scopes and module not in self.module_policy:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
@@ -141,7 +142,7 @@ class _Call:
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
         if self.track:
-            observe(output)
+            observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
         policy = self.module_policy.get(module)
         if policy is None:
@@ -321,9 +322,10 @@ class _Transform:
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = _Call(self, device_type)
-        if record.track:
-            observe((args, kwargs))  # a checkpointed block may begin with this call
         stack = _calls()
+        if record.track:
+            # A checkpointed block may begin with this call: the event is the outer call's.
+            observe(stack[-1] if stack else record, (args, kwargs))
         if stack:
             # Nested in another call, the transform is a module rule spelled as a function: its
             # positional inputs are cast to its compute dtype as a matched module's are.
@@ -340,9 +342,11 @@ class _Transform:
                 else:
                     out = self.fn(*args, **kwargs)
             if record.track:
-                observe(out)
+                observe(record, out)
         finally:
             stack.pop()
+            if record.grad_free and stack:
+                stack[-1].grad_free = True
             for outer in stack:
                 outer.suspended -= 1
             record.use_hooks(-1)

@@ -344,7 +344,7 @@ class FampMode(TorchFunctionMode):
         owner = self.owner
         if not owner.track:
             return self._op(owner, func, args, kwargs)
-        block = observe(args)  # eagerly: is this op inside a checkpointed block?
+        block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
         out = self._op(owner, func, args, kwargs)
         if block is not None:
             bracket_outputs(out, block)

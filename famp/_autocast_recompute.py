@@ -31,7 +31,6 @@ import torch
 
 from famp._compat import saved_tensors_hooks_top
 
-_LOCAL = threading.local()
 _KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
 
@@ -39,44 +38,42 @@ _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.Checkpo
 Snapshot = tuple[Callable[[], Any], ...]
 
 
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.calls: list[Any] = []  # running call records, innermost last
+        self.regions: dict[int, tuple[object, Snapshot]] = {}  # checkpointed blocks seen
+
+
+_LOCAL = _ThreadState()
+
+
 def calls() -> list[Any]:
     """This thread's stack of running `famp.autocast` call records, innermost last."""
-    stack: list[Any] | None = getattr(_LOCAL, "calls", None)
-    if stack is None:
-        stack = []
-        _LOCAL.calls = stack
-    return stack
+    return _LOCAL.calls
 
 
 def _snapshot() -> Snapshot:
     return tuple(record.frozen() for record in calls())
 
 
-def _regions() -> dict[int, tuple[object, Snapshot]]:
-    regions: dict[int, tuple[object, Snapshot]] | None = getattr(_LOCAL, "regions", None)
-    if regions is None:
-        regions = {}
-        _LOCAL.regions = regions
-    return regions
-
-
-def observe(values: Any) -> Snapshot | None:
+def observe(record: Any, values: Any) -> Snapshot | None:
     """Called eagerly before each famp event; returns the block's snapshot inside a checkpoint.
 
     Inside saved-tensor hooks (a non-reentrant checkpoint) the first event of the block records
     the state. After a grad-free op (the forward of a reentrant checkpoint runs without grad), the
     tensors of each event are searched for a reentrant checkpoint's node, bracketed with the state
-    of now (the block's: module entries and exits within it are balanced).
+    of now (the block's: module entries and exits within it are balanced). `record` is the call
+    whose event it is; the grad-free mark passes to the outer call when a nested one ends.
     """
-    grad = torch.is_grad_enabled()
-    if not grad:
-        _LOCAL.grad_free = True
-    elif getattr(_LOCAL, "grad_free", False):
+    if not torch.is_grad_enabled():
+        record.grad_free = True
+        return None
+    if record.grad_free:
         _bracket_reentrant(values)
     top = saved_tensors_hooks_top()
-    if top is None or not grad:
+    if top is None:
         return None
-    regions = _regions()
+    regions = _LOCAL.regions
     key = id(top[0])
     found = regions.get(key)
     if found is None or found[0] is not top[0]:
@@ -88,7 +85,6 @@ def observe(values: Any) -> Snapshot | None:
 def end_of_outermost_call() -> None:
     """Forget the blocks seen: the graph's hooks hold what recomputation needs."""
     _LOCAL.regions = {}
-    _LOCAL.grad_free = False
 
 
 def _tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:

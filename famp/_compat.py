@@ -7,6 +7,8 @@ the tests that pin it across the supported window), never a user's numbers.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,15 +16,13 @@ import torch
 # --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
 
 
-def saved_tensors_hooks_top() -> tuple[object, object] | None:
-    """The innermost active `torch.autograd.graph.saved_tensors_hooks` pair, or None.
-
-    torch has no public query: famp needs it to tell that an op runs inside a non-reentrant
-    checkpoint's block (whose saved tensors the checkpoint's hooks pack), to restore its state
-    when torch recomputes that block.
-    """
-    top: tuple[object, object] | None = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top
+# `saved_tensors_hooks_top()`: the innermost active `torch.autograd.graph.saved_tensors_hooks`
+# pair, or None. torch has no public query: famp needs it to tell that an op runs inside a
+# non-reentrant checkpoint's block (whose saved tensors the checkpoint's hooks pack), to restore
+# its state when torch recomputes that block. A partial of the builtin: it runs once per op.
+saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False
+)
 
 
 def functorch_transforms_active() -> bool:
