@@ -25,7 +25,12 @@ from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_recompute import calls, end_of_outermost_call, observe
 from famp._autocast_region import policy_state, region
-from famp._compat import functorch_transforms_active, traced_module_hooks, tree_leaves
+from famp._compat import (
+    functorch_transforms_active,
+    saved_tensors_hooks_top,
+    traced_module_hooks,
+    tree_leaves,
+)
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
@@ -86,6 +91,8 @@ class _Call:
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
+        self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
+        self.recompute_only = False  # a replay that acts only inside a recomputation
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
@@ -206,16 +213,20 @@ _HOOK_LOCK = threading.Lock()
 _handles: list[RemovableHandle] = []
 
 
+def _acts(record: _Call) -> bool:
+    return not record.recompute_only or saved_tensors_hooks_top() is not None
+
+
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].patterns and _acts(calls[-1]):
         return calls[-1].enter_module(module, args)
     return None
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].patterns and _acts(calls[-1]):
         return calls[-1].exit_module(module, output)
     return None
 
@@ -347,6 +358,8 @@ class _Transform:
             stack.pop()
             if record.grad_free and stack:
                 stack[-1].grad_free = True
+                if stack[-1].grad_free_block is None:
+                    stack[-1].grad_free_block = record.grad_free_block
             for outer in stack:
                 outer.suspended -= 1
             record.use_hooks(-1)

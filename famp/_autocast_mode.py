@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast_recompute import bracket_outputs, observe
-from famp._compat import OpOverload, op_schema
+from famp._compat import OpOverload, op_schema, saved_tensors_hooks_top
 from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
@@ -344,6 +344,8 @@ class FampMode(TorchFunctionMode):
         owner = self.owner
         if not owner.track:
             return self._op(owner, func, args, kwargs)
+        if owner.recompute_only and saved_tensors_hooks_top() is None:
+            return call(func, args, kwargs)  # a custom backward, not the recomputation
         block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
         out = self._op(owner, func, args, kwargs)
         if block is not None:

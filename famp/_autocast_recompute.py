@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from famp._compat import saved_tensors_hooks_top
 
@@ -67,12 +68,19 @@ def observe(record: Any, values: Any) -> Snapshot | None:
     """
     if not torch.is_grad_enabled():
         record.grad_free = True
+        if record.grad_free_block is None and saved_tensors_hooks_top() is not None:
+            # A custom Function's forward inside a non-reentrant checkpoint's block.
+            record.grad_free_block = _region(saved_tensors_hooks_top())
         return None
     if record.grad_free:
-        _bracket_reentrant(values)
+        _bracket_opaque(record, values)
     top = saved_tensors_hooks_top()
     if top is None:
         return None
+    return _region(top)
+
+
+def _region(top: Any) -> Snapshot:
     regions = _LOCAL.regions
     key = id(top[0])
     found = regions.get(key)
@@ -108,21 +116,29 @@ def bracket_outputs(out: Any, snapshot: Snapshot) -> None:
             _bracket(node, snapshot)
 
 
-def _bracket_reentrant(values: Any) -> None:
+def _bracket_opaque(record: Any, values: Any) -> None:
+    # Nodes famp did not see made: a reentrant checkpoint's, or a custom Function's.
     found: list[torch.Tensor] = []
     _tensors(values, found)
     for t in found:
         node: Any = t.grad_fn
-        if node is not None and node.name() == _REENTRANT_NODE and _KEY not in node.metadata:
+        if node is None or _KEY in node.metadata:
+            continue
+        if node.name() == _REENTRANT_NODE:
             _bracket(node, _snapshot())
+        elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
+            # Its backward (user code) reads its saved tensors, which may start the block's
+            # recomputation: famp's state is entered around it, but acts only inside the
+            # recomputation (under the checkpoint's saved-tensor hooks), not on the user's ops.
+            _bracket(node, record.grad_free_block, recompute_only=True)
 
 
-def _bracket(node: Any, snapshot: Snapshot) -> None:
+def _bracket(node: Any, snapshot: Snapshot, recompute_only: bool = False) -> None:
     metadata = node.metadata
     if _KEY in metadata:
         return
     metadata[_KEY] = True
-    replay = _Replay(snapshot)
+    replay = _Replay(snapshot, recompute_only)
     node.register_prehook(replay.enter)
     node.register_hook(replay.exit)
 
@@ -130,15 +146,18 @@ def _bracket(node: Any, snapshot: Snapshot) -> None:
 class _Replay:
     """famp's state at the start of a checkpointed block, entered around one node's backward."""
 
-    __slots__ = ("active", "snapshot")
+    __slots__ = ("active", "recompute_only", "snapshot")
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, recompute_only: bool = False) -> None:
         self.snapshot = snapshot
+        self.recompute_only = recompute_only
         self.active: list[tuple[int, list[Any], list[Any]]] = []
 
     def enter(self, grad_outputs: Any) -> None:
         stack = calls()
         records = [make() for make in self.snapshot]
+        for record in records:
+            record.recompute_only = self.recompute_only
         for outer in stack:  # calls running on this thread while backward runs: suspended
             outer.suspended += len(records)
         for i, record in enumerate(records):

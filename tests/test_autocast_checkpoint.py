@@ -265,3 +265,45 @@ def test_checkpoint_compiled_module_rules_raise_not_wrong_numbers() -> None:
     )
     with pytest.raises(Exception, match="side effect"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(_x())
+
+
+# --- a block that ends in a custom autograd Function --------------------------------------------
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors  # non-reentrant: this read may start the recomputation
+        return torch.tanh(a) * grad  # an op famp must not intercept (its backward is not famp's)
+
+
+class EndsInFunction(nn.Module):
+    def __init__(self, mode: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.mode = mode
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return _Square.apply(self.block(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.mode is None else checkpoint(self.body, x, **self.mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpoint_mode_block_ending_in_a_custom_function(mode: str, kind: str) -> None:
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"linear": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"block.1": "c=f16,o=f16"}}
+    )
+    expected = _run(EndsInFunction(None), kwargs, x)
+    _assert_same(_run(EndsInFunction(MODES[mode]), kwargs, x), expected)
