@@ -23,7 +23,12 @@ from torch.utils.hooks import RemovableHandle
 
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
-from famp._autocast_recompute import calls, end_of_outermost_call, observe
+from famp._autocast_recompute import (
+    calls,
+    drop_abandoned_replays,
+    end_of_outermost_call,
+    observe,
+)
 from famp._autocast_region import policy_state, region
 from famp._compat import (
     functorch_transforms_active,
@@ -333,6 +338,8 @@ class _Transform:
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = _Call(self, device_type)
+        if record.track:
+            drop_abandoned_replays()
         stack = _calls()
         if record.track:
             # A checkpointed block may begin with this call: the event is the outer call's.

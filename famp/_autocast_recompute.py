@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from famp._compat import saved_tensors_hooks_top
+from famp._compat import in_backward, saved_tensors_hooks_top
 
 _KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
@@ -43,6 +43,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.calls: list[Any] = []  # running call records, innermost last
         self.regions: dict[int, tuple[object, Snapshot]] = {}  # checkpointed blocks seen
+        self.replays: list[_Replay] = []  # replays entered on this thread, innermost last
 
 
 _LOCAL = _ThreadState()
@@ -88,6 +89,16 @@ def _region(top: Any) -> Snapshot:
         found = (top[0], _snapshot())
         regions[key] = found
     return found[1]
+
+
+def drop_abandoned_replays() -> None:
+    """After a backward that raised inside a bracketed node: leave what its hooks entered.
+
+    The node's post-hook never ran; torch has already restored the torch-function mode stack.
+    Called when a call starts outside any backward, where no replay can be running.
+    """
+    while _LOCAL.replays and not in_backward():
+        _LOCAL.replays[-1]._leave()
 
 
 def end_of_outermost_call() -> None:
@@ -172,13 +183,19 @@ class _Replay:
                 mode.__enter__()
                 modes.append(mode)
         self.active.append((depth, records, modes))
+        _LOCAL.replays.append(self)
 
     def exit(self, grad_inputs: Any, grad_outputs: Any) -> None:
         if not self.active:
             return
-        depth, records, modes = self.active.pop()
-        for mode in reversed(modes):
+        for mode in reversed(self.active[-1][2]):
             mode.__exit__(None, None, None)
+        self._leave()
+
+    def _leave(self) -> None:
+        depth, records, _ = self.active.pop()
+        if _LOCAL.replays and _LOCAL.replays[-1] is self:
+            _LOCAL.replays.pop()
         for record in records:
             record.use_hooks(-1)
         stack = calls()

@@ -92,3 +92,12 @@ def tree_leaves(tree: object) -> list[object]:
     from torch.utils import _pytree
 
     return _pytree.tree_leaves(tree)
+
+
+def in_backward() -> bool:
+    """Whether an autograd backward pass is running on this thread.
+
+    No public query: famp's checkpoint hooks leave what they entered in a node's post-hook, which
+    never runs when that node's backward raises; a later call outside backward cleans up.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)

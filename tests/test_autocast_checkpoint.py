@@ -307,3 +307,31 @@ def test_checkpoint_mode_block_ending_in_a_custom_function(mode: str, kind: str)
     )
     expected = _run(EndsInFunction(None), kwargs, x)
     _assert_same(_run(EndsInFunction(MODES[mode]), kwargs, x), expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: str) -> None:
+    import torch.nn.modules.module as torch_module
+
+    import famp._autocast as famp_autocast
+
+    lin, runs = nn.Linear(4, 4), [0]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        if runs[0] == 2:
+            raise KeyError("boom in the recomputation")
+        return lin(x)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    f = famp.autocast(
+        lambda x: checkpoint(block, x, **MODES[mode]).float().sum(),
+        "c=bf16",
+        module_rules={"": "f32"},
+    )
+    with pytest.raises(KeyError, match="boom in the recomputation"):
+        f(x).backward()
+    assert famp.autocast(lambda x: x * 2, "c=bf16")(x).dtype == BF16  # the next call cleans up
+    assert famp_autocast._calls() == []
+    assert famp_autocast._post_hook not in torch_module._global_forward_hooks.values()
+    assert torch._C._len_torch_function_stack() == 0
