@@ -14,15 +14,28 @@ import fnmatch
 import functools
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.modules.module as torch_module
-from torch.utils import _pytree as pytree
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
+from famp._autocast_recompute import (
+    calls,
+    drop_abandoned_replays,
+    end_of_outermost_call,
+    observe,
+)
 from famp._autocast_region import policy_state, region
+from famp._compat import (
+    functorch_transforms_active,
+    saved_tensors_hooks_top,
+    traced_module_hooks,
+    tree_leaves,
+)
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
@@ -33,15 +46,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # --- the record of one call -----------------------------------------------------------------------
 
-_LOCAL = threading.local()
-
-
-def _calls() -> list[_Call]:
-    calls: list[_Call] | None = getattr(_LOCAL, "calls", None)
-    if calls is None:
-        calls = []
-        _LOCAL.calls = calls
-    return calls
+_calls = calls
 
 
 def current_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -53,7 +58,7 @@ def current_state(device_type: str) -> tuple[bool, torch.dtype]:
     state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     calls = _calls()
     if calls:
-        record = calls[-1]
+        record: _Call = calls[-1]
         scope = record.scopes[-1] if record.scopes else None
         if scope is not None and record.device_type == device_type and state == record.base:
             return scope
@@ -78,6 +83,7 @@ class _Call:
     """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
 
     def __init__(self, transform: _Transform, device_type: str) -> None:
+        self.transform = transform
         self.device_type = device_type
         self.base = policy_state(transform.policy)
         self.overrides = transform.overrides
@@ -89,15 +95,48 @@ class _Call:
         self.track = not torch.compiler.is_compiling()
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
+        self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
+        self.recompute_only = False  # a replay that acts only inside a recomputation
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
 
+    # Activation checkpointing (famp._autocast_recompute): a record made again for a recomputation.
+
+    def frozen(self) -> Callable[[], _Call]:
+        """A factory of this call's record as it is now, with a fresh cast cache."""
+        return partial(
+            _Call.replayed, self.transform, self.device_type, self.module_policy, tuple(self.scopes)
+        )
+
+    @staticmethod
+    def replayed(
+        transform: _Transform,
+        device_type: str,
+        module_policy: dict[torch.nn.Module, Policy | None],
+        scopes: tuple[tuple[bool, torch.dtype] | None, ...],
+    ) -> _Call:
+        record = _Call(transform, device_type)
+        record.track = True  # a recomputation runs eagerly, in backward
+        record.module_policy = module_policy
+        record.scopes = list(scopes)
+        return record
+
+    def new_mode(self) -> FampMode:
+        return FampMode(self)
+
+    def use_hooks(self, change: int) -> None:
+        if self.patterns:
+            _hooks(change)
+
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if self.track:
+            observe(self, args)
         if not self.scopes and module not in self.module_policy:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
@@ -114,6 +153,8 @@ class _Call:
         return policy.cast_to_compute(args)
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        if self.track:
+            observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
         policy = self.module_policy.get(module)
         if policy is None:
@@ -167,25 +208,30 @@ class _Call:
 
 
 # --- module hooks ---------------------------------------------------------------------------------
-# Global forward hooks, present only while a call with module rules runs. They are written into
-# torch's hook dicts directly because Dynamo cannot build a RemovableHandle; the key is negative so
-# it never meets a handle id (those count up from 0).
+# Global forward hooks, present only while a call with module rules runs (or a recomputation of
+# such a call), registered with torch's public functions. Dynamo cannot trace the creation of their
+# handles: while tracing they go through famp._compat (their additions and removals cancel out in
+# a graph).
 
-_HOOK_KEY = -0xFA4D
 _hook_users = [0]  # calls with module rules running, in all threads
 _HOOK_LOCK = threading.Lock()
+_handles: list[RemovableHandle] = []
+
+
+def _acts(record: _Call) -> bool:
+    return not record.recompute_only or saved_tensors_hooks_top() is not None
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].patterns and _acts(calls[-1]):
         return calls[-1].enter_module(module, args)
     return None
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].patterns and _acts(calls[-1]):
         return calls[-1].exit_module(module, output)
     return None
 
@@ -193,13 +239,18 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
 def _count_hook_user(change: int) -> None:
     _hook_users[0] += change
     if change > 0 and _hook_users[0] == 1:
-        torch_module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
-        torch_module._global_forward_hooks[_HOOK_KEY] = _post_hook
-        torch_module._global_forward_hooks_always_called[_HOOK_KEY] = True
+        if torch.compiler.is_compiling():
+            traced_module_hooks(_pre_hook, _post_hook)
+        else:
+            _handles.append(register_module_forward_pre_hook(_pre_hook))
+            _handles.append(register_module_forward_hook(_post_hook, always_call=True))
     elif change < 0 and _hook_users[0] == 0:
-        del torch_module._global_forward_pre_hooks[_HOOK_KEY]
-        del torch_module._global_forward_hooks[_HOOK_KEY]
-        del torch_module._global_forward_hooks_always_called[_HOOK_KEY]
+        if torch.compiler.is_compiling():
+            traced_module_hooks(None, None)
+        else:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
 
 
 def _hooks(change: int) -> None:
@@ -224,7 +275,7 @@ def _devices(tree: Any, found: set[str]) -> None:
         for item in tree.values():
             _devices(item, found)
     elif tree is not None and not isinstance(tree, (int, float, str, bool)):
-        leaves = pytree.tree_leaves(tree)
+        leaves = tree_leaves(tree)
         found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
 
 
@@ -277,7 +328,7 @@ class _Transform:
             )
         if (
             torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()  # torch.compile cannot run in torch.func
+            or functorch_transforms_active()  # torch.compile cannot run in torch.func
             or not (self.compile or (self.compile is None and device_type == "cuda"))
         ):
             return self.run(device_type, *args, **kwargs)
@@ -287,12 +338,20 @@ class _Transform:
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = _Call(self, device_type)
-        calls = _calls()
-        for outer in calls:
+        if record.track:
+            drop_abandoned_replays()
+        stack = _calls()
+        if record.track:
+            # A checkpointed block may begin with this call: the event is the outer call's.
+            observe(stack[-1] if stack else record, (args, kwargs))
+        if stack:
+            # Nested in another call, the transform is a module rule spelled as a function: its
+            # positional inputs are cast to its compute dtype as a matched module's are.
+            args = self.policy.cast_to_compute(args)
+        for outer in stack:
             outer.suspended += 1
-        calls.append(record)
-        if self.patterns:
-            _hooks(+1)
+        stack.append(record)
+        record.use_hooks(+1)
         try:
             with region(device_type, *record.base, call=True):
                 if record.intercepts:
@@ -300,12 +359,19 @@ class _Transform:
                         out = self.fn(*args, **kwargs)
                 else:
                     out = self.fn(*args, **kwargs)
+            if record.track:
+                observe(record, out)
         finally:
-            calls.pop()
-            for outer in calls:
+            stack.pop()
+            if record.grad_free and stack:
+                stack[-1].grad_free = True
+                if stack[-1].grad_free_block is None:
+                    stack[-1].grad_free_block = record.grad_free_block
+            for outer in stack:
                 outer.suspended -= 1
-            if self.patterns:
-                _hooks(-1)
+            record.use_hooks(-1)
+            if not stack and record.track:
+                end_of_outermost_call()
         return self.policy.cast_to_output(out)
 
 

@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
+from famp._autocast_recompute import bracket_outputs, observe
+from famp._compat import OpOverload, op_schema, saved_tensors_hooks_top
 from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
@@ -37,7 +40,7 @@ def _functional_overloads(packet: str) -> tuple[str, ...]:
         ops = getattr(torch.ops.aten, packet)
     except (AttributeError, RuntimeError):
         return ()
-    return tuple(o for o in ops.overloads() if not getattr(ops, o)._schema.is_mutable)
+    return tuple(o for o in ops.overloads() if not op_schema(getattr(ops, o)).is_mutable)
 
 
 class Overrides:
@@ -123,7 +126,7 @@ def resolve_overload(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any])
     """The first functional overload of `aten::<packet>` whose schema the call's arguments fit."""
     ops = getattr(torch.ops.aten, packet)
     for overload in _functional_overloads(packet):
-        schema = getattr(ops, overload)._schema
+        schema = op_schema(getattr(ops, overload))
         params = list(schema.arguments)
         positional = [p for p in params if not p.kwarg_only]
         if len(args) > len(positional):
@@ -224,10 +227,10 @@ def cast_args(
 
 
 def _spelled_out(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     full, rest = list(args), dict(kwargs)
-    for arg in func._schema.arguments[len(args) :]:
+    for arg in op_schema(func).arguments[len(args) :]:
         if arg.kwarg_only:
             break
         if arg.name in rest:
@@ -266,8 +269,8 @@ def apply_rule(
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
-            if isinstance(func, torch._ops.OpOverload) and not any(
-                a.name == "dtype" for a in func._schema.arguments
+            if isinstance(func, OpOverload) and not any(
+                a.name == "dtype" for a in op_schema(func).arguments
             ):
                 # An overload without dtype: redispatch with every positional argument spelled out
                 # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).
@@ -285,12 +288,40 @@ def _overrides_for(rules: OpRules) -> Overrides:
     return Overrides(rules)
 
 
+def _find_overrides(rules: OpRules) -> Overrides | None:
+    found = _overrides_for(rules)
+    return found if found else None
+
+
+# Dynamo cannot trace the op schemas the overrides are read from. Inside a compiled function that
+# builds a transform, they are computed at trace time and looked up here by a constant key.
+_TRACED: dict[int, tuple[OpRules, Overrides | None]] = {}
+
+
+def _traced_key(rules: OpRules) -> int:
+    key = id(rules)
+    if key not in _TRACED or _TRACED[key][0] is not rules:
+        _TRACED[key] = (rules, _find_overrides(rules))
+    return key
+
+
+_constant_key: Callable[[OpRules], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _traced_key
+)
+
+
 def overrides_for(rules: OpRules | None) -> Overrides | None:
     """The overrides `rules` makes against its device's defaults, or None if there are none."""
     if rules is None:
         return None
-    found = _overrides_for(rules)
-    return found if found else None
+    if torch.compiler.is_compiling():
+        return _TRACED[_constant_key(rules)][1]
+    return _find_overrides(rules)
+
+
+def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return fn(*args, **kwargs)
 
 
 class FampMode(TorchFunctionMode):
@@ -311,6 +342,19 @@ class FampMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         owner = self.owner
+        if not owner.track:
+            return self._op(owner, func, args, kwargs)
+        if owner.recompute_only and saved_tensors_hooks_top() is None:
+            return call(func, args, kwargs)  # a custom backward, not the recomputation
+        block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
+        out = self._op(owner, func, args, kwargs)
+        if block is not None:
+            bracket_outputs(out, block)
+        return out
+
+    def _op(
+        self, owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
         if owner.track:
@@ -320,6 +364,15 @@ class FampMode(TorchFunctionMode):
             if dtype is not owner.seen_dtype:
                 torch.clear_autocast_cache()
                 owner.seen_dtype = dtype
+        if func is checkpoint and func not in self.inside:
+            # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)
+            # and traces the block with the mode popped: trace it with the mode pushed again.
+            self.inside.add(func)
+            try:
+                block, *rest = args
+                return func(functools.partial(_under, self, block), *rest, **kwargs)
+            finally:
+                self.inside.discard(func)
         if owner.overrides is not None and func not in self.inside:
             body = owner.overrides.enter.get(func)
             if body is not None:

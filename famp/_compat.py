@@ -7,33 +7,120 @@ the tests that pin it across the supported window), never a user's numbers.
 
 from __future__ import annotations
 
-# --- reliability: scaler state (_scaler.py), FSDP1 layouts read off live models (_distributed.py)
-from typing import Any as _Any
+import functools
+from collections.abc import Callable
+from typing import Any
 
-import optree as _optree
-import torch as _torch
-import torch.utils._pytree as _torch_pytree
+import optree
+import torch
+import torch.utils._pytree as torch_pytree_module
 
-# optree's public registration needs a namespace, and a namespaced node is one opaque leaf to
-# every optree call that does not pass that namespace: ScalerState registers in the global
-# registry (the one builtins live in) so that plain `optree.tree_map(f, state)` sees its tensors.
-OPTREE_GLOBAL_NAMESPACE: str = getattr(_optree.registry, "__GLOBAL_NAMESPACE")
+# --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
 
-# torch has no public pytree module: ScalerState must be a node of torch's own pytree for
-# torch.func, torch.compile inputs/outputs and torch.export (treespec_dumps).
-torch_pytree = _torch_pytree
 
-# The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
-# calls it (there is no public functional name for it).
-amp_update_scale = _torch.ops.aten._amp_update_scale
+# `saved_tensors_hooks_top()`: the innermost active `torch.autograd.graph.saved_tensors_hooks`
+# pair, or None. torch has no public query: famp needs it to tell that an op runs inside a
+# non-reentrant checkpoint's block (whose saved tensors the checkpoint's hooks pack), to restore
+# its state when torch recomputes that block. A partial of the builtin: it runs once per op.
+saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False
+)
 
 
 def functorch_transforms_active() -> bool:
-    """Whether a torch.func transform is active: the update kernel has no vmap batching rule."""
-    return bool(_torch._C._are_functorch_transforms_active())
+    """Whether a `torch.func` transform (grad, vmap, ...) is running here.
+
+    No public query exists: `famp.autocast(compile=True)` must not call `torch.compile` there
+    (it cannot run inside `torch.func` transforms) and runs the function directly instead.
+    """
+    return bool(torch._C._are_functorch_transforms_active())
 
 
-def fsdp1_flat_params(module: _Any) -> _Any:
+# The types of `torch.ops.aten.<op>` (a packet) and `torch.ops.aten.<op>.<overload>`: famp's mode
+# receives them as the functions of op calls and names the aten op from them. Not public types.
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of an op overload: famp reads argument names, defaults and mutability from it."""
+    schema: torch.FunctionSchema = op._schema
+    return schema
+
+
+def overload_name(op: OpOverload) -> str:
+    """The overload name of an op overload (`"default"`, `"dim_IntList"`, ...)."""
+    name: str = op._overloadname
+    return name
+
+
+def packet_name(packet: OpOverloadPacket) -> str:
+    """The qualified name of an op packet (`"aten::linear"`)."""
+    name: str = packet._qualified_op_name
+    return name
+
+
+_TRACED_HOOK_KEY = -0xFA4D  # negative: never meets a handle id (those count up from 0)
+
+
+def traced_module_hooks(pre: object | None, post: object | None) -> None:
+    """Set (or, with None, remove) famp's global module forward hooks while Dynamo traces.
+
+    Eagerly famp registers them with `register_module_forward_pre_hook` and
+    `register_module_forward_hook(always_call=True)`; Dynamo cannot trace the creation of their
+    `RemovableHandle` (a class attribute counts the ids), so while tracing famp writes the same
+    entries into torch's hook dicts under a fixed key.
+    """
+    import torch.nn.modules.module as torch_module
+
+    dicts: tuple[dict[int, Any], ...] = (
+        torch_module._global_forward_pre_hooks,
+        torch_module._global_forward_hooks,
+        torch_module._global_forward_hooks_always_called,
+    )
+    if pre is not None:
+        for table, value in zip(dicts, (pre, post, True), strict=True):
+            table[_TRACED_HOOK_KEY] = value
+    else:
+        for table in dicts:
+            del table[_TRACED_HOOK_KEY]
+
+
+def tree_leaves(tree: object) -> list[object]:
+    """The leaves of a pytree by torch's registry (device inference of `famp.autocast`).
+
+    The user's containers are registered with torch's pytree, whose module is private.
+    """
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def in_backward() -> bool:
+    """Whether an autograd backward pass is running on this thread.
+
+    No public query: famp's checkpoint hooks leave what they entered in a node's post-hook, which
+    never runs when that node's backward raises; a later call outside backward cleans up.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+# --- reliability: scaler state (_scaler.py), FSDP1 layouts read off live models (_distributed.py)
+# optree's public registration needs a namespace, and a namespaced node is one opaque leaf to
+# every optree call that does not pass that namespace: ScalerState registers in the global
+# registry (the one builtins live in) so that plain `optree.tree_map(f, state)` sees its tensors.
+OPTREE_GLOBAL_NAMESPACE: str = getattr(optree.registry, "__GLOBAL_NAMESPACE")
+
+# torch has no public pytree module: ScalerState must be a node of torch's own pytree for
+# torch.func, torch.compile inputs/outputs and torch.export (treespec_dumps).
+torch_pytree = torch_pytree_module
+
+# The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
+# calls it (there is no public functional name for it).
+amp_update_scale = torch.ops.aten._amp_update_scale
+
+
+def fsdp1_flat_params(module: Any) -> Any:
     """An FSDP1 unit's flat-parameter handle, or None for a unit without parameters of its own.
 
     FSDP1 exposes no public accessor for the flat parameter's original names and shapes, its
@@ -42,7 +129,7 @@ def fsdp1_flat_params(module: _Any) -> _Any:
     return module._handle
 
 
-def fsdp1_unit_settings(handle: _Any) -> tuple[list[str], list[tuple[int, ...]], _Any, bool]:
+def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], Any, bool]:
     """``(fqns, shapes, compute dtype, use_orig_params)`` of an FSDP1 handle (see above)."""
     flat = handle.flat_param
     shapes = [tuple(s) for s in flat._shapes]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from famp._compat import OpOverload, OpOverloadPacket, op_schema, overload_name, packet_name
+
 # --- entering torch's own Python functions with the mode still active ----------------------------
 # torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
 # which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
@@ -119,15 +121,15 @@ _DUNDERS = {
 _WRITES = frozenset({"__setitem__", "__set__", "set_"})
 
 
-_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_OP_TYPES = (OpOverload, OpOverloadPacket)
 
 
 def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     """(aten packet, overload or None if the call does not name one) of a torch function."""
     if isinstance(func, _OP_TYPES):
-        if isinstance(func, torch._ops.OpOverload):
-            return func._schema.name.partition("::")[2], func._overloadname
-        return func._qualified_op_name.partition("::")[2], None
+        if isinstance(func, OpOverload):
+            return op_schema(func).name.partition("::")[2], overload_name(func)
+        return packet_name(func).partition("::")[2], None
     name: str = getattr(func, "__name__", "")
     return _DUNDERS.get(name, name), None
 

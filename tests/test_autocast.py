@@ -30,8 +30,8 @@ def _autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_cache_enabled(),
         nesting,
         torch._C._len_torch_function_stack(),
-        famp_autocast._HOOK_KEY in torch_module._global_forward_pre_hooks,
-        famp_autocast._HOOK_KEY in torch_module._global_forward_hooks,
+        famp_autocast._pre_hook in torch_module._global_forward_pre_hooks.values(),
+        famp_autocast._post_hook in torch_module._global_forward_hooks.values(),
         len(famp_autocast._calls()),
     )
 
@@ -184,6 +184,61 @@ def test_nested_transforms_with_other_dtypes_work_where_torch_fails() -> None:
     assert_bitwise_equal(before, famp.autocast(lambda x: lin(x), "c=f16")(x))
     assert_bitwise_equal(after, before)
     assert _autocast_state() == CLEAN
+
+
+POLICIES = [f"c={c},o={o}" for c in ("f32", "bf16", "f16") for o in ("f32", "bf16", "f16")]
+
+
+class _Three(nn.Module):
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = self.block(h) if self.inner is None else self.inner(h)
+        return self.head(h.float() if h.dtype != self.head.weight.dtype else h)
+
+
+def _outputs_and_grads(net: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> list[Any]:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    out = fn(x)
+    return [out, *torch.autograd.grad(out.float().pow(2).sum(), [x, *net.parameters()])]
+
+
+@pytest.mark.parametrize("inner", POLICIES)
+@pytest.mark.parametrize("outer", POLICIES)
+def test_nested_transform_equals_module_rule_and_torch_nesting(outer: str, inner: str) -> None:
+    # A famp.autocast call nested in another is the module rule with the same policy, spelled as
+    # a function: same outputs, dtypes and gradients, for every pair of policies; both equal
+    # torch.autocast nested by hand (inputs cast to the inner compute dtype, outputs to its
+    # output dtype, as the rule says).
+    ruled = _Three()
+    by_rule = _outputs_and_grads(ruled, famp.autocast(ruled, outer, module_rules={"block": inner}))
+    nested = _Three()
+    nested.inner = famp.autocast(nested.block, inner)
+    by_call = _outputs_and_grads(nested, famp.autocast(nested, outer))
+    ref, p_out, p_in = _Three(), famp.get_policy(outer), famp.get_policy(inner)
+
+    def torch_nesting(x: torch.Tensor) -> torch.Tensor:
+        def state(p: famp.Policy) -> dict[str, Any]:
+            lower = p.compute_dtype in (BF16, F16)
+            return {"dtype": p.compute_dtype if lower else BF16, "enabled": lower}
+
+        with torch.autocast("cpu", **state(p_out)):
+            h = ref.inp(x)
+            with torch.autocast("cpu", **state(p_in)):
+                h = p_in.cast_to_output(ref.block(p_in.cast_to_compute(h)))
+            out = ref.head(h.float() if h.dtype != ref.head.weight.dtype else h)
+        return p_out.cast_to_output(out)
+
+    expected = _outputs_and_grads(ref, torch_nesting)
+    assert by_call[0].dtype == p_out.output_dtype
+    for a, b, e in zip(by_call, by_rule, expected, strict=True):
+        assert_bitwise_equal(a, b)
+        assert_bitwise_equal(a, e)
 
 
 def test_inner_transform_governs_its_ops_not_the_outer_rules() -> None:
@@ -980,3 +1035,70 @@ def test_overrides_compile_through_torch_python_functions_they_do_not_touch() ->
     explanation = torch._dynamo.explain(f)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
+
+
+BUILT_INSIDE_W = torch.randn(4, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+
+def _built_inside(x: torch.Tensor, rules: famp.OpRules) -> torch.Tensor:
+    return famp.autocast(lambda x: F.linear(x, BUILT_INSIDE_W).softmax(-1), "c=bf16", rules=rules)(
+        x
+    )
+
+
+def test_a_transform_with_rules_builds_inside_a_compiled_function() -> None:
+    # Dynamo cannot trace the op schemas the overrides are read from: famp reads them at trace
+    # time. The compiled function must apply the overrides as the eager one does.
+    x = torch.randn(2, 4)
+    rules = _cpu_rules({"linear": "float32", "softmax": "lower"})
+    expected = _built_inside(x, rules)
+    actual = torch.compile(_built_inside, fullgraph=True, backend="aot_eager")(x, rules)
+    assert actual.dtype == BF16
+    assert_bitwise_equal(actual, expected)
+    assert not torch.equal(actual, _built_inside(x, _cpu_rules({})))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: bool) -> None:
+    # Eagerly the module hooks are registered with torch's public functions; while Dynamo traces
+    # (which cannot build their handles) they must still be seen, with shapes static or dynamic.
+    loss = _compile_loss(**COMPILE_CASES["module_rules"])
+    compiled_loss = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for rows in (5, 7):
+        x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows))
+        assert_bitwise_equal(compiled_loss(x), loss(x))
+        assert _autocast_state() == CLEAN
+
+
+# --- the copies of torch's Python functions (famp/_op_calls.py) ---------------------------------
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_checks() -> None:
+    # The mode enters copies of torch's Python functions whose has_torch_function* globals answer
+    # False. On the installed torch, each copy must be the original in everything else: the same
+    # code, defaults, closure, and every global its code names bound to the same object as in the
+    # original's module now (so a global torch sets or changes after famp's import is no risk).
+    from famp._op_calls import _CHECKS, COPIES
+
+    assert len(COPIES) > 100  # F.*, torch.functional.*, Python Tensor methods
+    for original, copy in COPIES.items():
+        assert copy.__code__ is original.__code__, original
+        assert copy.__defaults__ is original.__defaults__, original
+        assert copy.__kwdefaults__ is original.__kwdefaults__, original
+        assert copy.__closure__ is original.__closure__, original
+        assert set(_CHECKS) & _code_names(original.__code__), original
+        for name in _code_names(original.__code__):
+            if name in _CHECKS:
+                assert copy.__globals__[name](torch.ones(1)) is False
+            elif name in original.__globals__:
+                assert copy.__globals__[name] is original.__globals__[name], (original, name)
+            else:
+                assert name not in copy.__globals__, (original, name)

@@ -1,0 +1,206 @@
+"""Activation checkpointing inside `famp.autocast`: famp's state is back while torch recomputes.
+
+`torch.utils.checkpoint` restores torch's own autocast state (enabled, dtype, cache) around a
+recomputation, and nothing else: famp's op overrides, module scopes and cast cache live in the call
+record and its `TorchFunctionMode`, both gone by the time backward runs. famp therefore ties its
+state to the autograd graph, with public node hooks: each node whose backward may recompute a
+checkpointed block gets a pre-hook that re-enters the famp state in effect where the block began
+(the stack of calls, each with its module scopes, and a fresh cast cache) and a hook that leaves it.
+
+- Non-reentrant and selective checkpointing recompute from inside the backward of any node whose
+  saved tensors the checkpoint packed: every node an op creates while saved-tensor hooks are
+  active is bracketed, with the state at the first famp event of that block (an op, a module
+  entry or exit, a nested call starting).
+- Reentrant checkpointing recomputes inside the backward of its own node
+  (`CheckpointFunctionBackward`), which famp finds on the block's outputs at the next famp event,
+  where the state is the block's again.
+
+Outside a recomputation the pushed state is inert: famp's mode applies overrides and module scopes
+only while torch's autocast state is the call's own, which checkpoint restores around `fn` alone.
+Compiled graphs need none of this: Dynamo traces the block once, famp's casts included, and the
+recomputation replays that graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from famp._compat import in_backward, saved_tensors_hooks_top
+
+_KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
+_REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
+
+# A snapshot: the calls in effect, outermost first, each as a factory of a fresh call record.
+Snapshot = tuple[Callable[[], Any], ...]
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.calls: list[Any] = []  # running call records, innermost last
+        self.regions: dict[int, tuple[object, Snapshot]] = {}  # checkpointed blocks seen
+        self.replays: list[_Replay] = []  # replays entered on this thread, innermost last
+
+
+_LOCAL = _ThreadState()
+
+
+def calls() -> list[Any]:
+    """This thread's stack of running `famp.autocast` call records, innermost last."""
+    return _LOCAL.calls
+
+
+def _snapshot() -> Snapshot:
+    return tuple(record.frozen() for record in calls())
+
+
+def observe(record: Any, values: Any) -> Snapshot | None:
+    """Called eagerly before each famp event; returns the block's snapshot inside a checkpoint.
+
+    Inside saved-tensor hooks (a non-reentrant checkpoint) the first event of the block records
+    the state. After a grad-free op (the forward of a reentrant checkpoint runs without grad), the
+    tensors of each event are searched for a reentrant checkpoint's node, bracketed with the state
+    of now (the block's: module entries and exits within it are balanced). `record` is the call
+    whose event it is; the grad-free mark passes to the outer call when a nested one ends.
+    """
+    if not torch.is_grad_enabled():
+        record.grad_free = True
+        if record.grad_free_block is None and saved_tensors_hooks_top() is not None:
+            # A custom Function's forward inside a non-reentrant checkpoint's block.
+            record.grad_free_block = _region(saved_tensors_hooks_top())
+        return None
+    if record.grad_free:
+        _bracket_opaque(record, values)
+    top = saved_tensors_hooks_top()
+    if top is None:
+        return None
+    return _region(top)
+
+
+def _region(top: Any) -> Snapshot:
+    regions = _LOCAL.regions
+    key = id(top[0])
+    found = regions.get(key)
+    if found is None or found[0] is not top[0]:
+        found = (top[0], _snapshot())
+        regions[key] = found
+    return found[1]
+
+
+def drop_abandoned_replays() -> None:
+    """After a backward that raised inside a bracketed node: leave what its hooks entered.
+
+    The node's post-hook never ran; torch has already restored the torch-function mode stack.
+    Called when a call starts outside any backward, where no replay can be running.
+    """
+    while _LOCAL.replays and not in_backward():
+        _LOCAL.replays[-1]._leave()
+
+
+def end_of_outermost_call() -> None:
+    """Forget the blocks seen: the graph's hooks hold what recomputation needs."""
+    _LOCAL.regions = {}
+
+
+def _tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(values, torch.Tensor):
+        out.append(values)
+    elif depth < 3 and isinstance(values, (list, tuple)):
+        for v in values:
+            _tensors(v, out, depth + 1)
+    elif depth < 3 and isinstance(values, dict):
+        for v in values.values():
+            _tensors(v, out, depth + 1)
+
+
+def bracket_outputs(out: Any, snapshot: Snapshot) -> None:
+    """Bracket the nodes of an op's outputs made inside a non-reentrant checkpoint's block."""
+    found: list[torch.Tensor] = []
+    _tensors(out, found)
+    for t in found:
+        node = t.grad_fn
+        if node is not None:
+            _bracket(node, snapshot)
+
+
+def _bracket_opaque(record: Any, values: Any) -> None:
+    # Nodes famp did not see made: a reentrant checkpoint's, or a custom Function's.
+    found: list[torch.Tensor] = []
+    _tensors(values, found)
+    for t in found:
+        node: Any = t.grad_fn
+        if node is None or _KEY in node.metadata:
+            continue
+        if node.name() == _REENTRANT_NODE:
+            _bracket(node, _snapshot())
+        elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
+            # Its backward (user code) reads its saved tensors, which may start the block's
+            # recomputation: famp's state is entered around it, but acts only inside the
+            # recomputation (under the checkpoint's saved-tensor hooks), not on the user's ops.
+            _bracket(node, record.grad_free_block, recompute_only=True)
+
+
+def _bracket(node: Any, snapshot: Snapshot, recompute_only: bool = False) -> None:
+    metadata = node.metadata
+    if _KEY in metadata:
+        return
+    metadata[_KEY] = True
+    replay = _Replay(snapshot, recompute_only)
+    node.register_prehook(replay.enter)
+    node.register_hook(replay.exit)
+
+
+class _Replay:
+    """famp's state at the start of a checkpointed block, entered around one node's backward."""
+
+    __slots__ = ("active", "recompute_only", "snapshot")
+
+    def __init__(self, snapshot: Snapshot, recompute_only: bool = False) -> None:
+        self.snapshot = snapshot
+        self.recompute_only = recompute_only
+        self.active: list[tuple[int, list[Any], list[Any]]] = []
+
+    def enter(self, grad_outputs: Any) -> None:
+        stack = calls()
+        records = [make() for make in self.snapshot]
+        for record in records:
+            record.recompute_only = self.recompute_only
+        for outer in stack:  # calls running on this thread while backward runs: suspended
+            outer.suspended += len(records)
+        for i, record in enumerate(records):
+            record.suspended = len(records) - 1 - i
+        depth = len(stack)
+        stack.extend(records)
+        modes = []
+        for record in records:
+            record.use_hooks(+1)
+            if record.intercepts:
+                mode = record.new_mode()
+                mode.__enter__()
+                modes.append(mode)
+        self.active.append((depth, records, modes))
+        _LOCAL.replays.append(self)
+
+    def exit(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        if not self.active:
+            return
+        for mode in reversed(self.active[-1][2]):
+            mode.__exit__(None, None, None)
+        self._leave()
+
+    def _leave(self) -> None:
+        depth, records, _ = self.active.pop()
+        if _LOCAL.replays and _LOCAL.replays[-1] is self:
+            _LOCAL.replays.pop()
+        for record in records:
+            record.use_hooks(-1)
+        stack = calls()
+        del stack[depth:]
+        for outer in stack:
+            outer.suspended -= len(records)
+        if not stack:
+            end_of_outermost_call()

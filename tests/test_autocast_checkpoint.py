@@ -1,0 +1,337 @@
+"""famp.autocast under activation checkpointing, bit for bit against the same block unchecked.
+
+Reference: the same `famp.autocast` function with the block called directly. Each case compares the
+loss and the gradients of the input and of every parameter, bit for bit, for op overrides, module
+rules and the default rules (whose reference is itself `torch.autocast`'s, see test_autocast_zoo),
+with reentrant, non-reentrant and selective checkpointing; also of FSDP2-wrapped blocks, under
+`torch.compile`, and with famp calls nested inside the checkpointed block.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _save_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op == torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+MODES: dict[str, dict[str, Any]] = {
+    "reentrant": {"use_reentrant": True},
+    "nonreentrant": {"use_reentrant": False},
+    "selective": {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, _save_mm),
+    },
+}
+
+
+class Block(nn.Module):
+    """Linear, GELU, LayerNorm, and one weight used twice (torch's cast cache matters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.act(self.inp(x)))
+        return self.out(torch.tanh(self.out(h)))
+
+
+class Net(nn.Module):
+    def __init__(self, mode: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        h = self.block(h) if self.mode is None else checkpoint(self.block, h, **self.mode)
+        return self.head(h)
+
+
+def _rules(kind: str) -> dict[str, Any]:
+    # Built per test: famp.default_rules needs the rules tables of the installed torch.
+    if kind == "overrides":
+        rules = famp.default_rules("cpu").override(
+            {"linear": "float32", "gelu": "lower", "layer_norm": "lower"}
+        )
+        return {"rules": rules}
+    if kind == "module_rules":
+        return {"module_rules": {"block.norm": "f32", "block.out": "c=f16,o=f16", "head": "f32"}}
+    return {}
+
+
+def _run(
+    net: nn.Module, kwargs: dict[str, Any], x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    params = [x, *net.parameters()]
+    for p in params:
+        p.grad = None
+    loss = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **kwargs)(x)
+    loss.backward()  # reentrant checkpointing supports .backward(), not autograd.grad
+    grads = []
+    for p in params:
+        assert p.grad is not None
+        grads.append(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+    return loss, grads
+
+
+def _assert_same(
+    actual: tuple[torch.Tensor, list[torch.Tensor]],
+    expected: tuple[torch.Tensor, list[torch.Tensor]],
+) -> None:
+    assert_bitwise_equal(actual[0], expected[0])
+    assert [g.dtype for g in actual[1]] == [F32] * len(actual[1])
+    for a, e in zip(actual[1], expected[1], strict=True):
+        assert_bitwise_equal(a, e)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def _check(mode: str, kind: str) -> None:
+    x, kwargs = _x(), _rules(kind)
+    expected = _run(Net(None), kwargs, x)
+    _assert_same(_run(Net(MODES[mode]), kwargs, x), expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_overrides(mode: str) -> None:
+    _check(mode, "overrides")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_module_rules(mode: str) -> None:
+    _check(mode, "module_rules")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_default_rules(mode: str) -> None:
+    _check(mode, "default")
+
+
+def test_checkpoint_reentrant_overrides_differ_without_famp_state() -> None:
+    # The case the hooks exist for: recomputed without famp's rules, the gradients would differ.
+    x, kwargs = _x(), _rules("overrides")
+    expected = _run(Net(None), kwargs, x)
+    plain = _run(Net(None), {}, x)
+    assert not torch.equal(plain[1][1], expected[1][1])
+
+
+# --- nested famp calls inside (and around) a checkpointed block ---------------------------------
+
+
+class Nested(nn.Module):
+    """A checkpointed block that calls a famp transform with another policy and rules."""
+
+    def __init__(self, mode: dict[str, Any] | None, inner_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = Block()
+        self.inner = famp.autocast(self.b, "c=f16,o=bf16", **inner_kwargs)
+        self.mode = mode
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.inner(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.mode is None else checkpoint(self.body, x, **self.mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpoint_mode_nested_calls(mode: str, kind: str) -> None:
+    x = _x()
+    outer = _rules(kind) if kind == "overrides" else {"module_rules": {"a": "f32"}}
+    inner = {"module_rules": {"norm": "f32", "out": "c=bf16,o=f16"}}
+    expected = _run(Nested(None, inner), outer, x)
+    _assert_same(_run(Nested(MODES[mode], inner), outer, x), expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_of_a_famp_call(mode: str) -> None:
+    # The famp call inside the checkpointed block: the recomputation runs the call again.
+    torch.manual_seed(0)
+    block, x = Block(), _x()
+    f = famp.autocast(block, "c=bf16,o=f32", module_rules={"norm": "c=f16,o=f16"})
+    params = [x, *block.parameters()]
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [p.grad for p in params if p.grad is not None]
+
+    expected = grads((f(x) * 2).pow(2).sum())
+    actual = grads(checkpoint(lambda x: f(x) * 2, x, **MODES[mode]).pow(2).sum())
+    assert len(actual) == len(params)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh() -> Iterator[Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["overrides", "module_rules", "default"])
+def test_checkpoint_mode_fsdp2(mode: str, kind: str, one_rank_mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    x, kwargs = _x(), _rules(kind)
+    results = []
+    for m in (None, MODES[mode]):
+        net = Net(m)
+        fully_shard(net.block, mesh=one_rank_mesh)
+        results.append(_run(net, kwargs, x))
+    _assert_same(results[1], results[0])
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+# Compiled graphs have no weight-cast cache (a weight used twice is cast twice, eager casts it
+# once), so the reference is the same function compiled without checkpointing. aot_eager runs the
+# traced aten graph as is.
+
+
+def _compiled_run(mode: str | None, kwargs: dict[str, Any], x: torch.Tensor) -> Any:
+    net = Net(None if mode is None else MODES[mode])
+    params = [x, *net.parameters()]
+    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **kwargs)
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    return loss, list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "selective"])
+@pytest.mark.parametrize("kind", ["overrides", "default"])
+def test_checkpoint_mode_compiled(mode: str, kind: str) -> None:
+    x, kwargs = _x(), _rules(kind)
+    _assert_same(_compiled_run(mode, kwargs, x), _compiled_run(None, kwargs, x))
+
+
+def test_checkpoint_compiled_overrides_reach_the_block() -> None:
+    # Dynamo hands the checkpoint to famp's mode and would trace the block without it: the
+    # overrides must change the compiled result as they change the eager one.
+    x = _x()
+    overridden = _compiled_run("nonreentrant", _rules("overrides"), x)
+    assert not torch.equal(overridden[0], _compiled_run("nonreentrant", {}, x)[0])
+    assert_bitwise_equal(overridden[0], _run(Net(None), _rules("overrides"), x)[0])
+
+
+def test_checkpoint_compiled_module_rules_raise_not_wrong_numbers() -> None:
+    # Dynamo traces a checkpointed block as a subgraph that may not change state outside it; the
+    # module scopes do, so tracing fails loudly (run the block eagerly or without module rules).
+    net = Net(MODES["nonreentrant"])
+    f: Callable[[torch.Tensor], torch.Tensor] = famp.autocast(
+        lambda x: net(x).float().sum(), "c=bf16", **_rules("module_rules")
+    )
+    with pytest.raises(Exception, match="side effect"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(_x())
+
+
+# --- a block that ends in a custom autograd Function --------------------------------------------
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors  # non-reentrant: this read may start the recomputation
+        return torch.tanh(a) * grad  # an op famp must not intercept (its backward is not famp's)
+
+
+class EndsInFunction(nn.Module):
+    def __init__(self, mode: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.mode = mode
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return _Square.apply(self.block(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.mode is None else checkpoint(self.body, x, **self.mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpoint_mode_block_ending_in_a_custom_function(mode: str, kind: str) -> None:
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"linear": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"block.1": "c=f16,o=f16"}}
+    )
+    expected = _run(EndsInFunction(None), kwargs, x)
+    _assert_same(_run(EndsInFunction(MODES[mode]), kwargs, x), expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: str) -> None:
+    import torch.nn.modules.module as torch_module
+
+    import famp._autocast as famp_autocast
+
+    lin, runs = nn.Linear(4, 4), [0]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        if runs[0] == 2:
+            raise KeyError("boom in the recomputation")
+        return lin(x)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    f = famp.autocast(
+        lambda x: checkpoint(block, x, **MODES[mode]).float().sum(),
+        "c=bf16",
+        module_rules={"": "f32"},
+    )
+    with pytest.raises(KeyError, match="boom in the recomputation"):
+        f(x).backward()
+    assert famp.autocast(lambda x: x * 2, "c=bf16")(x).dtype == BF16  # the next call cleans up
+    assert famp_autocast._calls() == []
+    assert famp_autocast._post_hook not in torch_module._global_forward_hooks.values()
+    assert torch._C._len_torch_function_stack() == 0
