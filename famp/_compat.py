@@ -6,3 +6,15 @@ the tests that pin it across the supported window), never a user's numbers.
 """
 
 from __future__ import annotations
+
+# --- nonfinite_report and explain (_report.py, _explain.py) -------------------------------------
+# isort: split
+# torch's pytree registry: a report must pass in and out of torch.compile, which flattens with it
+# (famp.ScalerState registers the same way).
+import torch.utils._pytree as torch_pytree
+
+# TorchDispatchMode: the public base class of dispatch modes lives in a private module; explain
+# records every aten op (and its dtypes) with one.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["TorchDispatchMode", "torch_pytree"]
