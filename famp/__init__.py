@@ -36,6 +36,7 @@ from famp._step import optimizer_step, skip_on_overflow, value_and_grad
 
 # --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
 # isort: split
+from famp._explain import OpRecord, Trace, explain
 from famp._report import NonfiniteReport, nonfinite_report
 
 __version__ = "0.1.0"
@@ -84,5 +85,8 @@ __all__: list[str] = [
     "value_and_grad",
     # overflow forensics and autocast explain
     "NonfiniteReport",
+    "OpRecord",
+    "Trace",
+    "explain",
     "nonfinite_report",
 ]
