@@ -431,7 +431,7 @@ def explain(
         >>> import famp, torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         >>> rules = famp.default_rules("cpu").override({"layer_norm": "float32"})
-        >>> out, trace = famp.explain(model, "c=bf16", rules=rules)(torch.randn(2, 4))
+        >>> out, trace = famp.explain(model, "c=bf16,o=f32", rules=rules)(torch.randn(2, 4))
         >>> out.dtype
         torch.float32
         >>> sorted({(r.module, r.call, r.rule, r.source) for r in trace})

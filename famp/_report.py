@@ -230,7 +230,7 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         >>> grads = {"w": torch.tensor([3.0, float("nan"), -7.0]), "b": torch.zeros(2)}
         >>> report = famp.nonfinite_report(grads)
         >>> report.counts, report.amax, report.found_inf
-        ({'b': tensor(0), 'w': tensor(1)}, {'b': tensor(0.), 'w': tensor(7.)}, tensor(1.))
+        ({'w': tensor(1), 'b': tensor(0)}, {'w': tensor(7.), 'b': tensor(0.)}, tensor(1.))
         >>> print(report.summary())
         found_inf = 1: 1 of 2 leaves hold non-finite values
           w: 1 non-finite (float32), largest finite |x| 7
