@@ -176,3 +176,32 @@ def test_compile_true_is_refused_and_errors_leave_nothing_behind() -> None:
     lin = torch.nn.Linear(2, 2)
     _, trace = famp.explain(lin, "c=bf16")(torch.ones(2))
     assert {r.module for r in trace} == {""}  # no stale module stack from the failed call
+
+
+@pytest.mark.slow
+def test_digits_demo_explain_and_report_options(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_examples import load_example
+
+    digits = load_example("train_digits")
+    argv = ["--steps", "2", "--batch-size", "8", "--out", str(tmp_path), "--no-progress"]
+    scaled = ["--precision", "fp16", "--init-scale", str(2.0**18)]  # the first step overflows
+    digits.main([*argv, *scaled, "--explain", "--report"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["#", "op", "module", "call", "rule", "source", "in", "out"]
+    conv = [line.split() for line in lines[1:5]]
+    assert [row[1:5] for row in conv] == [
+        ["aten._to_copy.default", "0", "conv2d", "lower"],
+        ["aten._to_copy.default", "0", "conv2d", "lower"],
+        ["aten._to_copy.default", "0", "conv2d", "lower"],
+        ["aten.convolution.default", "0", "conv2d", "lower"],
+    ]
+    assert conv[3][-1] == "f16"
+    assert "step 0: overflow at loss scale 262144" in out
+    report = lines[lines.index("step 0: overflow at loss scale 262144") + 1 :]
+    assert report[0].startswith("found_inf = 1: ")
+    assert report[1].split(":")[0].strip() in {
+        n for n, _ in digits.build_model().named_parameters()
+    }
