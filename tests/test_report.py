@@ -259,3 +259,43 @@ def test_every_rank_receives_every_ranks_figures_over_2_and_3_gloo_ranks() -> No
         assert local_found == unscale_found == 1.0  # max-reduced over the mesh, as unscale
         assert gathered == [0] * (world_size - 1) + [1]
         assert gathered_amax == [10 * r + 2.0 for r in range(world_size)]
+
+
+def test_debugging_page_activation_report_names_the_overflowing_layer() -> None:
+    """docs/debugging.md's run: a float16 layer with huge weights, found by its activations."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 4),
+    )
+    with torch.no_grad():
+        model[3].weight.mul_(50000.0)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    policy = famp.get_policy("params=float32,compute=float16,output=float32")
+    forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), policy)
+    step = famp.value_and_grad(lambda p: torch.nn.functional.cross_entropy(forward(p, x), y))
+    _, grads, found_inf, _ = step(famp.init_scaler(2.0**16), params)
+    report = famp.nonfinite_report(grads)
+    assert_bitwise_equal(report.found_inf, found_inf)
+    assert all(c.item() > 0 for c in report.counts.values())
+    acts: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda m, i, o, name=name: acts.__setitem__(name, o.detach()))
+        for name, m in model.named_children()
+    ]
+    forward(params, x)
+    for h in hooks:
+        h.remove()
+    activations = famp.nonfinite_report(acts)
+    bad = [name for name, c in activations.counts.items() if c.item()]
+    assert bad == ["3", "4", "5"]  # in forward order: layer 3 is where it starts
+    assert all(acts[name].dtype == torch.float16 for name in acts)
+    text = activations.summary()
+    assert "  3: 0.0 bits (float16" in text
