@@ -13,8 +13,12 @@ from __future__ import annotations
 # (famp.ScalerState registers the same way).
 import torch.utils._pytree as torch_pytree
 
+# Whether a torch.func transform (vmap, grad) is active: nonfinite_report's CPU shortcut reads
+# tensor values, which a transform's wrapped tensors do not allow.
+from torch._C import _are_functorch_transforms_active as functorch_transforms_active
+
 # TorchDispatchMode: the public base class of dispatch modes lives in a private module; explain
 # records every aten op (and its dtypes) with one.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TorchDispatchMode", "torch_pytree"]
+__all__ = ["TorchDispatchMode", "functorch_transforms_active", "torch_pytree"]

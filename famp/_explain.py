@@ -21,11 +21,11 @@ run by ``torch.autograd``'s engine). Two blind spots follow, where the dtypes te
 the rule does not: the casts autocast makes for an operator (``a @ b``) show ``"keep"`` (``mm``
 itself shows ``"lower"``), and the ops that another op's C++ implementation calls through their
 own autocast wrappers (the linears inside ``_VF.gru`` and ``lstm_cell``) show the outer op's
-rule (``"keep"``), although torch casts them. ``rule`` is ``None`` where autocast is off for the device (a
-float32 compute dtype, a module rule computing in float32, or the function's own
-``torch.autocast(enabled=False)``). ``source`` is ``"override"`` where the call's rules give the
-op another rule than the device's defaults, else ``"module"`` inside a module that a module rule
-matches, else ``"default"``.
+rule (``"keep"``), although torch casts them. ``rule`` is ``None`` where autocast is off for the
+device (a float32 compute dtype, a module rule computing in float32, the function's own
+``torch.autocast(enabled=False)``, the output cast after the autocast region). ``source`` is
+``"override"`` where the call's rules give the op another rule than the device's defaults, else
+``"module"`` inside a module that a module rule matches, else ``"default"``.
 
 Deliberately not supported: compiled execution (a compiled graph runs no aten ops one by one:
 explain always runs eagerly), and threads other than the caller's (the profile function is the

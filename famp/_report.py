@@ -11,6 +11,8 @@ masked max). Eagerly on the CPU, each leaf first gets a read-only ``aminmax``; o
 extremes are not finite get the masked passes (reading a CPU tensor is a memory read, not a device
 sync, as in ``famp._unscale_paths``). Elsewhere eagerly, every leaf takes the masked passes.
 
+Under ``torch.func.vmap`` the figures are per sample (the branch-free passes run).
+
 Deliberately not supported: sparse layouts (pass ``t.coalesce().values()``), integer leaves.
 """
 
@@ -25,7 +27,7 @@ import optree
 import torch
 
 from famp import _distributed
-from famp._compat import torch_pytree
+from famp._compat import functorch_transforms_active, torch_pytree
 from famp._typing import PyTree, Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -173,7 +175,7 @@ def _exact(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _leaf_figures(xs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     """Counts and amaxes of plain tensors: read-only extremes first on the CPU, eagerly."""
-    cpu = not torch.compiler.is_compiling() and all(
+    cpu = not (torch.compiler.is_compiling() or functorch_transforms_active()) and all(
         type(x) is torch.Tensor and x.device.type == "cpu" for x in xs
     )
     if not cpu:

@@ -145,6 +145,21 @@ def test_report_round_trips_through_optree_and_torch_pytree(tree: Any) -> None:
     assert torch_pytree.treespec_loads(torch_pytree.treespec_dumps(spec)) == spec
 
 
+def test_under_vmap_the_figures_are_per_sample() -> None:
+    batch = torch.tensor([[1.0, -3.0, 2.0], [math.inf, 5.0, math.nan], [0.0, 0.0, 0.0]])
+
+    def figures(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        report = famp.nonfinite_report({"g": x})
+        return report.counts["g"], report.amax["g"], report.found_inf
+
+    counts, amax, found = torch.func.vmap(figures)(batch)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == [naive(x)[0] for x in batch]
+    assert amax.dtype == torch.float32
+    assert amax.tolist() == [naive(x)[1].item() for x in batch]
+    assert found.tolist() == [0.0, 1.0, 0.0]
+
+
 def test_summary_names_the_bad_leaves_worst_first_with_headroom() -> None:
     tree = {
         "block.0.mlp.weight": torch.tensor([1.0, math.inf, math.nan, 2.0], dtype=torch.float16),
