@@ -176,7 +176,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cores are busy with anything else",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="print famp.explain's table of the first block's ops (dtype, rule) before training",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="after each overflow, print famp.nonfinite_report's summary of the gradients "
+        "(reading found_inf is a host sync each step: debugging only)",
+    )
     return parser.parse_args(argv)
+
+
+# --- debugging mixed precision: --explain and --report ------------------------------------------
+
+
+def explain_first_block(model: torch.nn.Module, policy: famp.Policy, x: torch.Tensor) -> None:
+    """Print every aten op of one forward pass in the first block, with its rule and dtypes."""
+    _, trace = famp.explain(model, policy, device_type=x.device.type)(x)
+    print(trace.table(module="0"))
+    print(trace.summary())
+
+
+def report_overflow(model: torch.nn.Module, policy: famp.Policy, step: int, *args: Any) -> None:
+    """Recompute one step's gradients and print which of them overflowed, and by how much."""
+    params, scaler, x, y = args
+    forward = famp.autocast(
+        functools.partial(functional_call, model), policy, device_type=x.device.type
+    )
+    grad_fn = famp.value_and_grad(lambda p: functional.cross_entropy(forward(p, (x,)), y))
+    _, grads, _, _ = grad_fn(scaler, params)
+    print(f"step {step}: overflow at loss scale {scaler.scale.item():g}")
+    print(famp.nonfinite_report(grads).summary(limit=4))
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -248,17 +281,24 @@ def train(args: argparse.Namespace) -> float:
 
     from tqdm import tqdm
 
+    if args.explain:
+        explain_first_block(model, policy, x_train[:2])
     began = time.perf_counter()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=args.no_progress)
     for step in bar:
         index = batch_indices(step, len(y_train), args.batch_size, args.seed).to(device)
         used_scale = scaler.scale
+        prev_params, used_scaler = params, scaler  # for --report
         params, opt_state, scaler, loss, found_inf = train_step(
             params, opt_state, scaler, x_train[index], y_train[index]
         )
         history["loss"].append(loss.detach().float())
         history["scale"].append(used_scale)
         history["found_inf"].append(found_inf)
+        if args.report and found_inf.item():  # a host sync, only with --report
+            report_overflow(
+                model, policy, step, prev_params, used_scaler, x_train[index], y_train[index]
+            )
         if (step + 1) % 25 == 0:  # reading the loss is a host sync: only now and then
             bar.set_postfix(loss=f"{loss.item():.4f}", scale=f"{used_scale.item():g}")
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:

@@ -34,6 +34,11 @@ from famp._rekey import optim_state_by_fqn, optim_state_by_id
 # isort: split
 from famp._step import optimizer_step, skip_on_overflow, value_and_grad
 
+# --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
+# isort: split
+from famp._explain import OpRecord, Trace, explain
+from famp._report import NonfiniteReport, nonfinite_report
+
 __version__ = "0.1.0"
 
 __all__: list[str] = [
@@ -78,4 +83,10 @@ __all__: list[str] = [
     "optimizer_step",
     "skip_on_overflow",
     "value_and_grad",
+    # overflow forensics and autocast explain
+    "NonfiniteReport",
+    "OpRecord",
+    "Trace",
+    "explain",
+    "nonfinite_report",
 ]

@@ -14,6 +14,10 @@ from typing import Any
 import optree
 import torch
 import torch.utils._pytree as torch_pytree_module
+from torch.utils import _python_dispatch
+
+# TorchDispatchMode: the public base class of dispatch modes lives in a private module; explain
+# records every aten op (and its dtypes) with one.
 
 # --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
 
@@ -134,6 +138,13 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
     flat = handle.flat_param
     shapes = [tuple(s) for s in flat._shapes]
     return list(flat._fqns), shapes, handle._fwd_bwd_param_dtype, bool(handle._use_orig_params)
+
+
+# --- explain (famp/_explain.py) ------------------------------------------------------------
+
+# The public base class of dispatch modes lives in a private module; explain records every aten op
+# (and its dtypes) with one.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 # --- checkpoints (famp/_dcp_writer.py) -------------------------------------------------------

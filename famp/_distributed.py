@@ -261,3 +261,42 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
 
 
 layout_of.__module__ = "famp"
+
+
+# --- every rank's nonfinite_report figures (used by nonfinite_report's `group=`) -----------------
+
+
+def all_gather_report(
+    counts: list[torch.Tensor], amaxes: list[torch.Tensor], found_inf: torch.Tensor, group: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
+    """Every rank's counts, amaxes and found_inf, in one all-gather of one int64 vector.
+
+    Each rank packs its counts, the bit patterns of its float32 amaxes and its found_inf into
+    one int64 vector (exact: no float conversion of a count or an amax); entry r of each
+    returned 1-d tensor is rank r's. ``found_inf`` is the max over ranks, as ``all_reduce_max``.
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
+        )
+    n = len(counts)
+    device = found_inf.device
+    packed = torch.cat(
+        [
+            torch.stack([c.to(device) for c in counts])
+            if n
+            else torch.zeros(0, dtype=torch.int64, device=device),
+            torch.stack([a.to(device).view(torch.int32).to(torch.int64) for a in amaxes])
+            if n
+            else torch.zeros(0, dtype=torch.int64, device=device),
+            found_inf.view(torch.int32).to(torch.int64).reshape(1),
+        ]
+    )
+    world_size = dist.get_world_size(group)
+    gathered = [torch.empty_like(packed) for _ in range(world_size)]
+    dist.all_gather(gathered, packed, group=group)
+    table = torch.stack(gathered)  # (world_size, 2n + 1)
+    out_counts = [table[:, i] for i in range(n)]
+    out_amax = [table[:, n + i].to(torch.int32).view(torch.float32) for i in range(n)]
+    found = table[:, 2 * n].to(torch.int32).view(torch.float32).amax()
+    return out_counts, out_amax, found, world_size

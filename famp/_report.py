@@ -1,0 +1,287 @@
+"""Overflow forensics: ``famp.nonfinite_report``, which leaf (and rank) holds non-finite values.
+
+Per leaf of a tree, the number of non-finite elements (``counts``, 0-d int64) and the largest
+absolute finite value (``amax``, 0-d float32); plus ``found_inf``, equal to what
+``famp.unscale_and_check`` reports on the same tree. Everything stays a tensor: no host sync until
+``NonfiniteReport.summary()`` is asked for. With a process group, one all-gather gives every rank
+every rank's figures.
+
+How it reads memory: compiled, each leaf is one fused read (inductor fuses the count and the
+masked max). Eagerly on the CPU, each leaf first gets a read-only ``aminmax``; only leaves whose
+extremes are not finite get the masked passes (reading a CPU tensor is a memory read, not a device
+sync, as in ``famp._unscale_paths``). Elsewhere eagerly, every leaf takes the masked passes.
+
+Under ``torch.func.vmap`` the figures are per sample (the branch-free passes run).
+
+Deliberately not supported: sparse layouts (pass ``t.coalesce().values()``), integer leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from famp import _distributed
+from famp._compat import functorch_transforms_active, torch_pytree
+from famp._typing import PyTree, Tensor
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_NAMES[torch.float64] = "float64"
+_DTYPES = {name: dtype for dtype, name in _NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NonfiniteReport:
+    """Where a tree holds non-finite values, as tensors: the result of ``famp.nonfinite_report``.
+
+    A pytree (optree, torch's pytree, ``torch.compile``): its leaves are the tensors of ``counts``,
+    ``amax`` and ``found_inf``; the leaf paths, dtypes and world size are static metadata.
+
+    Attributes:
+        counts: The input's structure, each leaf a 0-d int64 tensor: the number of non-finite
+            (inf or NaN) elements. With a group, a 1-d tensor of length world size, entry r
+            from rank r.
+        amax: The input's structure, each leaf a 0-d float32 tensor: the largest absolute finite
+            value (0 for an empty or all-non-finite leaf; float64 values are rounded to float32).
+            With a group, 1-d as ``counts``.
+        found_inf: 0-d float32, 1.0 iff any count (on any rank, with a group) is non-zero.
+        paths: Static: each leaf's path, as ``summary`` prints it.
+        dtypes: Static: each leaf's dtype name.
+        world_size: Static: the group's size, or ``None`` without a group.
+    """
+
+    counts: PyTree
+    amax: PyTree
+    found_inf: Tensor
+    paths: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    world_size: int | None = None
+
+    def summary(self, limit: int = 10) -> str:
+        """A short text: the non-finite leaves, worst first, and the half-precision headroom.
+
+        This is the report's only host sync. Non-finite leaves are named by path (and rank with
+        a group), most non-finite elements first. For float16 and bfloat16 leaves, the headroom
+        is ``log2(finfo.max / amax)`` bits: how many doublings of the values (or of the loss
+        scale) they can take before overflowing; the lowest are listed.
+
+        Args:
+            limit: At most this many lines per section.
+
+        Returns:
+            The text, lines separated by newlines.
+
+        Examples:
+            >>> import famp, torch
+            >>> grads = {"w": torch.tensor([1.0, float("inf")]), "b": torch.ones(2)}
+            >>> print(famp.nonfinite_report(grads).summary())
+            found_inf = 1: 1 of 2 leaves hold non-finite values
+              w: 1 non-finite (float32), largest finite |x| 1
+        """
+        counts = [c.reshape(-1).tolist() for c in optree.tree_leaves(self.counts)]
+        amaxes = [a.reshape(-1).tolist() for a in optree.tree_leaves(self.amax)]
+        bad: list[tuple[int, str, int, str, float]] = []
+        head: list[tuple[float, str, str, float]] = []
+        for path, dtype, cs, ms in zip(self.paths, self.dtypes, counts, amaxes, strict=True):
+            for rank, (count, amax) in enumerate(zip(cs, ms, strict=True)):
+                where = path if self.world_size is None else f"{path} (rank {rank})"
+                if count:
+                    bad.append((count, where, int(count), dtype, amax))
+                if dtype in ("float16", "bfloat16"):
+                    top = torch.finfo(_DTYPES[dtype]).max
+                    bits = math.log2(top / amax) if amax > 0 else math.inf
+                    head.append((bits, where, dtype, amax))
+        leaves = len(self.paths)
+        lines = [
+            f"found_inf = {self.found_inf.item():g}: "
+            f"{len({b[1] for b in bad})} of {leaves * (self.world_size or 1)} "
+            f"leaves{' (leaf, rank)' if self.world_size else ''} hold non-finite values"
+        ]
+        bad.sort(key=lambda b: (-b[0], b[1]))
+        lines += [
+            f"  {where}: {count} non-finite ({dtype}), largest finite |x| {amax:.4g}"
+            for _, where, count, dtype, amax in bad[:limit]
+        ]
+        if len(bad) > limit:
+            lines.append(f"  ... and {len(bad) - limit} more")
+        if head:
+            head.sort(key=lambda h: (h[0], h[1]))
+            lines.append("headroom of float16/bfloat16 leaves, lowest first:")
+            lines += [
+                f"  {where}: {bits:.1f} bits ({dtype}, largest finite |x| {amax:.4g})"
+                for bits, where, dtype, amax in head[:limit]
+            ]
+        return "\n".join(lines)
+
+
+_LEAF_NAMES = ("counts", "amax", "found_inf")
+
+
+def _flatten(report: NonfiniteReport) -> tuple[list[Any], tuple[Any, ...]]:
+    return [getattr(report, n) for n in _LEAF_NAMES], (
+        report.paths,
+        report.dtypes,
+        report.world_size,
+    )
+
+
+def _unflatten(aux: tuple[Any, ...], children: Sequence[Any]) -> NonfiniteReport:
+    counts, amax, found_inf = children
+    return NonfiniteReport(counts, amax, found_inf, *aux)
+
+
+_register_optree: Any = optree.register_pytree_node  # typed for Collection subclasses only
+_register_optree(
+    NonfiniteReport,
+    lambda r: (*_flatten(r), _LEAF_NAMES),
+    lambda aux, children: _unflatten(aux, list(children)),
+    path_entry_type=optree.GetAttrEntry,
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),  # as famp.ScalerState
+)
+torch_pytree.register_pytree_node(
+    NonfiniteReport,
+    _flatten,
+    lambda children, aux: _unflatten(aux, list(children)),
+    serialized_type_name="famp.NonfiniteReport",
+    to_dumpable_context=lambda aux: [list(aux[0]), list(aux[1]), aux[2]],
+    from_dumpable_context=lambda d: (tuple(d[0]), tuple(d[1]), d[2]),
+    flatten_with_keys_fn=lambda r: (
+        [(torch_pytree.GetAttrKey(n), getattr(r, n)) for n in _LEAF_NAMES],
+        _flatten(r)[1],
+    ),
+)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(k) for k in path) if path else "<tree>"
+
+
+def _exact(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(non-finite count as int64, largest finite |x| as float32), branch-free."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return torch.zeros((), dtype=torch.int64, device=x.device), zero
+    finite = torch.isfinite(x)
+    count = finite.logical_not().sum(dtype=torch.int64)
+    amax = torch.where(finite, x.abs(), 0).amax().to(torch.float32)
+    return count, amax
+
+
+def _leaf_figures(xs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Counts and amaxes of plain tensors: read-only extremes first on the CPU, eagerly."""
+    cpu = not (torch.compiler.is_compiling() or functorch_transforms_active()) and all(
+        type(x) is torch.Tensor and x.device.type == "cpu" for x in xs
+    )
+    if not cpu:
+        pairs = [_exact(x) for x in xs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    nonempty = [i for i, x in enumerate(xs) if x.numel()]
+    counts = [torch.zeros((), dtype=torch.int64) for _ in xs]
+    amaxes = [torch.zeros((), dtype=torch.float32) for _ in xs]
+    if not nonempty:
+        return counts, amaxes
+    extremes = torch.stack(
+        [e.to(torch.float64) for i in nonempty for e in torch.aminmax(xs[i])]
+    ).view(-1, 2)
+    finite = torch.isfinite(extremes).all(1).tolist()  # a CPU memory read, not a device sync
+    widest = extremes.abs().amax(1).to(torch.float32)
+    for j, i in enumerate(nonempty):
+        if finite[j]:
+            amaxes[i] = widest[j]
+        else:
+            counts[i], amaxes[i] = _exact(xs[i])
+    return counts, amaxes
+
+
+def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
+    """Count the non-finite elements of every leaf and find its largest finite magnitude.
+
+    For each tensor leaf: ``counts``, the number of inf and NaN elements (0-d int64), and
+    ``amax``, the largest absolute finite value (0-d float32; 0 for an empty or all-non-finite
+    leaf; a float64 value is rounded to float32). ``found_inf`` is 1.0 iff any count is non-zero:
+    the value ``famp.unscale_and_check`` returns for the same tree (and the same ``group``;
+    DTensor leaves make it max-reduced over their mesh, as there). No host sync: call it every
+    step and look only when ``found_inf`` says so, with ``report.summary()``. Composes with
+    ``torch.compile(fullgraph=True)``, where each leaf is read once.
+
+    With ``group``, one all-gather gives every rank every rank's figures: each leaf of
+    ``counts`` and ``amax`` is a 1-d tensor of length ``group``'s size, entry r from rank r.
+    DTensor leaves (FSDP2 gradients) report this rank's local shard. ``None`` leaves stay
+    ``None``.
+
+    Args:
+        tree: A pytree of float16/bfloat16/float32/float64 tensors (DTensors included).
+        group: A ``torch.distributed`` process group to gather every rank's figures over
+            (``None``: this process only).
+
+    Returns:
+        A ``famp.NonfiniteReport``.
+
+    Raises:
+        TypeError: A leaf is not a floating tensor, or is sparse; the message names its path.
+            ``group`` is not a process group.
+
+    Examples:
+        >>> import famp, torch
+        >>> grads = {"w": torch.tensor([3.0, float("nan"), -7.0]), "b": torch.zeros(2)}
+        >>> report = famp.nonfinite_report(grads)
+        >>> report.counts, report.amax, report.found_inf
+        ({'w': tensor(1), 'b': tensor(0)}, {'w': tensor(7.), 'b': tensor(0.)}, tensor(1.))
+        >>> print(report.summary())
+        found_inf = 1: 1 of 2 leaves hold non-finite values
+          w: 1 non-finite (float32), largest finite |x| 7
+    """
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    local: list[Tensor] = []
+    dtensors = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _FLOATS:
+            what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise TypeError(
+                f"famp.nonfinite_report: the leaf at {_path_str(path)!r} must be a "
+                f"float16/bfloat16/float32/float64 tensor or None, got {what}"
+            )
+        if _distributed.is_dtensor(leaf):
+            dtensors.append(leaf)
+            leaf = _distributed.local_shard(leaf)
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"famp.nonfinite_report: the leaf at {_path_str(path)!r} has layout "
+                f"{leaf.layout}; only strided tensors are supported"
+            )
+        local.append(leaf)
+    counts, amaxes = _leaf_figures(local)
+    device = local[0].device if local else torch.device("cpu")
+    if counts:
+        any_bad = torch.stack([c.to(device) for c in counts]).ne(0).any()
+        found_inf = any_bad.to(torch.float32)
+    else:
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if dtensors:
+        found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
+    world_size = None
+    if group is not None:
+        counts, amaxes, found_inf, world_size = _distributed.all_gather_report(
+            counts, amaxes, found_inf, group
+        )
+    return NonfiniteReport(
+        optree.tree_unflatten(spec, counts),
+        optree.tree_unflatten(spec, amaxes),
+        found_inf,
+        tuple(_path_str(p) for p in paths),
+        tuple(_NAMES[x.dtype] for x in local),
+        world_size,
+    )
+
+
+for _public in (NonfiniteReport, nonfinite_report):
+    _public.__module__ = "famp"
+
+# doctest skips members whose __module__ is "famp" when it collects this module: list them.
+__test__ = {"NonfiniteReport.summary": NonfiniteReport.summary}
