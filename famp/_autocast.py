@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_region import policy_state, region
+from famp._compat import is_view, tensor_version
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
@@ -91,6 +92,10 @@ class _Call:
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
+        # The cacheable weights the ops have read since the cache was last cleared, with the
+        # version each had then; their storages (built lazily) catch writes through `.data`.
+        self.weights: dict[int, tuple[torch.Tensor, int]] = {}
+        self.storages: frozenset[int] | None = None
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
@@ -139,6 +144,8 @@ class _Call:
             scope = None  # the function entered its own torch.autocast: it governs its body
         enabled, lower = scope or state
         packet, overload = op_name(func)
+        if self.track:
+            self.watch(args, kwargs)
         rule = None
         if self.overrides is not None and enabled:
             rule = self.overrides.rule(packet, overload, args, kwargs)
@@ -150,20 +157,73 @@ class _Call:
         else:
             out = call(func, args, kwargs)
         if self.track and writes_first_arg(packet, kwargs):
-            self.invalidate(args[0] if args else None)
+            self.invalidate(args[0] if args else kwargs.get("out"))
         return out
 
     def _off(self) -> Any:
         return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))
 
+    # The weight-cast caches (torch's and famp's) against writes to the weights.
+
+    def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before an op: drop every weight cast if a weight it reads was written since its cast.
+
+        torch's version counter is shared by a tensor's views and `detach()`es, so this sees
+        writes through any of them, wherever they were made (inside C++ ops, other threads).
+        """
+        for t in _weights((*args, *kwargs.values())):
+            seen = self.weights.get(id(t))
+            if seen is None or seen[0] is not t:
+                self.weights[id(t)] = (t, tensor_version(t))
+                self.storages = None
+            elif seen[1] != tensor_version(t):
+                self.clear()
+                self.weights[id(t)] = (t, tensor_version(t))
+
     def invalidate(self, target: object) -> None:
-        """After an in-place write: drop every weight cast if `target` may have been cached."""
+        """After an in-place write: drop every weight cast if it wrote into a watched weight.
+
+        By storage, so that writes through `.data` (which has its own version counter) and any
+        other alias are seen too.
+        """
         tensors = target if isinstance(target, (list, tuple)) else (target,)
+        if self.storages is None:
+            self.storages = frozenset(_storage(t) for t, _ in self.weights.values()) - {0}
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
-                torch.clear_autocast_cache()
-                self.cache.entries.clear()
+            if isinstance(t, torch.Tensor) and (
+                id(t) in self.weights or _storage(t) in self.storages
+            ):
+                self.clear()
                 return
+
+    def clear(self) -> None:
+        torch.clear_autocast_cache()
+        self.cache.entries.clear()
+        self.weights.clear()
+        self.storages = None
+
+
+def _weights(values: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors among the values (and in list values) that torch's cast cache may hold."""
+    found = []
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.requires_grad
+                and t.dtype == torch.float32
+                and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
+                and t.is_leaf
+            ):
+                found.append(t)
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # nested, sparse, functorch-wrapped tensors
+        return 0
 
 
 # --- module hooks ---------------------------------------------------------------------------------

@@ -6,3 +6,17 @@ the tests that pin it across the supported window), never a user's numbers.
 """
 
 from __future__ import annotations
+
+import torch
+
+# --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """torch's version counter of a tensor: the only record of in-place writes to it."""
+    return int(t._version)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether a tensor is a view: torch's cast cache skips views; `is_leaf` may raise on them."""
+    return bool(t._is_view())
