@@ -10,9 +10,12 @@ this module owns the call records, the module hooks, device inference and compil
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import fnmatch
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -23,12 +26,31 @@ from torch.utils import _pytree as pytree
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_region import policy_state, region
-from famp._compat import is_view, tensor_version
+from famp._compat import is_view, no_torch_function, tensor_version, torch_function_modes
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
 
-__all__ = ["autocast"]
+__all__ = ["AutocastWarning", "autocast"]
+
+
+class AutocastWarning(UserWarning):
+    """Warned by a `famp.autocast` call whose rules may not do what they say.
+
+    Raised once per transformed function: for module rules that matched no module path in a call
+    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`, `_orig_mod.` for
+    `torch.compile`), and for op overrides left out of torch's inference fast path. Filter it as
+    any warning: `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
+    """
+
+
+AutocastWarning.__module__ = "famp"
+
+_FAST_PATH_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerEncoder,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,33 +121,111 @@ class _Call:
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
+        self.transform = transform
+        self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
+        # Per module entered: the context that leaves it to torch's fast path, or None.
+        self.declined: list[contextlib.ExitStack | None] = []
+        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
+        self.hooked = bool(self.patterns) or (self.intercepts and self.track)
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
-        if not self.scopes and module not in self.module_policy:
+        if not self.scopes and module not in self.module_policy and self.patterns:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
                     i = _match(self.patterns, path)
                     self.module_policy[sub] = self.policies[i] if i >= 0 else None
+            if self.track:  # eagerly: which patterns match, for the warning on those that do not
+                self.paths.extend(path for path, _ in module.named_modules())
         policy = self.module_policy.get(module)
         outer = self.scopes[-1] if self.scopes else None
         if policy is None:
             self.scopes.append(outer)
+            self.declined.append(self._decline(module, args, outer))
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
-        return policy.cast_to_compute(args)
+        args = policy.cast_to_compute(args)
+        self.declined.append(self._decline(module, args, inner))
+        return args
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
         inner = self.scopes.pop() if self.scopes else None
+        declined = self.declined.pop() if self.declined else None
+        if declined is not None:
+            declined.close()
         policy = self.module_policy.get(module)
         if policy is None:
             return None
         outer = self.scopes[-1] if self.scopes else None
         self._switch(inner or self.base, outer or self.base)
         return policy.cast_to_output(output)
+
+    def _decline(
+        self, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, torch.dtype] | None
+    ) -> contextlib.ExitStack | None:
+        """Leave a module that may take torch's inference fast path to torch, uninterrupted.
+
+        `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a
+        fused path (and nested tensors) in eval mode without grad unless an argument "has a torch
+        function", which famp's mode would make true. There, famp runs the module's `forward`
+        with its mode off and the module's autocast state set around the whole `forward`.
+        """
+        if not (
+            self.track
+            and isinstance(module, _FAST_PATH_MODULES)
+            and not module.training
+            and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
+            and torch_function_modes() == 1  # famp's mode alone: another would decline too
+        ):
+            return None
+        tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        ):
+            return None
+        if self.overrides is not None and not self.transform.warned_fast_path:
+            self.transform.warned_fast_path = True
+            warnings.warn(
+                f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
+                "eval mode without grad, where torch runs it on its inference fast path; famp "
+                "leaves that path to torch (autocast state as torch.autocast's, no interception)."
+                " Call it with grad enabled or in train mode to apply the overrides there.",
+                AutocastWarning,
+                stacklevel=2,
+            )
+        stack = contextlib.ExitStack()
+        if scope is not None:
+            stack.enter_context(region(self.device_type, *scope))
+        stack.enter_context(no_torch_function())
+        return stack
+
+    def warn_unmatched(self) -> None:
+        """Warn (once per transform) about module rules that matched no module path."""
+        matched = {p for p in self.patterns for path in self.paths if fnmatch.fnmatchcase(path, p)}
+        unmatched = [p for p in self.patterns if p not in matched]
+        if not unmatched or self.transform.warned_unmatched:
+            return
+        self.transform.warned_unmatched = True
+        paths = sorted(set(self.paths))
+        lines = []
+        for pattern in unmatched:
+            near = [p for p in paths if fnmatch.fnmatchcase(p, "*." + pattern)]
+            near = near or difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            lines.append(f"{pattern!r} (nearest module paths: {', '.join(map(repr, near[:3]))})")
+        if not paths:
+            lines = [f"{p!r} (no module was called)" for p in unmatched]
+        warnings.warn(
+            "famp.autocast: module_rules matched no module in this call: "
+            + "; ".join(lines)
+            + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
+            "(DistributedDataParallel 'module.', torch.compile '_orig_mod.'): write the pattern "
+            "for the wrapped model ('module.head') or with a leading '*' ('*head').",
+            AutocastWarning,
+            stacklevel=3,
+        )
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype.
@@ -238,14 +338,14 @@ _HOOK_LOCK = threading.Lock()
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].hooked:
         return calls[-1].enter_module(module, args)
     return None
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns:
+    if calls and calls[-1].hooked:
         return calls[-1].exit_module(module, output)
     return None
 
@@ -327,6 +427,8 @@ class _Transform:
         self.policies = tuple(get_policy(p) for _, p in items)
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
+        self.warned_unmatched = False
+        self.warned_fast_path = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         device_type = self.device_type or _infer_device(args, kwargs)
@@ -351,7 +453,7 @@ class _Transform:
         for outer in calls:
             outer.suspended += 1
         calls.append(record)
-        if self.patterns:
+        if record.hooked:
             _hooks(+1)
         try:
             with region(device_type, *record.base, call=True):
@@ -364,8 +466,10 @@ class _Transform:
             calls.pop()
             for outer in calls:
                 outer.suspended -= 1
-            if self.patterns:
+            if record.hooked:
                 _hooks(-1)
+        if self.patterns and record.track:
+            record.warn_unmatched()
         return self.policy.cast_to_output(out)
 
 

@@ -7,6 +7,8 @@ the tests that pin it across the supported window), never a user's numbers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
@@ -20,3 +22,15 @@ def tensor_version(t: torch.Tensor) -> int:
 def is_view(t: torch.Tensor) -> bool:
     """Whether a tensor is a view: torch's cast cache skips views; `is_leaf` may raise on them."""
     return bool(t._is_view())
+
+
+def torch_function_modes() -> int:
+    """How many torch function modes are active: famp leaves torch's fast paths alone only when
+    its own mode is the one that would make torch decline them."""
+    return int(torch._C._len_torch_function_stack())
+
+
+def no_torch_function() -> Any:
+    """A context without torch function handling, where `has_torch_function` answers False as it
+    does without famp's mode (torch's public API has no way to pop one mode)."""
+    return torch._C.DisableTorchFunction()

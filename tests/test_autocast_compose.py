@@ -8,6 +8,7 @@ plain eager run. docs/autocast.md's "Compatibility" table names the test of each
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,9 @@ def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
     options: dict[str, Any] = {
         "track_casts": {"track_casts": True},
         "override": {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})},
-        "module_rule": {"module_rules": {"": "c=bf16,o=bf16"}},  # the Linear is the root
+        "module_rule": {
+            "module_rules": {"": "c=bf16,o=bf16"}
+        },  # "": the module f calls  # the Linear is the root
     }[kind]
     first, second = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
     lin.load_state_dict(state)
@@ -110,3 +113,153 @@ def test_the_reference_for_alias_writes_differs_from_torch_autocast_with_its_cac
     with torch.autocast("cpu", dtype=BF16):
         first, second = f(x)
     assert_bitwise_equal(first, second)
+
+
+# --- torch's inference fast paths (nn.TransformerEncoder, nn.MultiheadAttention) -----------------
+# In eval mode without grad torch runs these on fused kernels unless an argument "has a torch
+# function", which famp's op interception would make true. famp leaves them to torch.
+
+
+def _encoder(nested: bool) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enable_nested_tensor's notes about its own conditions
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+def _padding_mask() -> torch.Tensor:
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    return mask
+
+
+FAST_PATH_OPTIONS: dict[str, dict[str, Any]] = {
+    "track_casts": {"track_casts": True},
+    # A rule casts the module's inputs: the reference casts them too.
+    "module_rule": {"module_rules": {"": "c=bf16,o=bf16"}},  # "": the module f calls
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", sorted(FAST_PATH_OPTIONS))
+@pytest.mark.parametrize("module", ["encoder", "attention"])
+def test_inference_fast_path_gives_torch_autocast_bits(
+    module: str, kind: str, grad_mode: str
+) -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    if module == "encoder":
+        enc = _encoder(nested=False)
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return enc(x, src_key_padding_mask=mask)
+    else:
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return mha(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+    context = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    with context():
+        with torch.autocast("cpu", dtype=BF16):
+            expected = f(x.to(BF16) if kind == "module_rule" else x)
+        actual = famp.autocast(f, "c=bf16,o=bf16", **FAST_PATH_OPTIONS[kind])(x)
+    assert actual.dtype == BF16
+    assert_bitwise_equal(actual, expected)
+
+
+def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there() -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=False)
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=BF16):
+            expected = enc(x, src_key_padding_mask=mask)
+        f = famp.autocast(lambda x: enc(x, src_key_padding_mask=mask), "c=bf16,o=bf16", rules=rules)
+        with pytest.warns(famp.AutocastWarning, match="overrides do not apply inside"):
+            actual = f(x)
+        assert_bitwise_equal(actual, expected)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            f(x)  # once per transform
+    # With grad, torch takes the composite path and the override applies (linear in float32).
+    with torch.autocast("cpu", dtype=BF16):
+        composite = enc(x, src_key_padding_mask=mask)
+    assert not torch.equal(f(x), composite.to(BF16))
+
+
+def test_nested_tensor_fast_path_fails_as_under_torch_autocast() -> None:
+    # torch's fused encoder layer rejects bfloat16 activations with nested tensors on CPU; famp
+    # leaves the path to torch, so it fails (or works) exactly where torch.autocast does.
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=True)
+    f = famp.autocast(lambda x: enc(x, src_key_padding_mask=mask), "c=bf16", track_casts=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype note on nested tensors
+        with pytest.raises(RuntimeError) as theirs, torch.autocast("cpu", dtype=BF16):
+            enc(x, src_key_padding_mask=mask)
+        with pytest.raises(RuntimeError) as ours:
+            f(x)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_nested_tensor_fast_path_in_float32_zeroes_padded_rows_as_torch_does() -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype note on nested tensors
+        expected = enc(x, src_key_padding_mask=mask)
+        actual = famp.autocast(
+            lambda x: enc(x, src_key_padding_mask=mask), "f32", track_casts=True
+        )(x)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    assert not actual[0, 3:].any()  # the fused path's zeros for padded rows
+
+
+# --- module rules that match nothing: wrappers' path prefixes ------------------------------------
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+class Wrapper(nn.Module):  # what DistributedDataParallel does to paths: `module.` in front
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_module_rule_that_matches_nothing_warns_once_naming_the_prefixed_path() -> None:
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(4, 6)
+    wrapped = Wrapper(model)
+    f = famp.autocast(wrapped, "c=bf16,o=f32", module_rules={"head": "f32"})
+    with pytest.warns(famp.AutocastWarning, match=r"'head' \(nearest module paths: 'module\.head'"):
+        f(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(x)  # once per transform
+    # The rule written for the wrapper gives the unwrapped model's bits.
+    for rules, fn in [({"module.head": "f32"}, wrapped), ({"*head": "f32"}, wrapped)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = famp.autocast(fn, "c=bf16,o=f32", module_rules=rules)(x)
+        expected = famp.autocast(model, "c=bf16,o=f32", module_rules={"head": "f32"})(x)
+        assert_bitwise_equal(actual, expected)
+
+
+def test_a_module_rule_in_a_function_that_calls_no_module_warns() -> None:
+    f = famp.autocast(lambda x: x * 2, "c=bf16", module_rules={"head": "f32"})
+    with pytest.warns(famp.AutocastWarning, match=r"'head' \(no module was called\)"):
+        f(torch.ones(2))
