@@ -8,6 +8,10 @@ plain eager run. docs/autocast.md's "Compatibility" table names the test of each
 from __future__ import annotations
 
 import copy
+import pathlib
+import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -263,3 +267,70 @@ def test_a_module_rule_in_a_function_that_calls_no_module_warns() -> None:
     f = famp.autocast(lambda x: x * 2, "c=bf16", module_rules={"head": "f32"})
     with pytest.warns(famp.AutocastWarning, match=r"'head' \(no module was called\)"):
         f(torch.ones(2))
+
+
+# --- DDP, FSDP2, FSDP1 on 2 gloo ranks: one torchrun job (tests/compose_worker.py) ----------------
+
+WORKER = pathlib.Path(__file__).with_name("compose_worker.py")
+DISTRIBUTED_CELLS = [
+    "ddp_default",
+    "ddp_module_rule",
+    "fsdp2_default",
+    "fsdp2_module_rule",
+    "fsdp1_default",
+    "fsdp1_module_rule",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("compose_job")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(WORKER),
+        str(out),
+    ]
+    root = WORKER.parents[1]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=root)
+    # Judged by what the ranks recorded: gloo's teardown sometimes aborts a finished process.
+    files = [out / f"rank{r}.pt" for r in range(2)]
+    assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("cell", DISTRIBUTED_CELLS)
+def test_distributed_cell_gives_its_references_bits(ranks: list[dict[str, Any]], cell: str) -> None:
+    for record in ranks:
+        result = record[cell]
+        assert "error" not in result, result.get("error")
+        assert len(result["actual"]) == len(result["expected"])
+        for actual, expected in zip(result["actual"], result["expected"], strict=True):
+            assert_bitwise_equal(actual, expected)
+        assert result["actual"][0].dtype == torch.float32  # the loss
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_module_rule_on_a_ddp_model_without_its_prefix_warns(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for record in ranks:
+        assert "error" not in record["ddp_unprefixed_warns"]
+        (message,) = record["ddp_unprefixed_warns"]["warnings"]
+        assert "'head' (nearest module paths: 'module.head')" in message
