@@ -26,7 +26,13 @@ from torch.utils import _pytree as pytree
 from famp._autocast_mode import CastCache as _CastCache
 from famp._autocast_mode import FampMode, apply_rule, overrides_for
 from famp._autocast_region import policy_state, region
-from famp._compat import is_view, no_torch_function, tensor_version, torch_function_modes
+from famp._compat import (
+    is_compiled_module,
+    is_view,
+    no_torch_function,
+    tensor_version,
+    torch_function_modes,
+)
 from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
@@ -131,6 +137,8 @@ class _Call:
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if is_compiled_module(module):
+            return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
         if not self.scopes and module not in self.module_policy and self.patterns:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
@@ -152,6 +160,8 @@ class _Call:
         return args
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        if is_compiled_module(module):
+            return None
         inner = self.scopes.pop() if self.scopes else None
         declined = self.declined.pop() if self.declined else None
         if declined is not None:
@@ -176,6 +186,7 @@ class _Call:
         if not (
             self.track
             and isinstance(module, _FAST_PATH_MODULES)
+            and not torch.compiler.is_compiling()
             and not module.training
             and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
             and torch_function_modes() == 1  # famp's mode alone: another would decline too
@@ -221,8 +232,9 @@ class _Call:
             "famp.autocast: module_rules matched no module in this call: "
             + "; ".join(lines)
             + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
-            "(DistributedDataParallel 'module.', torch.compile '_orig_mod.'): write the pattern "
-            "for the wrapped model ('module.head') or with a leading '*' ('*head').",
+            "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
+            "torch.compile(model), whose paths are the model's): write the pattern for the "
+            "wrapped model ('module.head') or with a leading '*' ('*head').",
             AutocastWarning,
             stacklevel=3,
         )
@@ -244,7 +256,10 @@ class _Call:
             scope = None  # the function entered its own torch.autocast: it governs its body
         enabled, lower = scope or state
         packet, overload = op_name(func)
-        if self.track:
+        # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
+        # graph's casts are explicit: nothing to watch.
+        track = self.track and not torch.compiler.is_compiling()
+        if track:
             self.watch(args, kwargs)
         rule = None
         if self.overrides is not None and enabled:
@@ -256,7 +271,7 @@ class _Call:
                 out = call(func, args, kwargs)
         else:
             out = call(func, args, kwargs)
-        if self.track and writes_first_arg(packet, kwargs):
+        if track and writes_first_arg(packet, kwargs):
             self.invalidate(args[0] if args else kwargs.get("out"))
         return out
 

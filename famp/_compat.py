@@ -7,6 +7,7 @@ the tests that pin it across the supported window), never a user's numbers.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -34,3 +35,9 @@ def no_torch_function() -> Any:
     """A context without torch function handling, where `has_torch_function` answers False as it
     does without famp's mode (torch's public API has no way to pop one mode)."""
     return torch._C.DisableTorchFunction()
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether a module is `torch.compile(model)`'s wrapper (its class is private to Dynamo)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)

@@ -334,3 +334,168 @@ def test_a_module_rule_on_a_ddp_model_without_its_prefix_warns(
         assert "error" not in record["ddp_unprefixed_warns"]
         (message,) = record["ddp_unprefixed_warns"]["warnings"]
         assert "'head' (nearest module paths: 'module.head')" in message
+
+
+# --- torch.compile: static shapes, dynamic=True, a recompile after a shape change ----------------
+# Default rules: compiled famp against compiled torch.autocast (inductor on both sides). Overrides
+# and module rules: compiled (aot_eager, which runs the traced graph as is) against eager famp.
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+MLP = _mlp()
+RULES = famp.default_rules("cpu").override({"layer_norm": "float32", "linear": "float32"})
+MODULE_RULES = {"3": "f32"}
+_famp_default = famp.autocast(MLP, "c=bf16,o=f32")
+_famp_rules = famp.autocast(MLP, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)
+
+
+def _torch_default(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        return MLP(x).float()
+
+
+def _loss_and_grads(f: Callable[..., torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    for p in MLP.parameters():
+        p.grad = None
+    out = f(x)
+    out.pow(2).sum().backward()
+    return [out.detach(), *(p.grad for p in MLP.parameters() if p.grad is not None)]
+
+
+_COMPILED_CELLS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+
+
+def _compiled_cell(name: str, mode: str) -> Callable[..., torch.Tensor]:
+    key = (name, mode)
+    if key not in _COMPILED_CELLS:
+        fn = {"famp": _famp_default, "torch": _torch_default, "rules": _famp_rules}[name]
+        backend = "aot_eager" if name == "rules" else "inductor"
+        dynamic = {"static": False, "dynamic": True, "recompile": None}[mode]
+        _COMPILED_CELLS[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
+    return _COMPILED_CELLS[key]
+
+
+def _shapes(mode: str) -> list[int]:
+    # "recompile": a second batch size makes Dynamo recompile (automatically dynamic).
+    return [5, 7] if mode == "recompile" else [5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_compiled_default_rules_give_compiled_torch_autocast_bits(mode: str) -> None:
+    for n in _shapes(mode):
+        x = torch.randn(n, 8)
+        actual = _loss_and_grads(_compiled_cell("famp", mode), x)
+        expected = _loss_and_grads(_compiled_cell("torch", mode), x)
+        assert actual[0].dtype == torch.float32
+        for a, e in zip(actual, expected, strict=True):
+            assert_bitwise_equal(a, e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_compiled_overrides_and_module_rules_give_eager_bits(mode: str) -> None:
+    for n in _shapes(mode):
+        x = torch.randn(n, 8)
+        actual = _loss_and_grads(_compiled_cell("rules", mode), x)
+        expected = _loss_and_grads(_famp_rules, x)
+        assert actual[0].dtype == torch.float32
+        for a, e in zip(actual, expected, strict=True):
+            assert_bitwise_equal(a, e)
+
+
+def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
+    model, x = _mlp(), torch.randn(5, 8)
+    wrapped = torch.compile(model, backend="aot_eager")
+    expected = famp.autocast(model, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)(x)
+    with warnings.catch_warnings():
+        # torch warns that famp's global module hooks also fire for the compile wrapper.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        actual = famp.autocast(wrapped, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)(x)
+        with pytest.warns(
+            famp.AutocastWarning, match=r"'_orig_mod\.3' \(nearest module paths: '3'"
+        ):
+            famp.autocast(wrapped, "c=bf16", module_rules={"_orig_mod.3": "f32"})(x)
+    assert_bitwise_equal(actual, expected)
+
+
+# --- torch.func: grad, vmap, jacrev, functional_call ---------------------------------------------
+
+# Without the LayerNorm: torch's own batching rules fail on it under autocast in jacrev and vmap
+# of grad, and famp fails with the same error (test_torch_func_fails_where_torch_autocast_fails).
+torch.manual_seed(1)
+FUNC_MLP = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+_PARAMS = {k: v.detach() for k, v in FUNC_MLP.named_parameters()}
+_NORM_PARAMS = {k: v.detach() for k, v in MLP.named_parameters()}
+FUNC_RULES = famp.default_rules("cpu").override({"tanh": "float32"})
+
+
+def _call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    model = FUNC_MLP if "0.weight" in p and len(p) == 4 else MLP
+    return torch.func.functional_call(model, p, (x,)).float().pow(2).sum()
+
+
+def _famp_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return famp.autocast(_call, "c=bf16,o=f32", device_type="cpu")(p, x)
+
+
+def _rules_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    transform = famp.autocast(
+        _call, "c=bf16,o=f32", device_type="cpu", rules=FUNC_RULES, module_rules={"2": "f32"}
+    )
+    return transform(p, x)
+
+
+def _torch_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        return _call(p, x)
+
+
+FUNC_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "grad": lambda f: torch.func.grad(f),
+    "vmap_grad": lambda f: torch.func.vmap(
+        lambda p, x: torch.func.grad(f)(p, x[None]), in_dims=(None, 0)
+    ),
+    "jacrev": lambda f: torch.func.jacrev(lambda p, x: f(p, x) * x.sum()),
+    "functional_call": lambda f: f,
+}
+
+
+@pytest.mark.parametrize("transform", sorted(FUNC_TRANSFORMS))
+def test_torch_func_default_rules_give_torch_autocast_bits(transform: str) -> None:
+    x = torch.randn(4, 8)
+    make = FUNC_TRANSFORMS[transform]
+    actual, expected = make(_famp_call)(_PARAMS, x), make(_torch_call)(_PARAMS, x)
+    flat_a, flat_e = (
+        torch.utils._pytree.tree_leaves(actual),
+        torch.utils._pytree.tree_leaves(expected),
+    )
+    assert len(flat_a) == len(flat_e)
+    for a, e in zip(flat_a, flat_e, strict=True):
+        assert a.dtype == torch.float32
+        assert_bitwise_equal(a, e)
+
+
+def test_torch_func_grad_with_rules_gives_the_eager_autograd_bits() -> None:
+    x = torch.randn(4, 8)
+    params = {k: v.clone().requires_grad_(True) for k, v in _PARAMS.items()}
+    actual = torch.func.grad(_rules_call)(_PARAMS, x)
+    grads = torch.autograd.grad(_rules_call(params, x), list(params.values()))
+    expected = dict(zip(params, grads, strict=True))
+    for k in params:
+        assert_bitwise_equal(actual[k], expected[k])
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "vmap_grad"])
+def test_torch_func_fails_where_torch_autocast_fails(transform: str) -> None:
+    x = torch.randn(4, 8)
+    make = FUNC_TRANSFORMS[transform]
+    with pytest.raises(RuntimeError) as theirs:
+        make(_torch_call)(_NORM_PARAMS, x)
+    with pytest.raises(RuntimeError) as ours:
+        make(_famp_call)(_NORM_PARAMS, x)
+    assert str(ours.value) == str(theirs.value)
