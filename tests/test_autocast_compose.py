@@ -499,3 +499,156 @@ def test_torch_func_fails_where_torch_autocast_fails(transform: str) -> None:
     with pytest.raises(RuntimeError) as ours:
         make(_famp_call)(_NORM_PARAMS, x)
     assert str(ours.value) == str(theirs.value)
+
+
+# --- user forward hooks, custom autograd Functions, EMA updates ----------------------------------
+
+
+def _hooked_mlp() -> nn.Module:
+    model = _mlp()
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model[2].register_forward_hook(lambda m, args, out: out + 1)
+    model.register_forward_hook(lambda m, args, out: out.float().softmax(-1))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts"])
+def test_user_forward_hooks_give_torch_autocast_bits(kind: str) -> None:
+    model, x = _hooked_mlp(), torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    (expected_grad,) = torch.autograd.grad(expected.pow(2).sum(), model[0].weight)
+    actual = famp.autocast(model, "c=bf16,o=f32", track_casts=kind == "track_casts")(x)
+    (actual_grad,) = torch.autograd.grad(actual.pow(2).sum(), model[0].weight)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(actual_grad, expected_grad)
+
+
+def test_user_forward_hooks_with_module_rules_give_the_same_rules_without_hooks() -> None:
+    # The hooks act on unmatched modules; the reference writes them into the model's code.
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.net[1](self.net[0](x * 2))
+            return self.net[3](self.net[2](h) + 1)
+
+    hooked, written, x = _mlp(), Written(), torch.randn(5, 8)
+    hooked[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    hooked[2].register_forward_hook(lambda m, args, out: out + 1)
+    actual = famp.autocast(hooked, "c=bf16,o=f32", module_rules={"3": "f32"})(x)
+    expected = famp.autocast(written, "c=bf16,o=f32", module_rules={"net.3": "f32"})(x)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+
+
+class _Famp(torch.autograd.Function):
+    @staticmethod
+    @famp.custom_fwd(rule="float32")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @famp.custom_bwd
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+class _Torch(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts", "override"])
+def test_custom_function_in_a_model_gives_torch_custom_fwd_bits(kind: str) -> None:
+    torch.manual_seed(0)
+    lin, w, x = nn.Linear(8, 8), nn.Parameter(torch.randn(8, 8)), torch.randn(4, 8)
+
+    def f(fn: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: fn.apply(torch.relu(lin(x)), w).sum()
+
+    with torch.autocast("cpu", dtype=BF16):
+        expected = f(_Torch)(x)
+    expected_grads = torch.autograd.grad(expected, [w, lin.weight])
+    options: dict[str, Any] = {
+        "default": {},
+        "track_casts": {"track_casts": True},
+        "override": {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})},
+    }[kind]
+    actual = famp.autocast(f(_Famp), "c=bf16,o=f32", **options)(x)
+    actual_grads = torch.autograd.grad(actual, [w, lin.weight])
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    for a, e in zip(actual_grads, expected_grads, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts"])
+def test_ema_updates_between_calls_give_torch_autocast_bits(kind: str) -> None:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def run(forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        model = _mlp()
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        outs = []
+        for step in range(3):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            forward(model, x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            outs.append(forward(ema, x).detach())
+        return outs
+
+    def ours(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return famp.autocast(m, "c=bf16,o=f32", track_casts=kind == "track_casts")(x)
+
+    def theirs(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return m(x).float()
+
+    for a, e in zip(run(ours), run(theirs), strict=True):
+        assert a.dtype == torch.float32
+        assert_bitwise_equal(a, e)
+
+
+def test_ema_update_inside_one_call_reads_fresh_casts() -> None:
+    # AveragedModel.update_parameters between two uses of the averaged model inside one call
+    # (its parameters are written through detach()): the second use reads a fresh cast.
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, x = _mlp(), torch.randn(5, 8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    ema = AveragedModel(_mlp(), multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ema.n_averaged.fill_(1)  # past the first update, which copies
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = ema(x)
+        ema.update_parameters(model)
+        return first, ema(x)
+
+    state = copy.deepcopy(ema.state_dict())
+    first, second = famp.autocast(f, "c=bf16,o=f32", track_casts=True)(x)
+    ema.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert_bitwise_equal(first, ref_first.float())
+    assert_bitwise_equal(second, ref_second.float())
+    assert not torch.equal(first, second)
