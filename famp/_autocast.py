@@ -517,7 +517,13 @@ def autocast(
     policies: inside a matched module each op runs under that policy's compute dtype, the module's
     positional inputs are cast to it and its outputs to that policy's output dtype; the first
     matching pattern wins and an inner matched module wins over an outer one. Paths are relative to
-    the outermost module the call enters (with `torch.func.functional_call` too).
+    the outermost module the call enters (with `torch.func.functional_call` too), wrapper
+    included (`module.` for `DistributedDataParallel`); a pattern that matches no module path in a
+    call warns once with a `famp.AutocastWarning` naming the nearest paths.
+
+    In eval mode without grad, `nn.MultiheadAttention` and `nn.TransformerEncoder(Layer)` are left
+    to torch's inference fast path (famp's interception would turn it off): overrides do not apply
+    inside them there, and famp warns once if there are any.
 
     Args:
         fn: the function (or module) to transform.

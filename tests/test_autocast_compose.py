@@ -8,6 +8,7 @@ plain eager run. docs/autocast.md's "Compatibility" table names the test of each
 from __future__ import annotations
 
 import copy
+import functools
 import pathlib
 import socket
 import subprocess
@@ -86,19 +87,22 @@ def _write_between_uses(write: Callable[[nn.Linear], None]) -> tuple[nn.Linear, 
     return lin, f
 
 
+def _options(kind: str) -> dict[str, Any]:
+    """famp.autocast's keyword arguments for each kind of interception (rules built lazily)."""
+    if kind == "override":
+        return {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})}
+    if kind == "module_rule":
+        return {"module_rules": {"": "c=bf16,o=bf16"}}  # "": the module the function calls
+    return {"track_casts": kind == "track_casts"}
+
+
 @pytest.mark.parametrize("kind", ["track_casts", "override", "module_rule"])
 @pytest.mark.parametrize("write", sorted(ALIAS_WRITES))
 def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
     x = torch.randn(4, 8)
     lin, f = _write_between_uses(ALIAS_WRITES[write])
     state = copy.deepcopy(lin.state_dict())
-    options: dict[str, Any] = {
-        "track_casts": {"track_casts": True},
-        "override": {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})},
-        "module_rule": {
-            "module_rules": {"": "c=bf16,o=bf16"}
-        },  # "": the module f calls  # the Linear is the root
-    }[kind]
+    options = _options(kind)
     first, second = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
     lin.load_state_dict(state)
     with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
@@ -347,10 +351,24 @@ def _mlp() -> nn.Module:
 
 
 MLP = _mlp()
-RULES = famp.default_rules("cpu").override({"layer_norm": "float32", "linear": "float32"})
 MODULE_RULES = {"3": "f32"}
+
+
+@functools.cache
+def _rules() -> famp.OpRules:  # built when first needed, so that collection needs no rule table
+    return famp.default_rules("cpu").override({"layer_norm": "float32", "linear": "float32"})
+
+
+@functools.cache
+def _famp_rules_transform() -> Callable[..., torch.Tensor]:
+    return famp.autocast(MLP, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)
+
+
+def _famp_rules(x: torch.Tensor) -> torch.Tensor:
+    return _famp_rules_transform()(x)
+
+
 _famp_default = famp.autocast(MLP, "c=bf16,o=f32")
-_famp_rules = famp.autocast(MLP, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)
 
 
 def _torch_default(x: torch.Tensor) -> torch.Tensor:
@@ -411,11 +429,13 @@ def test_compiled_overrides_and_module_rules_give_eager_bits(mode: str) -> None:
 def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
     model, x = _mlp(), torch.randn(5, 8)
     wrapped = torch.compile(model, backend="aot_eager")
-    expected = famp.autocast(model, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)(x)
+    expected = famp.autocast(model, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)(x)
     with warnings.catch_warnings():
         # torch warns that famp's global module hooks also fire for the compile wrapper.
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
-        actual = famp.autocast(wrapped, "c=bf16,o=f32", rules=RULES, module_rules=MODULE_RULES)(x)
+        actual = famp.autocast(wrapped, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)(
+            x
+        )
         with pytest.warns(
             famp.AutocastWarning, match=r"'_orig_mod\.3' \(nearest module paths: '3'"
         ):
@@ -431,7 +451,6 @@ torch.manual_seed(1)
 FUNC_MLP = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 _PARAMS = {k: v.detach() for k, v in FUNC_MLP.named_parameters()}
 _NORM_PARAMS = {k: v.detach() for k, v in MLP.named_parameters()}
-FUNC_RULES = famp.default_rules("cpu").override({"tanh": "float32"})
 
 
 def _call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -445,7 +464,11 @@ def _famp_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 def _rules_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     transform = famp.autocast(
-        _call, "c=bf16,o=f32", device_type="cpu", rules=FUNC_RULES, module_rules={"2": "f32"}
+        _call,
+        "c=bf16,o=f32",
+        device_type="cpu",
+        rules=famp.default_rules("cpu").override({"tanh": "float32"}),
+        module_rules={"2": "f32"},
     )
     return transform(p, x)
 
@@ -584,11 +607,7 @@ def test_custom_function_in_a_model_gives_torch_custom_fwd_bits(kind: str) -> No
     with torch.autocast("cpu", dtype=BF16):
         expected = f(_Torch)(x)
     expected_grads = torch.autograd.grad(expected, [w, lin.weight])
-    options: dict[str, Any] = {
-        "default": {},
-        "track_casts": {"track_casts": True},
-        "override": {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})},
-    }[kind]
+    options = _options(kind)
     actual = famp.autocast(f(_Famp), "c=bf16,o=f32", **options)(x)
     actual_grads = torch.autograd.grad(actual, [w, lin.weight])
     assert actual.dtype == torch.float32
