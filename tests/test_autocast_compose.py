@@ -390,7 +390,8 @@ _COMPILED_CELLS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
 def _compiled_cell(name: str, mode: str) -> Callable[..., torch.Tensor]:
     key = (name, mode)
     if key not in _COMPILED_CELLS:
-        fn = {"famp": _famp_default, "torch": _torch_default, "rules": _famp_rules}[name]
+        fn = _famp_rules_transform() if name == "rules" else _famp_default
+        fn = _torch_default if name == "torch" else fn
         backend = "aot_eager" if name == "rules" else "inductor"
         dynamic = {"static": False, "dynamic": True, "recompile": None}[mode]
         _COMPILED_CELLS[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
