@@ -44,9 +44,10 @@ class AutocastWarning(UserWarning):
     """Warned by a `famp.autocast` call whose rules may not do what they say.
 
     Raised once per transformed function: for module rules that matched no module path in a call
-    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`, `_orig_mod.` for
-    `torch.compile`), and for op overrides left out of torch's inference fast path. Filter it as
-    any warning: `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
+    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
+    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
+    path. Filter it as any warning:
+    `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
 
