@@ -14,7 +14,7 @@ from famp._unscale import all_finite, scale, select_tree, unscale_and_check
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
-from famp._autocast import autocast
+from famp._autocast import AutocastWarning, autocast
 from famp._custom_fwd import custom_bwd, custom_fwd
 from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 
@@ -53,6 +53,7 @@ __all__: list[str] = [
     "unscale_and_check",
     "update_scale",
     # policies, op rules and autocast
+    "AutocastWarning",
     "RULE_NAMES",
     "OpRules",
     "Policy",

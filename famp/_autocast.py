@@ -10,9 +10,12 @@ this module owns the call records, the module hooks, device inference and compil
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import fnmatch
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, TypeVar
@@ -32,7 +35,12 @@ from famp._autocast_recompute import (
 from famp._autocast_region import policy_state, region
 from famp._compat import (
     functorch_transforms_active,
+    is_compiled_module,
+    is_view,
+    no_torch_function,
     saved_tensors_hooks_top,
+    tensor_version,
+    torch_function_modes,
     traced_module_hooks,
     tree_leaves,
 )
@@ -40,7 +48,27 @@ from famp._op_calls import call, op_name, writes_first_arg
 from famp._policy import Policy, get_policy
 from famp._rules import OpRules
 
-__all__ = ["autocast"]
+__all__ = ["AutocastWarning", "autocast"]
+
+
+class AutocastWarning(UserWarning):
+    """Warned by a `famp.autocast` call whose rules may not do what they say.
+
+    Raised once per transformed function: for module rules that matched no module path in a call
+    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
+    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
+    path. Filter it as any warning:
+    `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
+    """
+
+
+AutocastWarning.__module__ = "famp"
+
+_FAST_PATH_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerEncoder,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,9 +128,19 @@ class _Call:
         self.recompute_only = False  # a replay that acts only inside a recomputation
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.cache = _CastCache()
+        # The cacheable weights the ops have read since the cache was last cleared, with the
+        # version each had then; their storages (built lazily) catch writes through `.data`.
+        self.weights: dict[int, tuple[torch.Tensor, int]] = {}
+        self.storages: frozenset[int] | None = None
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
+        self.transform = transform
+        self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
+        # Per module entered: the context that leaves it to torch's fast path, or None.
+        self.declined: list[contextlib.ExitStack | None] = []
+        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
+        self.hooked = bool(self.patterns) or (self.intercepts and self.track)
 
     # Activation checkpointing (famp._autocast_recompute): a record made again for a recomputation.
 
@@ -123,45 +161,124 @@ class _Call:
         record.track = True  # a recomputation runs eagerly, in backward
         record.module_policy = module_policy
         record.scopes = list(scopes)
+        record.hooked = bool(record.patterns) or record.intercepts
         return record
 
     def new_mode(self) -> FampMode:
         return FampMode(self)
 
     def use_hooks(self, change: int) -> None:
-        if self.patterns:
+        if self.hooked:
             _hooks(change)
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if is_compiled_module(module):
+            return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
         if self.track:
             observe(self, args)
-        if not self.scopes and module not in self.module_policy:
+        if not self.scopes and module not in self.module_policy and self.patterns:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
                 if sub not in self.module_policy:
                     i = _match(self.patterns, path)
                     self.module_policy[sub] = self.policies[i] if i >= 0 else None
+            if self.track:  # eagerly: which patterns match, for the warning on those that do not
+                self.paths.extend(path for path, _ in module.named_modules())
         policy = self.module_policy.get(module)
         outer = self.scopes[-1] if self.scopes else None
         if policy is None:
             self.scopes.append(outer)
+            self.declined.append(self._decline(module, args, outer))
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
-        return policy.cast_to_compute(args)
+        args = policy.cast_to_compute(args)
+        self.declined.append(self._decline(module, args, inner))
+        return args
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        if is_compiled_module(module):
+            return None
         if self.track:
             observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
+        declined = self.declined.pop() if self.declined else None
+        if declined is not None:
+            declined.close()
         policy = self.module_policy.get(module)
         if policy is None:
             return None
         outer = self.scopes[-1] if self.scopes else None
         self._switch(inner or self.base, outer or self.base)
         return policy.cast_to_output(output)
+
+    def _decline(
+        self, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, torch.dtype] | None
+    ) -> contextlib.ExitStack | None:
+        """Leave a module that may take torch's inference fast path to torch, uninterrupted.
+
+        `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a
+        fused path (and nested tensors) in eval mode without grad unless an argument "has a torch
+        function", which famp's mode would make true. There, famp runs the module's `forward`
+        with its mode off and the module's autocast state set around the whole `forward`.
+        """
+        if not (
+            self.track
+            and isinstance(module, _FAST_PATH_MODULES)
+            and not torch.compiler.is_compiling()
+            and not module.training
+            and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
+            and torch_function_modes() == 1  # famp's mode alone: another would decline too
+        ):
+            return None
+        tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        ):
+            return None
+        if self.overrides is not None and not self.transform.warned_fast_path:
+            self.transform.warned_fast_path = True
+            warnings.warn(
+                f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
+                "eval mode without grad, where torch runs it on its inference fast path; famp "
+                "leaves that path to torch (autocast state as torch.autocast's, no interception)."
+                " Call it with grad enabled or in train mode to apply the overrides there.",
+                AutocastWarning,
+                stacklevel=2,
+            )
+        stack = contextlib.ExitStack()
+        if scope is not None:
+            stack.enter_context(region(self.device_type, *scope))
+        stack.enter_context(no_torch_function())
+        return stack
+
+    def warn_unmatched(self) -> None:
+        """Warn (once per transform) about module rules that matched no module path."""
+        matched = {p for p in self.patterns for path in self.paths if fnmatch.fnmatchcase(path, p)}
+        unmatched = [p for p in self.patterns if p not in matched]
+        if not unmatched or self.transform.warned_unmatched:
+            return
+        self.transform.warned_unmatched = True
+        paths = sorted(set(self.paths))
+        lines = []
+        for pattern in unmatched:
+            near = [p for p in paths if fnmatch.fnmatchcase(p, "*." + pattern)]
+            near = near or difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            lines.append(f"{pattern!r} (nearest module paths: {', '.join(map(repr, near[:3]))})")
+        if not paths:
+            lines = [f"{p!r} (no module was called)" for p in unmatched]
+        warnings.warn(
+            "famp.autocast: module_rules matched no module in this call: "
+            + "; ".join(lines)
+            + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
+            "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
+            "torch.compile(model), whose paths are the model's): write the pattern for the "
+            "wrapped model ('module.head') or with a leading '*' ('*head').",
+            AutocastWarning,
+            stacklevel=3,
+        )
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype.
@@ -180,6 +297,11 @@ class _Call:
             scope = None  # the function entered its own torch.autocast: it governs its body
         enabled, lower = scope or state
         packet, overload = op_name(func)
+        # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
+        # graph's casts are explicit: nothing to watch.
+        track = self.track and not torch.compiler.is_compiling()
+        if track:
+            self.watch(args, kwargs)
         rule = None
         if self.overrides is not None and enabled:
             rule = self.overrides.rule(packet, overload, args, kwargs)
@@ -190,21 +312,74 @@ class _Call:
                 out = call(func, args, kwargs)
         else:
             out = call(func, args, kwargs)
-        if self.track and writes_first_arg(packet, kwargs):
-            self.invalidate(args[0] if args else None)
+        if track and writes_first_arg(packet, kwargs):
+            self.invalidate(args[0] if args else kwargs.get("out"))
         return out
 
     def _off(self) -> Any:
         return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))
 
+    # The weight-cast caches (torch's and famp's) against writes to the weights.
+
+    def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before an op: drop every weight cast if a weight it reads was written since its cast.
+
+        torch's version counter is shared by a tensor's views and `detach()`es, so this sees
+        writes through any of them, wherever they were made (inside C++ ops, other threads).
+        """
+        for t in _weights((*args, *kwargs.values())):
+            seen = self.weights.get(id(t))
+            if seen is None or seen[0] is not t:
+                self.weights[id(t)] = (t, tensor_version(t))
+                self.storages = None
+            elif seen[1] != tensor_version(t):
+                self.clear()
+                self.weights[id(t)] = (t, tensor_version(t))
+
     def invalidate(self, target: object) -> None:
-        """After an in-place write: drop every weight cast if `target` may have been cached."""
+        """After an in-place write: drop every weight cast if it wrote into a watched weight.
+
+        By storage, so that writes through `.data` (which has its own version counter) and any
+        other alias are seen too.
+        """
         tensors = target if isinstance(target, (list, tuple)) else (target,)
+        if self.storages is None:
+            self.storages = frozenset(_storage(t) for t, _ in self.weights.values()) - {0}
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
-                torch.clear_autocast_cache()
-                self.cache.entries.clear()
+            if isinstance(t, torch.Tensor) and (
+                id(t) in self.weights or _storage(t) in self.storages
+            ):
+                self.clear()
                 return
+
+    def clear(self) -> None:
+        torch.clear_autocast_cache()
+        self.cache.entries.clear()
+        self.weights.clear()
+        self.storages = None
+
+
+def _weights(values: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors among the values (and in list values) that torch's cast cache may hold."""
+    found = []
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.requires_grad
+                and t.dtype == torch.float32
+                and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
+                and t.is_leaf
+            ):
+                found.append(t)
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # nested, sparse, functorch-wrapped tensors
+        return 0
 
 
 # --- module hooks ---------------------------------------------------------------------------------
@@ -224,14 +399,14 @@ def _acts(record: _Call) -> bool:
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns and _acts(calls[-1]):
+    if calls and calls[-1].hooked and _acts(calls[-1]):
         return calls[-1].enter_module(module, args)
     return None
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     calls = _calls()
-    if calls and calls[-1].patterns and _acts(calls[-1]):
+    if calls and calls[-1].hooked and _acts(calls[-1]):
         return calls[-1].exit_module(module, output)
     return None
 
@@ -318,6 +493,8 @@ class _Transform:
         self.policies = tuple(get_policy(p) for _, p in items)
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
+        self.warned_unmatched = False
+        self.warned_fast_path = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         device_type = self.device_type or _infer_device(args, kwargs)
@@ -372,6 +549,8 @@ class _Transform:
             record.use_hooks(-1)
             if not stack and record.track:
                 end_of_outermost_call()
+        if self.patterns and record.track:
+            record.warn_unmatched()
         return self.policy.cast_to_output(out)
 
 
@@ -404,7 +583,13 @@ def autocast(
     policies: inside a matched module each op runs under that policy's compute dtype, the module's
     positional inputs are cast to it and its outputs to that policy's output dtype; the first
     matching pattern wins and an inner matched module wins over an outer one. Paths are relative to
-    the outermost module the call enters (with `torch.func.functional_call` too).
+    the outermost module the call enters (with `torch.func.functional_call` too), wrapper
+    included (`module.` for `DistributedDataParallel`); a pattern that matches no module path in a
+    call warns once with a `famp.AutocastWarning` naming the nearest paths.
+
+    In eval mode without grad, `nn.MultiheadAttention` and `nn.TransformerEncoder(Layer)` are left
+    to torch's inference fast path (famp's interception would turn it off): overrides do not apply
+    inside them there, and famp warns once if there are any.
 
     Args:
         fn: the function (or module) to transform.

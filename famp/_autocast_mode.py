@@ -357,7 +357,7 @@ class FampMode(TorchFunctionMode):
     ) -> Any:
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
-        if owner.track:
+        if owner.track and not torch.compiler.is_compiling():
             # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
             # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
             dtype = torch.get_autocast_dtype(owner.device_type)

@@ -685,7 +685,8 @@ def test_module_rule_order_and_nesting() -> None:
 def test_module_rules_leave_the_root_and_unmatched_paths_alone() -> None:
     net, x = Net(), torch.randn(5, 6)
     plain = famp.autocast(net, "c=bf16")(x)
-    unmatched = famp.autocast(net, "c=bf16", module_rules={"nothing.*": "f32"})(x)
+    with pytest.warns(famp.AutocastWarning, match=r"'nothing\.\*' \(nearest module paths"):
+        unmatched = famp.autocast(net, "c=bf16", module_rules={"nothing.*": "f32"})(x)
     assert_bitwise_equal(unmatched, plain)
     whole = famp.autocast(net, "c=bf16,o=f32", module_rules={"": "f32"})(x)
     assert_bitwise_equal(whole, net(x))

@@ -1,0 +1,674 @@
+"""famp.autocast composed with what users wrap around it or run inside it: the composition matrix.
+
+Each cell compares famp bit for bit with its reference: with the default rules `torch.autocast`
+on the same model in the same composition; with overrides or module rules, the same rules on the
+plain eager run. docs/autocast.md's "Compatibility" table names the test of each cell.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pathlib
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+BF16 = torch.bfloat16
+
+# --- the weight-cast cache against writes through aliases -----------------------------------------
+# Reference: the same function under torch.autocast with torch's cast cache off, where every use
+# casts the weight afresh.
+
+
+def _write_data(lin: nn.Linear) -> None:
+    lin.weight.data.add_(1.0)
+
+
+def _write_detach(lin: nn.Linear) -> None:
+    lin.weight.detach().add_(1.0)
+
+
+def _write_state_dict(lin: nn.Linear) -> None:
+    sd = lin.state_dict()
+    sd["weight"].copy_(sd["weight"] * 0.5 + 1.0)
+
+
+def _write_foreach(lin: nn.Linear) -> None:
+    torch._foreach_mul_([p.detach() for p in lin.parameters()], 2.0)
+
+
+def _write_view_no_grad(lin: nn.Linear) -> None:
+    lin.weight.view(-1).add_(1.0)
+
+
+def _write_data_set(lin: nn.Linear) -> None:
+    lin.weight.data = lin.weight.data + 1.0
+
+
+def _write_swa(lin: nn.Linear) -> None:
+    # AveragedModel's EMA update: `_foreach_lerp_` (or copy_) on the averaged parameters' detach().
+    torch._foreach_lerp_(
+        [p.detach() for p in lin.parameters()], [torch.ones_like(p) for p in lin.parameters()], 0.5
+    )
+
+
+ALIAS_WRITES: dict[str, Callable[[nn.Linear], None]] = {
+    "data": _write_data,
+    "detach": _write_detach,
+    "state_dict": _write_state_dict,
+    "foreach_detached": _write_foreach,
+    "view_made_under_no_grad": _write_view_no_grad,
+    "data_assignment": _write_data_set,
+    "ema_lerp": _write_swa,
+}
+
+
+def _write_between_uses(write: Callable[[nn.Linear], None]) -> tuple[nn.Linear, Callable[..., Any]]:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = lin(x)
+        with torch.no_grad():
+            write(lin)
+        return first, lin(x)
+
+    return lin, f
+
+
+def _options(kind: str) -> dict[str, Any]:
+    """famp.autocast's keyword arguments for each kind of interception (rules built lazily)."""
+    if kind == "override":
+        return {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})}
+    if kind == "module_rule":
+        return {"module_rules": {"": "c=bf16,o=bf16"}}  # "": the module the function calls
+    return {"track_casts": kind == "track_casts"}
+
+
+@pytest.mark.parametrize("kind", ["track_casts", "override", "module_rule"])
+@pytest.mark.parametrize("write", sorted(ALIAS_WRITES))
+def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
+    x = torch.randn(4, 8)
+    lin, f = _write_between_uses(ALIAS_WRITES[write])
+    state = copy.deepcopy(lin.state_dict())
+    options = _options(kind)
+    first, second = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
+    lin.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert second.dtype == BF16
+    assert ref_second.dtype == BF16
+    assert_bitwise_equal(first, ref_first)
+    assert_bitwise_equal(second, ref_second)
+    assert not torch.equal(second, first)  # the write changed the weight: a stale cast would show
+
+
+def test_the_reference_for_alias_writes_differs_from_torch_autocast_with_its_cache() -> None:
+    # The cells above can fail: torch's own cache reads the stale cast after a write via `.data`.
+    x = torch.randn(4, 8)
+    _, f = _write_between_uses(_write_data)
+    with torch.autocast("cpu", dtype=BF16):
+        first, second = f(x)
+    assert_bitwise_equal(first, second)
+
+
+# --- torch's inference fast paths (nn.TransformerEncoder, nn.MultiheadAttention) -----------------
+# In eval mode without grad torch runs these on fused kernels unless an argument "has a torch
+# function", which famp's op interception would make true. famp leaves them to torch.
+
+
+def _encoder(nested: bool) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enable_nested_tensor's notes about its own conditions
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+def _padding_mask() -> torch.Tensor:
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    return mask
+
+
+FAST_PATH_OPTIONS: dict[str, dict[str, Any]] = {
+    "track_casts": {"track_casts": True},
+    # A rule casts the module's inputs: the reference casts them too.
+    "module_rule": {"module_rules": {"": "c=bf16,o=bf16"}},  # "": the module f calls
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", sorted(FAST_PATH_OPTIONS))
+@pytest.mark.parametrize("module", ["encoder", "attention"])
+def test_inference_fast_path_gives_torch_autocast_bits(
+    module: str, kind: str, grad_mode: str
+) -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    if module == "encoder":
+        enc = _encoder(nested=False)
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return enc(x, src_key_padding_mask=mask)
+    else:
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return mha(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+    context = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    with context():
+        with torch.autocast("cpu", dtype=BF16):
+            expected = f(x.to(BF16) if kind == "module_rule" else x)
+        actual = famp.autocast(f, "c=bf16,o=bf16", **FAST_PATH_OPTIONS[kind])(x)
+    assert actual.dtype == BF16
+    assert_bitwise_equal(actual, expected)
+
+
+def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there() -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=False)
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=BF16):
+            expected = enc(x, src_key_padding_mask=mask)
+        f = famp.autocast(lambda x: enc(x, src_key_padding_mask=mask), "c=bf16,o=bf16", rules=rules)
+        with pytest.warns(famp.AutocastWarning, match="overrides do not apply inside"):
+            actual = f(x)
+        assert_bitwise_equal(actual, expected)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            f(x)  # once per transform
+    # With grad, torch takes the composite path and the override applies (linear in float32).
+    with torch.autocast("cpu", dtype=BF16):
+        composite = enc(x, src_key_padding_mask=mask)
+    assert not torch.equal(f(x), composite.to(BF16))
+
+
+def test_nested_tensor_fast_path_fails_as_under_torch_autocast() -> None:
+    # torch's fused encoder layer rejects bfloat16 activations with nested tensors on CPU; famp
+    # leaves the path to torch, so it fails (or works) exactly where torch.autocast does.
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=True)
+    f = famp.autocast(lambda x: enc(x, src_key_padding_mask=mask), "c=bf16", track_casts=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype note on nested tensors
+        with pytest.raises(RuntimeError) as theirs, torch.autocast("cpu", dtype=BF16):
+            enc(x, src_key_padding_mask=mask)
+        with pytest.raises(RuntimeError) as ours:
+            f(x)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_nested_tensor_fast_path_in_float32_zeroes_padded_rows_as_torch_does() -> None:
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype note on nested tensors
+        expected = enc(x, src_key_padding_mask=mask)
+        actual = famp.autocast(
+            lambda x: enc(x, src_key_padding_mask=mask), "f32", track_casts=True
+        )(x)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    assert not actual[0, 3:].any()  # the fused path's zeros for padded rows
+
+
+# --- module rules that match nothing: wrappers' path prefixes ------------------------------------
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+class Wrapper(nn.Module):  # what DistributedDataParallel does to paths: `module.` in front
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_module_rule_that_matches_nothing_warns_once_naming_the_prefixed_path() -> None:
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(4, 6)
+    wrapped = Wrapper(model)
+    f = famp.autocast(wrapped, "c=bf16,o=f32", module_rules={"head": "f32"})
+    with pytest.warns(famp.AutocastWarning, match=r"'head' \(nearest module paths: 'module\.head'"):
+        f(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(x)  # once per transform
+    # The rule written for the wrapper gives the unwrapped model's bits.
+    for rules, fn in [({"module.head": "f32"}, wrapped), ({"*head": "f32"}, wrapped)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = famp.autocast(fn, "c=bf16,o=f32", module_rules=rules)(x)
+        expected = famp.autocast(model, "c=bf16,o=f32", module_rules={"head": "f32"})(x)
+        assert_bitwise_equal(actual, expected)
+
+
+def test_a_module_rule_in_a_function_that_calls_no_module_warns() -> None:
+    f = famp.autocast(lambda x: x * 2, "c=bf16", module_rules={"head": "f32"})
+    with pytest.warns(famp.AutocastWarning, match=r"'head' \(no module was called\)"):
+        f(torch.ones(2))
+
+
+# --- DDP, FSDP2, FSDP1 on 2 gloo ranks: one torchrun job (tests/compose_worker.py) ----------------
+
+WORKER = pathlib.Path(__file__).with_name("compose_worker.py")
+DISTRIBUTED_CELLS = [
+    "ddp_default",
+    "ddp_module_rule",
+    "fsdp2_default",
+    "fsdp2_module_rule",
+    "fsdp1_default",
+    "fsdp1_module_rule",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("compose_job")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(WORKER),
+        str(out),
+    ]
+    root = WORKER.parents[1]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=root)
+    # Judged by what the ranks recorded: gloo's teardown sometimes aborts a finished process.
+    files = [out / f"rank{r}.pt" for r in range(2)]
+    assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("cell", DISTRIBUTED_CELLS)
+def test_distributed_cell_gives_its_references_bits(ranks: list[dict[str, Any]], cell: str) -> None:
+    for record in ranks:
+        result = record[cell]
+        assert "error" not in result, result.get("error")
+        assert len(result["actual"]) == len(result["expected"])
+        for actual, expected in zip(result["actual"], result["expected"], strict=True):
+            assert_bitwise_equal(actual, expected)
+        assert result["actual"][0].dtype == torch.float32  # the loss
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_module_rule_on_a_ddp_model_without_its_prefix_warns(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for record in ranks:
+        assert "error" not in record["ddp_unprefixed_warns"]
+        (message,) = record["ddp_unprefixed_warns"]["warnings"]
+        assert "'head' (nearest module paths: 'module.head')" in message
+
+
+# --- torch.compile: static shapes, dynamic=True, a recompile after a shape change ----------------
+# Default rules: compiled famp against compiled torch.autocast (inductor on both sides). Overrides
+# and module rules: compiled (aot_eager, which runs the traced graph as is) against eager famp.
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+MLP = _mlp()
+MODULE_RULES = {"3": "f32"}
+
+
+@functools.cache
+def _rules() -> famp.OpRules:  # built when first needed, so that collection needs no rule table
+    return famp.default_rules("cpu").override({"layer_norm": "float32", "linear": "float32"})
+
+
+@functools.cache
+def _famp_rules_transform() -> Callable[..., torch.Tensor]:
+    return famp.autocast(MLP, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)
+
+
+def _famp_rules(x: torch.Tensor) -> torch.Tensor:
+    return _famp_rules_transform()(x)
+
+
+_famp_default = famp.autocast(MLP, "c=bf16,o=f32")
+
+
+def _torch_default(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        return MLP(x).float()
+
+
+def _loss_and_grads(f: Callable[..., torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    for p in MLP.parameters():
+        p.grad = None
+    out = f(x)
+    out.pow(2).sum().backward()
+    return [out.detach(), *(p.grad for p in MLP.parameters() if p.grad is not None)]
+
+
+_COMPILED_CELLS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+
+
+def _compiled_cell(name: str, mode: str) -> Callable[..., torch.Tensor]:
+    key = (name, mode)
+    if key not in _COMPILED_CELLS:
+        fn = _famp_rules_transform() if name == "rules" else _famp_default
+        fn = _torch_default if name == "torch" else fn
+        backend = "aot_eager" if name == "rules" else "inductor"
+        dynamic = {"static": False, "dynamic": True, "recompile": None}[mode]
+        _COMPILED_CELLS[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
+    return _COMPILED_CELLS[key]
+
+
+def _shapes(mode: str) -> list[int]:
+    # "recompile": a second batch size makes Dynamo recompile (automatically dynamic).
+    return [5, 7] if mode == "recompile" else [5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_compiled_default_rules_give_compiled_torch_autocast_bits(mode: str) -> None:
+    for n in _shapes(mode):
+        x = torch.randn(n, 8)
+        actual = _loss_and_grads(_compiled_cell("famp", mode), x)
+        expected = _loss_and_grads(_compiled_cell("torch", mode), x)
+        assert actual[0].dtype == torch.float32
+        for a, e in zip(actual, expected, strict=True):
+            assert_bitwise_equal(a, e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_compiled_overrides_and_module_rules_give_eager_bits(mode: str) -> None:
+    for n in _shapes(mode):
+        x = torch.randn(n, 8)
+        actual = _loss_and_grads(_compiled_cell("rules", mode), x)
+        expected = _loss_and_grads(_famp_rules, x)
+        assert actual[0].dtype == torch.float32
+        for a, e in zip(actual, expected, strict=True):
+            assert_bitwise_equal(a, e)
+
+
+def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
+    model, x = _mlp(), torch.randn(5, 8)
+    wrapped = torch.compile(model, backend="aot_eager")
+    expected = famp.autocast(model, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)(x)
+    with warnings.catch_warnings():
+        # torch warns that famp's global module hooks also fire for the compile wrapper.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        actual = famp.autocast(wrapped, "c=bf16,o=f32", rules=_rules(), module_rules=MODULE_RULES)(
+            x
+        )
+        with pytest.warns(
+            famp.AutocastWarning, match=r"'_orig_mod\.3' \(nearest module paths: '3'"
+        ):
+            famp.autocast(wrapped, "c=bf16", module_rules={"_orig_mod.3": "f32"})(x)
+    assert_bitwise_equal(actual, expected)
+
+
+# --- torch.func: grad, vmap, jacrev, functional_call ---------------------------------------------
+
+# Without the LayerNorm: torch's own batching rules fail on it under autocast in jacrev and vmap
+# of grad, and famp fails with the same error (test_torch_func_fails_where_torch_autocast_fails).
+torch.manual_seed(1)
+FUNC_MLP = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+_PARAMS = {k: v.detach() for k, v in FUNC_MLP.named_parameters()}
+_NORM_PARAMS = {k: v.detach() for k, v in MLP.named_parameters()}
+
+
+def _call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    model = FUNC_MLP if "0.weight" in p and len(p) == 4 else MLP
+    return torch.func.functional_call(model, p, (x,)).float().pow(2).sum()
+
+
+def _famp_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return famp.autocast(_call, "c=bf16,o=f32", device_type="cpu")(p, x)
+
+
+def _rules_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    transform = famp.autocast(
+        _call,
+        "c=bf16,o=f32",
+        device_type="cpu",
+        rules=famp.default_rules("cpu").override({"tanh": "float32"}),
+        module_rules={"2": "f32"},
+    )
+    return transform(p, x)
+
+
+def _torch_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        return _call(p, x)
+
+
+FUNC_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "grad": lambda f: torch.func.grad(f),
+    "vmap_grad": lambda f: torch.func.vmap(
+        lambda p, x: torch.func.grad(f)(p, x[None]), in_dims=(None, 0)
+    ),
+    "jacrev": lambda f: torch.func.jacrev(lambda p, x: f(p, x) * x.sum()),
+    "functional_call": lambda f: f,
+}
+
+
+@pytest.mark.parametrize("transform", sorted(FUNC_TRANSFORMS))
+def test_torch_func_default_rules_give_torch_autocast_bits(transform: str) -> None:
+    x = torch.randn(4, 8)
+    make = FUNC_TRANSFORMS[transform]
+    actual, expected = make(_famp_call)(_PARAMS, x), make(_torch_call)(_PARAMS, x)
+    flat_a, flat_e = (
+        torch.utils._pytree.tree_leaves(actual),
+        torch.utils._pytree.tree_leaves(expected),
+    )
+    assert len(flat_a) == len(flat_e)
+    for a, e in zip(flat_a, flat_e, strict=True):
+        assert a.dtype == torch.float32
+        assert_bitwise_equal(a, e)
+
+
+def test_torch_func_grad_with_rules_gives_the_eager_autograd_bits() -> None:
+    x = torch.randn(4, 8)
+    params = {k: v.clone().requires_grad_(True) for k, v in _PARAMS.items()}
+    actual = torch.func.grad(_rules_call)(_PARAMS, x)
+    grads = torch.autograd.grad(_rules_call(params, x), list(params.values()))
+    expected = dict(zip(params, grads, strict=True))
+    for k in params:
+        assert_bitwise_equal(actual[k], expected[k])
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "vmap_grad"])
+def test_torch_func_fails_where_torch_autocast_fails(transform: str) -> None:
+    x = torch.randn(4, 8)
+    make = FUNC_TRANSFORMS[transform]
+    with pytest.raises(RuntimeError) as theirs:
+        make(_torch_call)(_NORM_PARAMS, x)
+    with pytest.raises(RuntimeError) as ours:
+        make(_famp_call)(_NORM_PARAMS, x)
+    assert str(ours.value) == str(theirs.value)
+
+
+# --- user forward hooks, custom autograd Functions, EMA updates ----------------------------------
+
+
+def _hooked_mlp() -> nn.Module:
+    model = _mlp()
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model[2].register_forward_hook(lambda m, args, out: out + 1)
+    model.register_forward_hook(lambda m, args, out: out.float().softmax(-1))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts"])
+def test_user_forward_hooks_give_torch_autocast_bits(kind: str) -> None:
+    model, x = _hooked_mlp(), torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    (expected_grad,) = torch.autograd.grad(expected.pow(2).sum(), model[0].weight)
+    actual = famp.autocast(model, "c=bf16,o=f32", track_casts=kind == "track_casts")(x)
+    (actual_grad,) = torch.autograd.grad(actual.pow(2).sum(), model[0].weight)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(actual_grad, expected_grad)
+
+
+def test_user_forward_hooks_with_module_rules_give_the_same_rules_without_hooks() -> None:
+    # The hooks act on unmatched modules; the reference writes them into the model's code.
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.net[1](self.net[0](x * 2))
+            return self.net[3](self.net[2](h) + 1)
+
+    hooked, written, x = _mlp(), Written(), torch.randn(5, 8)
+    hooked[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    hooked[2].register_forward_hook(lambda m, args, out: out + 1)
+    actual = famp.autocast(hooked, "c=bf16,o=f32", module_rules={"3": "f32"})(x)
+    expected = famp.autocast(written, "c=bf16,o=f32", module_rules={"net.3": "f32"})(x)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+
+
+class _Famp(torch.autograd.Function):
+    @staticmethod
+    @famp.custom_fwd(rule="float32")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @famp.custom_bwd
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+class _Torch(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts", "override"])
+def test_custom_function_in_a_model_gives_torch_custom_fwd_bits(kind: str) -> None:
+    torch.manual_seed(0)
+    lin, w, x = nn.Linear(8, 8), nn.Parameter(torch.randn(8, 8)), torch.randn(4, 8)
+
+    def f(fn: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: fn.apply(torch.relu(lin(x)), w).sum()
+
+    with torch.autocast("cpu", dtype=BF16):
+        expected = f(_Torch)(x)
+    expected_grads = torch.autograd.grad(expected, [w, lin.weight])
+    options = _options(kind)
+    actual = famp.autocast(f(_Famp), "c=bf16,o=f32", **options)(x)
+    actual_grads = torch.autograd.grad(actual, [w, lin.weight])
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    for a, e in zip(actual_grads, expected_grads, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts"])
+def test_ema_updates_between_calls_give_torch_autocast_bits(kind: str) -> None:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def run(forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        model = _mlp()
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        outs = []
+        for step in range(3):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            forward(model, x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            outs.append(forward(ema, x).detach())
+        return outs
+
+    def ours(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return famp.autocast(m, "c=bf16,o=f32", track_casts=kind == "track_casts")(x)
+
+    def theirs(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return m(x).float()
+
+    for a, e in zip(run(ours), run(theirs), strict=True):
+        assert a.dtype == torch.float32
+        assert_bitwise_equal(a, e)
+
+
+def test_ema_update_inside_one_call_reads_fresh_casts() -> None:
+    # AveragedModel.update_parameters between two uses of the averaged model inside one call
+    # (its parameters are written through detach()): the second use reads a fresh cast.
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, x = _mlp(), torch.randn(5, 8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    ema = AveragedModel(_mlp(), multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ema.n_averaged.fill_(1)  # past the first update, which copies
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = ema(x)
+        ema.update_parameters(model)
+        return first, ema(x)
+
+    state = copy.deepcopy(ema.state_dict())
+    first, second = famp.autocast(f, "c=bf16,o=f32", track_casts=True)(x)
+    ema.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert_bitwise_equal(first, ref_first.float())
+    assert_bitwise_equal(second, ref_second.float())
+    assert not torch.equal(first, second)
