@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,7 +39,7 @@ def main(out: pathlib.Path) -> None:
     torch.set_num_threads(1)
 
     # torch's recipe
-    torch_model = DDP(net())
+    torch_model = DistributedDataParallel(net())
     torch_optimizer = torch.optim.SGD(torch_model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     for input, target in batches(rank):
@@ -52,7 +52,7 @@ def main(out: pathlib.Path) -> None:
         scaler.update()
 
     # famp's recipe (docs/recipes.md)
-    model = DDP(net())
+    model = DistributedDataParallel(net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = famp.init_scaler(**SCALER)
     compute_loss = famp.autocast(lambda input, target: loss_fn(model(input), target), POLICY)
