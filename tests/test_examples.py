@@ -94,9 +94,29 @@ def test_train_digits_resume_in_a_fresh_process_is_bitwise_exact(tmp_path: pathl
     assert (resumed / "digits.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_train_digits_default_bf16_learns(tmp_path: pathlib.Path) -> None:
+def test_train_digits_default_shows_loss_scaling_at_work(tmp_path: pathlib.Path) -> None:
+    """The quick-start demo: float16 with dynamic loss scaling; the scale grows, overflows and
+    backs off within its first 120 steps (the default run has 600)."""
     digits = load_example("train_digits")
-    accuracy = digits.main(["--steps", "40", "--out", str(tmp_path), "--no-progress"])
+    accuracy = digits.main(["--steps", "120", "--out", str(tmp_path), "--no-progress"])
+    assert accuracy > 0.5  # chance is 0.1
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["config"]["precision"] == "fp16"
+    history = checkpoint["history"]
+    assert history["scale"].dtype == torch.float32
+    assert history["scale"][0].item() == 2.0**16
+    change = history["scale"].diff()
+    assert (change > 0).any()  # growth
+    assert (history["found_inf"] != 0).any()  # an overflow, skipped
+    assert (change < 0).any()  # a backoff
+    assert (tmp_path / "digits.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_train_digits_bf16_learns_without_loss_scaling(tmp_path: pathlib.Path) -> None:
+    digits = load_example("train_digits")
+    accuracy = digits.main(
+        ["--steps", "40", "--precision", "bf16", "--out", str(tmp_path), "--no-progress"]
+    )
     assert accuracy > 0.5  # chance is 0.1
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["config"]["precision"] == "bf16"
