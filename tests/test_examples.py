@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -141,3 +142,32 @@ def test_migrate_from_gradscaler_resumes_a_torch_checkpoint_bitwise(
         "growth_interval",
         "_growth_tracker",
     }
+
+
+def python_blocks(page: str) -> list[str]:
+    """The ```python blocks of a docs page, in order, but those marked ``<!-- not run``."""
+    text = (ROOT / "docs" / page).read_text()
+    blocks = re.findall(r"(<!-- not run[^>]*-->\n)?```python\n(.*?)```", text, re.S)
+    return [code for marker, code in blocks if not marker]
+
+
+def test_tutorial_code_blocks_run_in_order() -> None:
+    blocks = python_blocks("tutorial.md")
+    assert len(blocks) >= 5
+    namespace: dict[str, Any] = {"__name__": "tutorial"}
+    for code in blocks:
+        exec(compile(code, "docs/tutorial.md", "exec"), namespace)
+    assert namespace["loss"].dtype == torch.float32
+    assert namespace["found_inf"].item() == 0.0
+    assert namespace["state"].scale.dtype == torch.float32
+    assert namespace["checkpoint"]["step"] == 2
+
+
+def test_front_page_example_runs_and_prints_what_it_says(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (code,) = python_blocks("index.md")
+    claimed = re.search(r"print\(.*\)  # (.*)\n", code)
+    assert claimed is not None
+    exec(compile(code, "docs/index.md", "exec"), {"__name__": "index"})
+    assert capsys.readouterr().out.strip() == claimed.group(1)

@@ -125,7 +125,7 @@ overflows = st.lists(st.sampled_from([None, None, math.inf, -math.inf, math.nan]
 
 
 @pytest.mark.parametrize(("name", "impl"), CASES)
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(pattern=overflows, init_scale=st.sampled_from([1.0, 2.0**10, 3000.0]))
 @example(pattern=[math.inf, None, None, math.nan, None], init_scale=2.0**10)  # skipped first step
 def test_optimizer_step_equals_a_gradscaler_loop_for_every_optimizer(
