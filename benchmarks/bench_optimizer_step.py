@@ -42,7 +42,10 @@ def params() -> list[torch.nn.Parameter]:
     return list(model.parameters())
 
 
-def measure(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], rounds: int) -> float:
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def measure(make: Factory, rounds: int) -> float:
     """Median famp time ÷ median torch time."""
     torch_params, famp_params = params(), params()
     grads = [torch.randn_like(p) * 1024.0 for p in torch_params]
