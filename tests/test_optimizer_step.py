@@ -81,9 +81,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    """float32: the optimizer bridge is the subject (tests/test_recipes.py adds autocast)."""
     x, y = batch(step)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return functional.cross_entropy(model(x), y)
+    return functional.cross_entropy(model(x), y)
 
 
 def inject(model: torch.nn.Module, value: float | None) -> None:
@@ -125,7 +125,7 @@ overflows = st.lists(st.sampled_from([None, None, math.inf, -math.inf, math.nan]
 
 
 @pytest.mark.parametrize(("name", "impl"), CASES)
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(pattern=overflows, init_scale=st.sampled_from([1.0, 2.0**10, 3000.0]))
 @example(pattern=[math.inf, None, None, math.nan, None], init_scale=2.0**10)  # skipped first step
 def test_optimizer_step_equals_a_gradscaler_loop_for_every_optimizer(
