@@ -328,6 +328,12 @@ def test_skip_on_overflow_bad_input() -> None:
         famp.skip_on_overflow(torch.zeros(2), tree, tree)
     with pytest.raises(ValueError, match="same structure"):
         famp.skip_on_overflow(torch.zeros(()), tree, {"v": torch.zeros(2)})
+    with pytest.raises(TypeError, match=r"differ in dtype: torch\.float64 and torch\.float32"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(2, dtype=torch.float64)}, tree)
+    with pytest.raises(ValueError, match=r"differ in shape: \(3,\) and \(2,\)"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(3)}, tree)
+    with pytest.raises(TypeError, match="must be a Tensor or None, got float"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": 1.0}, {"w": 2.0})
 
 
 # --- optimizer_step: the bridge to fused torch.optim optimizers ---------------------------------
