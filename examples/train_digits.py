@@ -10,7 +10,7 @@ updates the loss scale; ``famp.skip_on_overflow`` drops an update that overflowe
 sync. Parameters, optimizer state and scaler state are plain dicts of tensors and numbers, saved
 every ``--checkpoint-every`` steps (``torch.load(weights_only=True)`` reads them); ``--resume``
 continues a run bit for bit. At the end the script prints the test accuracy and plots the loss and
-the loss scale of every step: it grows, overflows and backs off. It trains in about 20 seconds on
+the loss scale of every step: it grows, overflows and backs off. It trains in 20-30 seconds on
 two CPU cores.
 """
 
