@@ -4,7 +4,7 @@
 
 Every piece of mixed precision here is a pure function. ``famp.autocast`` runs the forward pass in
 float16, whose narrow range needs dynamic loss scaling (on CPU, where float16 convolutions are
-about 40 times slower than bfloat16 ones, a module rule runs the two convolutions in bfloat16);
+far slower than bfloat16 ones, a module rule runs the two convolutions in bfloat16);
 ``famp.value_and_grad`` scales the loss, differentiates, unscales and checks the gradients and
 updates the loss scale; ``famp.skip_on_overflow`` drops an update that overflowed, without a host
 sync. Parameters, optimizer state and scaler state are plain dicts of tensors and numbers, saved
@@ -83,7 +83,7 @@ def adamw(
 
 
 def module_rules_for(precision: str, device: torch.device) -> dict[str, str] | None:
-    """float16 on CPU: the convolutions (modules "0" and "3") in bfloat16, 40 times faster there."""
+    """float16 on CPU: the convolutions (modules "0" and "3") in bfloat16, far faster there."""
     if precision == "fp16" and device.type == "cpu":
         bf16 = "params=float32,compute=bfloat16,output=bfloat16"
         return {"0": bf16, "3": bf16}
