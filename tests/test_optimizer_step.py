@@ -287,3 +287,39 @@ def test_optimizer_step_refuses_closure_optimizers_in_public_terms() -> None:
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got list"):
         famp.optimizer_step([w], famp.init_scaler())  # type: ignore[arg-type]
     assert_bitwise_equal(w.grad, torch.ones(2))  # nothing was unscaled
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_optimizer_step_param_groups_and_a_parameter_without_grad_equal_gradscaler(
+    impl: str,
+) -> None:
+    """Two groups with their own hyperparameters; a frozen parameter keeps no grad and no state."""
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = make_model()
+        model[2].bias.requires_grad_(False)  # type: ignore[union-attr]
+        groups = [
+            {"params": list(model[0].parameters()), "lr": 1e-2},
+            {"params": list(model[2].parameters()), "lr": 3e-3, "weight_decay": 0.1},
+        ]
+        return model, torch.optim.AdamW(groups, **IMPLEMENTATIONS[impl])
+
+    (model, opt), (famp_model, famp_opt) = build(), build()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    state = famp.init_scaler(2.0**10, growth_interval=2)
+    for step, bad in enumerate([math.inf, None, math.nan, None, None]):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        inject(model, bad)
+        scaler.step(opt)
+        scaler.update()
+
+        famp_opt.zero_grad()
+        famp.scale(state, loss_of(famp_model, step)).backward()
+        inject(famp_model, bad)
+        state = famp.update_scale(state, famp.optimizer_step(famp_opt, state))
+
+        assert famp_model[2].bias.grad is None
+        assert_models_equal(famp_model, model)
+        assert_optimizer_states_equal(famp_opt, opt)
+        assert_bitwise_equal(state.scale, scaler._scale)
