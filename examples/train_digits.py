@@ -3,13 +3,15 @@
     pip install -e ".[examples]" && python examples/train_digits.py
 
 Every piece of mixed precision here is a pure function. ``famp.autocast`` runs the forward pass in
-the compute dtype (bfloat16 on CPU; float16 on CUDA, where the loss is scaled dynamically);
+float16, whose narrow range needs dynamic loss scaling (on CPU, where float16 convolutions are
+far slower than bfloat16 ones, a module rule runs the two convolutions in bfloat16);
 ``famp.value_and_grad`` scales the loss, differentiates, unscales and checks the gradients and
 updates the loss scale; ``famp.skip_on_overflow`` drops an update that overflowed, without a host
 sync. Parameters, optimizer state and scaler state are plain dicts of tensors and numbers, saved
 every ``--checkpoint-every`` steps (``torch.load(weights_only=True)`` reads them); ``--resume``
 continues a run bit for bit. At the end the script prints the test accuracy and plots the loss and
-the loss scale of every step. It trains in about 20 seconds on two CPU cores.
+the loss scale of every step: it grows, overflows and backs off. It trains in 20-30 seconds on
+two CPU cores.
 """
 
 from __future__ import annotations
@@ -80,12 +82,27 @@ def adamw(
     return new, {"count": count, "mu": mu, "nu": nu}
 
 
+def module_rules_for(precision: str, device: torch.device) -> dict[str, str] | None:
+    """float16 on CPU: the convolutions (modules "0" and "3") in bfloat16, far faster there."""
+    if precision == "fp16" and device.type == "cpu":
+        bf16 = "params=float32,compute=bfloat16,output=bfloat16"
+        return {"0": bf16, "3": bf16}
+    return None
+
+
 def make_train_step(
-    model: torch.nn.Module, policy: famp.Policy, device: torch.device, lr: float
+    model: torch.nn.Module,
+    policy: famp.Policy,
+    device: torch.device,
+    lr: float,
+    module_rules: dict[str, str] | None = None,
 ) -> tuple[Callable[..., tuple[Any, ...]], Callable[..., torch.Tensor]]:
     """The functional AMP step: (params, opt_state, scaler, x, y) -> new ones, loss, found_inf."""
     forward = famp.autocast(
-        functools.partial(functional_call, model), policy, device_type=device.type
+        functools.partial(functional_call, model),
+        policy,
+        device_type=device.type,
+        module_rules=module_rules,
     )
 
     def loss_fn(params: Tree, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precision",
         choices=["auto", "bf16", "fp16", "fp32"],
         default="auto",
-        help="compute dtype; auto: bf16 on CPU, fp16 (with dynamic loss scaling) on CUDA",
+        help="compute dtype; auto: fp16, with dynamic loss scaling (on CPU the convolutions run "
+        "in bf16)",
     )
     parser.add_argument(
         "--loss-scaling",
@@ -162,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="first loss scale")
     parser.add_argument(
-        "--growth-interval", type=int, default=100, help="loss-scale growth interval"
+        "--growth-interval", type=int, default=50, help="loss-scale growth interval"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/digits"))
@@ -226,16 +244,19 @@ def train(args: argparse.Namespace) -> float:
     device = torch.device(args.device)
     precision = args.precision
     if precision == "auto":
-        precision = "fp16" if device.type == "cuda" else "bf16"
+        precision = "fp16"
     compute = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
     policy = famp.get_policy(f"params=float32,compute={compute},output=float32")
     # float16 needs loss scaling (its range is narrow); bfloat16 has float32's range and does not.
-    scaling = precision == "fp16"
+    scaling = args.loss_scaling == "dynamic" or (
+        args.loss_scaling == "auto" and precision == "fp16"
+    )
     config = {
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
         "precision": precision,
+        "loss_scaling": scaling,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_path = args.out / "checkpoint.pt"
@@ -243,7 +264,8 @@ def train(args: argparse.Namespace) -> float:
     x_train, y_train, x_test, y_test = load_data(device)
     torch.manual_seed(args.seed)
     model = build_model().to(device)
-    train_step, forward = make_train_step(model, policy, device, args.lr)
+    module_rules = module_rules_for(precision, device)
+    train_step, forward = make_train_step(model, policy, device, args.lr, module_rules)
 
     if args.resume:
         checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)

@@ -30,9 +30,10 @@ from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layo
 from famp._fsdp_load import optim_state_dict_to_load
 from famp._rekey import optim_state_by_fqn, optim_state_by_id
 
-# --- training steps: _step.py -------------------------------------------------------------------
+# --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
 # isort: split
-from famp._step import optimizer_step, skip_on_overflow, value_and_grad
+from famp._optimizer_step import optimizer_step
+from famp._step import skip_on_overflow, value_and_grad
 
 # --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
 # isort: split

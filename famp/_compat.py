@@ -189,3 +189,22 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+# --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
+
+
+def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` reads ``grad_scale``/``found_inf`` and skips in its kernel.
+
+    torch marks such optimizers (fused Adam, AdamW, SGD, Adagrad) only with this private attribute,
+    the one ``GradScaler.step`` reads.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def amp_foreach_non_finite_check_and_unscale_(
+    tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> Any:
+    """``GradScaler``'s fused check-and-unscale kernel, which has no public name."""
+    return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)

@@ -1,17 +1,14 @@
-"""Training steps: the scaler composed with ``torch.func`` and with fused ``torch.optim``.
+"""Training steps: the scaler composed with ``torch.func``.
 
 ``value_and_grad`` is flax's ``DynamicScale.value_and_grad`` with torch's numbers: scale the loss,
 differentiate with ``torch.func.grad``, unscale and check in one pass, update the scale. A step
 built from it is pure, branch-free and compiles with ``torch.compile(fullgraph=True)``.
 ``skip_on_overflow`` drops an update after an overflow without a host sync. ``optimizer_step``
-hands ``found_inf`` (and the scale) to a fused ``torch.optim`` optimizer, whose kernel unscales and
-skips, and returns ``found_inf`` so the caller knows whether the step was skipped (torch's
-``GradScaler.step`` cannot say, pytorch/pytorch#55585).
+(``_optimizer_step.py``) does the same for ``torch.optim`` optimizers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -53,8 +50,9 @@ def value_and_grad(
     ``torch.compile(fullgraph=True)`` and ``torch.func.vmap``.
 
     Args:
-        fn: The loss function. Returns a one-element floating tensor, or ``(loss, aux)`` when
-            ``has_aux`` (``aux`` any pytree, returned detached).
+        fn: The loss function. Returns a floating tensor with one element (any shape: ``()``,
+            ``(1,)``, ...), or ``(loss, aux)`` when ``has_aux`` (``aux`` any pytree, returned
+            detached).
         argnums: Which positional arguments of ``fn`` to differentiate (an int or a tuple of ints),
             as in ``torch.func.grad``.
         has_aux: ``fn`` returns ``(loss, aux)``.
@@ -69,9 +67,10 @@ def value_and_grad(
         ``famp.ScalerState``.
 
     Raises:
-        TypeError: ``argnums`` is not an int or a tuple of ints, ``has_aux`` is not a bool; when
-            called: ``state`` is not a ``famp.ScalerState``, the loss is not a one-element floating
-            tensor, or ``fn`` does not return a pair with ``has_aux``.
+        TypeError: ``fn`` is not callable, ``argnums`` is not an int or a non-empty tuple of
+            ints, ``has_aux`` is not a bool; when called: ``state`` is not a
+            ``famp.ScalerState``, the loss is not a floating tensor with one element, or ``fn``
+            does not return a pair with ``has_aux``.
 
     Examples:
         >>> import famp, torch
@@ -83,6 +82,8 @@ def value_and_grad(
         >>> loss, grads, found_inf, state.scale
         (tensor(7.), tensor([3., 4.]), tensor(0.), tensor(2048.))
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     _check_argnums(argnums)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
@@ -106,7 +107,8 @@ def value_and_grad(
                 else type(loss).__name__
             )
             raise TypeError(f"fn must return a one-element floating tensor as loss, got {what}")
-        return scale(state, loss), (loss, aux)
+        # torch.func.grad differentiates a 0-d output: a one-element loss of any shape becomes one.
+        return scale(state, loss).reshape(()), (loss, aux)
 
     @functools.wraps(fn)
     def step(state: ScalerState, *args: Any, **kwargs: Any) -> tuple[Any, Any, Tensor, ScalerState]:
@@ -165,150 +167,5 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
     return select_tree(found_inf.reshape(()) == 0, updated, current)
 
 
-def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
-def _fresh_momentum(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """Fused-SGD parameters whose momentum buffer the coming step creates (see optimizer_step)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return []
-    return [
-        p
-        for g in optimizer.param_groups
-        if g.get("fused") and g["momentum"] != 0
-        for p in g["params"]
-        if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None
-    ]
-
-
-_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
-    """found_inf of the scaled grads: one fused pass with a unit scale, no unscaling (the
-    optimizer's kernel unscales), as GradScaler._check_inf_per_device does."""
-    device = state.scale.device
-    if group is None and all(
-        type(g) is torch.Tensor
-        and g.layout == torch.strided
-        and g.device == device
-        and g.dtype in _CHECK_DTYPES
-        for g in grads
-    ):
-        # The common case without unscale_and_check's generality (DTensors, sparse, devices).
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        one = torch.ones((), dtype=torch.float32, device=device)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same_dtype in by_dtype.values():  # writes each value back unchanged (x * 1)
-            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, one)
-        return found_inf
-    unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
-    return unscale_and_check(unit, grads, group=group, donate=True)[1]
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    state: ScalerState | None = None,
-    *,
-    found_inf: Tensor | None = None,
-    group: Any = None,
-) -> Tensor:
-    """Step a fused ``torch.optim`` optimizer that unscales and skips in its kernel; no host sync.
-
-    The optimizer must apply ``grad_scale``/``found_inf`` itself (``torch.optim`` ``Adam``,
-    ``AdamW``, ``SGD`` and ``Adagrad`` with ``fused=True``). With ``state``, the ``.grad`` of its
-    parameters are the *scaled* gradients of ``famp.scale(state, loss).backward()``: unless given,
-    ``found_inf`` is computed from them in one fused pass (max-reduced across ``group``), and the
-    kernel divides them by ``state.scale`` and skips the update on overflow, exactly as
-    ``GradScaler.step`` does with a fused optimizer. Without ``state`` the gradients are already
-    unscaled (e.g. from ``famp.value_and_grad``) and ``found_inf`` is required. ``optimizer.step()``
-    is always called, so ``torch.optim.lr_scheduler`` never warns that it was skipped; a skipped
-    step leaves parameters, moments and the ``step`` count unchanged. Fused ``SGD`` with momentum
-    creates its buffers with ``torch.empty_like`` on its first step and leaves them uninitialized
-    if that step is skipped; famp zeroes them then, so the next step equals a first step (bit for
-    bit with ``dampening=0``). Update the scale afterwards: ``famp.update_scale(state, found_inf)``.
-
-    Args:
-        optimizer: A ``torch.optim.Optimizer`` with ``_step_supports_amp_scaling``.
-        state: The ``famp.ScalerState`` that scaled the loss, or ``None`` if the gradients are
-            unscaled. A disabled state means unscaled gradients.
-        found_inf: 1.0 to skip the step, 0.0 to apply it (a one-element float32 tensor); computed
-            from the gradients when ``None`` (requires ``state``).
-        group: A ``torch.distributed`` process group across which a computed ``found_inf`` is
-            max-reduced (gradients that are local shards).
-
-    Returns:
-        ``found_inf``: a float32 tensor equal to 1.0 iff the step was skipped. It stays on the
-        device, so asking ``bool(found_inf)`` is the only host sync, and only if you ask.
-
-    Raises:
-        TypeError: The optimizer cannot apply ``grad_scale``/``found_inf`` itself, ``state`` is not
-            a ``famp.ScalerState``, or ``found_inf`` is not a float32 tensor.
-        ValueError: Neither ``state`` nor ``found_inf`` is given, or ``found_inf`` has more than one
-            element.
-
-    Examples:
-        >>> import famp, torch
-        >>> w = torch.nn.Parameter(torch.ones(2))
-        >>> opt = torch.optim.SGD([w], lr=0.5, fused=True)
-        >>> state = famp.init_scaler(1024.0)
-        >>> famp.scale(state, w.sum()).backward()
-        >>> found_inf = famp.optimizer_step(opt, state)
-        >>> found_inf, w.detach()
-        (tensor(0.), tensor([0.5000, 0.5000]))
-        >>> state = famp.update_scale(state, found_inf)
-    """
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        raise TypeError(
-            f"famp.optimizer_step needs an optimizer that applies grad_scale/found_inf in its "
-            f"step (torch.optim Adam, AdamW, SGD, Adagrad with fused=True), got "
-            f"{type(optimizer).__name__} without _step_supports_amp_scaling; for others use "
-            f"famp.unscale_and_check and famp.skip_on_overflow"
-        )
-    if state is not None and not isinstance(state, ScalerState):
-        raise TypeError(f"state must be a famp.ScalerState or None, got {type(state).__name__}")
-    scaled = state is not None and state.enabled
-    if found_inf is None:
-        if state is None:
-            raise ValueError(
-                "famp.optimizer_step needs state (scaled grads) or found_inf, got neither"
-            )
-        if scaled:
-            found_inf = _check(_grads(optimizer), state, group)
-        else:
-            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-    if not isinstance(found_inf, torch.Tensor) or found_inf.dtype != torch.float32:
-        what = found_inf.dtype if isinstance(found_inf, torch.Tensor) else type(found_inf).__name__
-        raise TypeError(f"found_inf must be a float32 tensor, got {what}")
-    if found_inf.numel() != 1:
-        raise ValueError(
-            f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
-        )
-    fresh = _fresh_momentum(optimizer)
-    # What GradScaler.step sets on a fused optimizer; restored afterwards, whatever happens.
-    attributes = {
-        "grad_scale": state.scale if state is not None and scaled else None,
-        "found_inf": found_inf,
-    }
-    saved = {name: getattr(optimizer, name) for name in attributes if hasattr(optimizer, name)}
-    for name, value in attributes.items():
-        setattr(optimizer, name, value)
-    try:
-        optimizer.step()
-    finally:
-        for name in attributes:
-            delattr(optimizer, name)
-        for name, value in saved.items():
-            setattr(optimizer, name, value)
-    skipped = found_inf.reshape(()) != 0
-    for p in fresh:
-        buffer = optimizer.state[p]["momentum_buffer"]
-        buffer.masked_fill_(skipped.to(buffer.device, non_blocking=True), 0.0)
-    return found_inf
-
-
-for _public in (value_and_grad, skip_on_overflow, optimizer_step):
+for _public in (value_and_grad, skip_on_overflow):
     _public.__module__ = "famp"

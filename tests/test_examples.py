@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -94,9 +95,29 @@ def test_train_digits_resume_in_a_fresh_process_is_bitwise_exact(tmp_path: pathl
     assert (resumed / "digits.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_train_digits_default_bf16_learns(tmp_path: pathlib.Path) -> None:
+def test_train_digits_default_shows_loss_scaling_at_work(tmp_path: pathlib.Path) -> None:
+    """The quick-start demo: float16 with dynamic loss scaling; the scale grows, overflows and
+    backs off within its first 120 steps (the default run has 600)."""
     digits = load_example("train_digits")
-    accuracy = digits.main(["--steps", "40", "--out", str(tmp_path), "--no-progress"])
+    accuracy = digits.main(["--steps", "120", "--out", str(tmp_path), "--no-progress"])
+    assert accuracy > 0.5  # chance is 0.1
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["config"]["precision"] == "fp16"
+    history = checkpoint["history"]
+    assert history["scale"].dtype == torch.float32
+    assert history["scale"][0].item() == 2.0**16
+    change = history["scale"].diff()
+    assert (change > 0).any()  # growth
+    assert (history["found_inf"] != 0).any()  # an overflow, skipped
+    assert (change < 0).any()  # a backoff
+    assert (tmp_path / "digits.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_train_digits_bf16_learns_without_loss_scaling(tmp_path: pathlib.Path) -> None:
+    digits = load_example("train_digits")
+    accuracy = digits.main(
+        ["--steps", "40", "--precision", "bf16", "--out", str(tmp_path), "--no-progress"]
+    )
     assert accuracy > 0.5  # chance is 0.1
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["config"]["precision"] == "bf16"
@@ -121,3 +142,32 @@ def test_migrate_from_gradscaler_resumes_a_torch_checkpoint_bitwise(
         "growth_interval",
         "_growth_tracker",
     }
+
+
+def python_blocks(page: str) -> list[str]:
+    """The ```python blocks of a docs page, in order, but those marked ``<!-- no-test``."""
+    text = (ROOT / "docs" / page).read_text()
+    blocks = re.findall(r"(<!-- no-test[^>]*-->\n)?```python\n(.*?)```", text, re.S)
+    return [code for marker, code in blocks if not marker]
+
+
+def test_tutorial_code_blocks_run_in_order() -> None:
+    blocks = python_blocks("tutorial.md")
+    assert len(blocks) >= 5
+    namespace: dict[str, Any] = {"__name__": "tutorial"}
+    for code in blocks:
+        exec(compile(code, "docs/tutorial.md", "exec"), namespace)
+    assert namespace["loss"].dtype == torch.float32
+    assert namespace["found_inf"].item() == 0.0
+    assert namespace["state"].scale.dtype == torch.float32
+    assert namespace["checkpoint"]["step"] == 2
+
+
+def test_front_page_example_runs_and_prints_what_it_says(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (code,) = python_blocks("index.md")
+    claimed = re.search(r"print\(.*\)  # (.*)\n", code)
+    assert claimed is not None
+    exec(compile(code, "docs/index.md", "exec"), {"__name__": "index"})
+    assert capsys.readouterr().out.strip() == claimed.group(1)

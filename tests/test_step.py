@@ -204,6 +204,42 @@ def test_value_and_grad_bad_input() -> None:
         famp.value_and_grad(lambda w: w.sum(), has_aux=True)(famp.init_scaler(), w)
 
 
+def test_value_and_grad_accepts_a_loss_of_any_one_element_shape() -> None:
+    """The docstring's "one element": shape (1,) and (1, 1) give the 0-d loss's grads."""
+    w, x = torch.tensor([1.5, -2.0]), torch.tensor([3.0, 0.25])
+    state = famp.init_scaler(2.0**4)
+    _, expected, expected_found_inf, expected_state = famp.value_and_grad(lambda w: (w * x).sum())(
+        state, w
+    )
+    for shape in [(1,), (1, 1)]:
+        loss, grads, found_inf, new_state = famp.value_and_grad(
+            lambda w, shape=shape: (w * x).sum().reshape(shape)
+        )(state, w)
+        assert loss.shape == shape  # the loss as fn returned it
+        assert grads.dtype == torch.float32
+        assert_bitwise_equal(grads, expected)
+        assert_bitwise_equal(found_inf, expected_found_inf)
+        assert_bitwise_equal(new_state.scale, expected_state.scale)
+
+
+@pytest.mark.parametrize("fn", [None, 3, "loss"])
+def test_value_and_grad_refuses_a_non_callable(fn: object) -> None:
+    with pytest.raises(TypeError, match=f"fn must be callable, got {type(fn).__name__}"):
+        famp.value_and_grad(fn)  # type: ignore[arg-type]
+
+
+def test_optimizer_step_accepts_found_inf_of_any_one_element_shape() -> None:
+    for found_inf, skipped in [(torch.zeros(1), False), (torch.ones(1, 1), True)]:
+        w = torch.nn.Parameter(torch.ones(2))
+        w.grad = torch.ones(2)
+        opt = torch.optim.SGD([w], lr=0.5, fused=True)
+        out = famp.optimizer_step(opt, found_inf=found_inf)
+        assert out.shape == ()
+        assert out.dtype == torch.float32
+        expected = torch.ones(2) if skipped else torch.full((2,), 0.5)
+        assert_bitwise_equal(w.detach(), expected)
+
+
 # --- skip_on_overflow: step counters and schedules ----------------------------------------------
 
 
@@ -292,6 +328,12 @@ def test_skip_on_overflow_bad_input() -> None:
         famp.skip_on_overflow(torch.zeros(2), tree, tree)
     with pytest.raises(ValueError, match="same structure"):
         famp.skip_on_overflow(torch.zeros(()), tree, {"v": torch.zeros(2)})
+    with pytest.raises(TypeError, match=r"differ in dtype: torch\.float64 and torch\.float32"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(2, dtype=torch.float64)}, tree)
+    with pytest.raises(ValueError, match=r"differ in shape: \(3,\) and \(2,\)"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(3)}, tree)
+    with pytest.raises(TypeError, match="must be a Tensor or None, got float"):
+        famp.skip_on_overflow(torch.zeros(()), {"w": 1.0}, {"w": 2.0})
 
 
 # --- optimizer_step: the bridge to fused torch.optim optimizers ---------------------------------
@@ -397,7 +439,7 @@ def test_optimizer_step_with_unscaled_grads_from_value_and_grad() -> None:
         _, grads, found_inf, state = step(state, params, x, y)
         for k, p in params.items():
             p.grad = grads[k]
-        assert famp.optimizer_step(famp_opt, found_inf=found_inf) is found_inf
+        assert_bitwise_equal(famp.optimizer_step(famp_opt, found_inf=found_inf), found_inf)
         assert_bitwise_equal(state.scale, scaler._scale)
         for p, q in zip(model.parameters(), famp_model.parameters(), strict=True):
             assert_bitwise_equal(q.detach(), p.detach())
@@ -461,10 +503,6 @@ def test_optimizer_step_bad_input() -> None:
     w.grad = torch.ones(2)
     fused = torch.optim.SGD([w], lr=0.1, fused=True)
     with pytest.raises(
-        TypeError, match="fused=True\\), got SGD without _step_supports_amp_scaling"
-    ):
-        famp.optimizer_step(torch.optim.SGD([w], lr=0.1), famp.init_scaler())
-    with pytest.raises(
         ValueError, match="needs state \\(scaled grads\\) or found_inf, got neither"
     ):
         famp.optimizer_step(fused)
@@ -474,6 +512,8 @@ def test_optimizer_step_bad_input() -> None:
         famp.optimizer_step(fused, found_inf=torch.tensor(True))
     with pytest.raises(ValueError, match=r"exactly one element, got shape \(2,\)"):
         famp.optimizer_step(fused, found_inf=torch.zeros(2))
+    with pytest.raises(TypeError, match="found_inf must be a float32 tensor, got float"):
+        famp.optimizer_step(fused, found_inf=1.0)  # type: ignore[arg-type]
     assert_bitwise_equal(w.detach(), torch.ones(2))  # nothing was applied
 
 

@@ -1,0 +1,293 @@
+"""``famp.optimizer_step``: ``GradScaler.step`` for any ``torch.optim`` optimizer, no host sync.
+
+Two paths, one result: what a ``GradScaler`` loop leaves, bit for bit.
+
+- Optimizers that unscale and skip in their kernel (``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` with
+  ``fused=True``) get the scale and a ``found_inf`` that is exactly 0.0 or 1.0, as
+  ``GradScaler.step`` hands them (the kernels skip on exactly 1.0 only).
+- Every other optimizer steps on gradients unscaled in place by ``GradScaler.unscale_``'s kernel;
+  a skipped step is then undone: the parameters and every tensor of the optimizer's state are
+  copied before the step and selected back with ``torch.where(skip, before, after)``, in place.
+  Neither the step nor the undo reads ``found_inf`` on the host. The state an optimizer creates
+  lazily on its first step, and state kept as Python numbers (``SparseAdam``'s step count),
+  cannot be undone by a tensor choice: on such a step only, famp reads ``skip`` once and removes
+  (or restores) it, so a skipped first step leaves no state, as under ``GradScaler``.
+
+Deliberately not supported: optimizers whose ``step`` needs a closure (``LBFGS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+
+from famp import _compat
+from famp._scaler import ScalerState
+from famp._typing import Tensor
+from famp._unscale import unscale_and_check
+
+
+def _with_grads(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _grads_of(params: list[torch.nn.Parameter]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _fresh_momentum(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Fused-SGD parameters whose momentum buffer the coming step creates (see optimizer_step)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [
+        p
+        for g in optimizer.param_groups
+        if g.get("fused") and g["momentum"] != 0
+        for p in g["params"]
+        if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None
+    ]
+
+
+_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
+    """found_inf of the scaled grads: one fused pass with a unit scale, no unscaling (the
+    optimizer's kernel unscales), as GradScaler._check_inf_per_device does."""
+    device = state.scale.device
+    if group is None and all(
+        type(g) is torch.Tensor
+        and g.layout == torch.strided
+        and g.device == device
+        and g.dtype in _CHECK_DTYPES
+        for g in grads
+    ):
+        # The common case without unscale_and_check's generality (DTensors, sparse, devices).
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same_dtype in by_dtype.values():  # writes each value back unchanged (x * 1)
+            _compat.amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, one)
+        return found_inf
+    unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
+    return unscale_and_check(unit, grads, group=group, donate=True)[1]
+
+
+def _check_optimizer(optimizer: object) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"famp.optimizer_step cannot step {type(optimizer).__name__}: its step() requires a "
+            f"closure that re-evaluates the loss (GradScaler.step refuses closures too); unscale "
+            f"with famp.unscale_and_check and call optimizer.step(closure) yourself"
+        )
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, skip: Tensor) -> None:
+    """What ``GradScaler.step`` does with a fused optimizer; attributes restored in any case."""
+    fresh = _fresh_momentum(optimizer)
+    attributes = {"grad_scale": grad_scale, "found_inf": skip}
+    saved = {name: getattr(optimizer, name) for name in attributes if hasattr(optimizer, name)}
+    for name, value in attributes.items():
+        setattr(optimizer, name, value)
+    try:
+        optimizer.step()
+    finally:
+        for name in attributes:
+            delattr(optimizer, name)
+        for name, value in saved.items():
+            setattr(optimizer, name, value)
+    for p in fresh:  # torch's fused SGD leaves torch.empty_like buffers after a skipped first step
+        buffer = optimizer.state[p]["momentum_buffer"]
+        buffer.masked_fill_(skip.to(buffer.device, non_blocking=True) != 0, 0.0)
+
+
+def _tensor_like(new: object, old: object) -> bool:
+    return (
+        isinstance(new, torch.Tensor)
+        and isinstance(old, torch.Tensor)
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+        and new.layout == torch.strided
+    )
+
+
+def _step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
+    """``optimizer.step()``, then every parameter and state tensor back where ``skip`` is true."""
+    params = _with_grads(optimizer)
+    states = optimizer.state
+    with torch.no_grad():
+        before_params = [p.detach().clone() for p in params]
+        # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
+        # a skipped GradScaler step leaves the unscaled gradients as they were.
+        grads = [p.grad for p in params]
+        before_grads = [g.clone() if g is not None and _tensor_like(g, g) else None for g in grads]
+        before: list[dict[Any, Any] | None] = [
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[p].items()}
+            if p in states
+            else None
+            for p in params
+        ]
+    optimizer.step()
+    skips: dict[torch.device, Tensor] = {}
+
+    def on(device: torch.device) -> Tensor:
+        if device not in skips:  # to the CPU from an accelerator this copy waits for the device
+            skips[device] = skip.to(device, non_blocking=device.type != "cpu")
+        return skips[device]
+
+    untensorlike = False  # state that a tensor choice cannot restore
+    with torch.no_grad():
+        for p, old in zip(params, before_params, strict=True):
+            new = p.detach()
+            torch.where(on(new.device), old, new, out=new)
+        for grad, old_grad in zip(grads, before_grads, strict=True):
+            if grad is not None and old_grad is not None:
+                torch.where(on(grad.device), old_grad, grad, out=grad)
+        for p, old_state in zip(params, before, strict=True):
+            new_state = states.get(p)
+            if new_state is None or old_state is None:
+                untensorlike |= new_state is not old_state  # state created (or dropped)
+                continue
+            untensorlike |= new_state.keys() != old_state.keys()
+            for k, v in new_state.items():
+                if k not in old_state:
+                    continue
+                old_v = old_state[k]
+                if _tensor_like(v, old_v):
+                    torch.where(on(v.device), old_v, v, out=v)
+                elif isinstance(v, torch.Tensor) or isinstance(old_v, torch.Tensor) or v != old_v:
+                    untensorlike = True
+    if untensorlike and bool(skip):  # the one host sync, on a step that created state
+        for p, old_state in zip(params, before, strict=True):
+            if old_state is None:
+                states.pop(p, None)
+            else:
+                states[p] = old_state
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    state: ScalerState | None = None,
+    *,
+    found_inf: Tensor | None = None,
+    group: Any = None,
+) -> Tensor:
+    """Step any ``torch.optim`` optimizer as ``GradScaler.step`` does, without a host sync.
+
+    With ``state``, the ``.grad`` of the optimizer's parameters are the *scaled* gradients of
+    ``famp.scale(state, loss).backward()``. Without it they are already unscaled (e.g. from
+    ``famp.value_and_grad`` or ``famp.unscale_and_check``) and ``found_inf`` is required. Any
+    non-zero or NaN ``found_inf`` skips the step, as ``famp.update_scale`` reads it. Parameters,
+    optimizer state, step counts and ``.grad`` end up exactly as a ``GradScaler`` loop leaves
+    them, bit for bit (tested for every ``torch.optim`` optimizer in its for-loop, foreach and
+    fused forms, over sequences with overflows).
+
+    - **Fused optimizers** (``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` with ``fused=True``) get the
+      scale and ``found_inf`` and unscale and skip in their kernel (``found_inf`` computed from the
+      scaled gradients in one fused pass, max-reduced across ``group``, unless given).
+    - **Every other optimizer** (for-loop or foreach): the gradients are unscaled in place
+      (``famp.unscale_and_check(..., donate=True)``, ``GradScaler.unscale_``'s kernel), the
+      optimizer steps, and a skipped step is undone with ``torch.where`` on copies taken before it
+      (one copy of the parameters and the optimizer state per step).
+
+    ``optimizer.step()`` is always called, so ``torch.optim.lr_scheduler`` never warns that it was
+    skipped. No host sync, except on a step where a non-fused optimizer creates its state (its
+    first): a skipped one must leave no state, and famp reads ``found_inf`` once to remove it;
+    ``SparseAdam`` counts its steps in a Python int, so famp reads it on each of its steps. On
+    CUDA, a non-capturable optimizer keeps ``step`` on the CPU, and undoing it waits for the device
+    (pass ``capturable=True`` or ``fused=True`` to avoid that). Fused ``SGD`` with momentum leaves
+    its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals
+    a first step (bit for bit with ``dampening=0``). Update the scale afterwards:
+    ``famp.update_scale(state, found_inf)``.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` whose ``step()`` needs no closure.
+        state: The ``famp.ScalerState`` that scaled the loss, or ``None`` if the gradients are
+            unscaled. A disabled state means unscaled gradients.
+        found_inf: A float32 tensor with one element (any shape); 0.0 applies the step, anything
+            else (non-zero or NaN) skips it. Computed from the gradients when ``None`` (requires
+            ``state``).
+        group: A ``torch.distributed`` process group across which a computed ``found_inf`` is
+            max-reduced (gradients that are local shards).
+
+    Returns:
+        A 0-d float32 tensor, 1.0 if the step was skipped, else 0.0. It stays on the device, so
+        asking ``bool(...)`` is the only host sync, and only if you ask.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or its ``step()`` requires a
+            closure (``LBFGS``), ``state`` is not a ``famp.ScalerState``, or ``found_inf`` is not a
+            float32 tensor.
+        ValueError: Neither ``state`` nor ``found_inf`` is given, or ``found_inf`` has more than one
+            element.
+
+    Examples:
+        >>> import famp, torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([w], lr=0.5)
+        >>> state = famp.init_scaler(1024.0)
+        >>> famp.scale(state, w.sum()).backward()
+        >>> found_inf = famp.optimizer_step(opt, state)
+        >>> found_inf, w.detach()
+        (tensor(0.), tensor([0.5000, 0.5000]))
+        >>> state = famp.update_scale(state, found_inf)
+    """
+    _check_optimizer(optimizer)
+    if state is not None and not isinstance(state, ScalerState):
+        raise TypeError(f"state must be a famp.ScalerState or None, got {type(state).__name__}")
+    if found_inf is None:
+        if state is None:
+            raise ValueError(
+                "famp.optimizer_step needs state (scaled grads) or found_inf, got neither"
+            )
+    else:
+        if not isinstance(found_inf, torch.Tensor) or found_inf.dtype != torch.float32:
+            what = (
+                found_inf.dtype if isinstance(found_inf, torch.Tensor) else type(found_inf).__name__
+            )
+            raise TypeError(f"found_inf must be a float32 tensor, got {what}")
+        if found_inf.numel() != 1:
+            raise ValueError(
+                f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
+            )
+    scaled = state is not None and state.enabled
+    if _compat.step_supports_amp_scaling(optimizer):
+        if found_inf is None:
+            assert state is not None
+            found_inf = (
+                _check(_grads_of(_with_grads(optimizer)), state, group)
+                if scaled
+                else torch.zeros((), dtype=torch.float32, device=state.scale.device)
+            )
+        skip = (found_inf.reshape(()) != 0).float()  # the kernels skip on exactly 1.0 only
+        _fused_step(optimizer, state.scale if scaled and state is not None else None, skip)
+        return skip
+    if scaled:
+        assert state is not None
+        params = _with_grads(optimizer)
+        unscaled, computed = unscale_and_check(state, _grads_of(params), group=group, donate=True)
+        for p, grad in zip(params, unscaled, strict=True):
+            if grad is not p.grad:  # a float16 sparse gradient, coalesced (as GradScaler does)
+                p.grad = grad
+        found_inf = computed if found_inf is None else found_inf
+    elif found_inf is None:  # a disabled state: plain gradients, nothing to skip
+        assert state is not None
+        optimizer.step()
+        return torch.zeros((), dtype=torch.float32, device=state.scale.device)
+    skip = found_inf.reshape(()) != 0
+    _step_and_undo_if(optimizer, skip)
+    return skip.float()
+
+
+optimizer_step.__module__ = "famp"
