@@ -176,7 +176,7 @@ class _Call:
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
         if is_compiled_module(module):
             return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
-        if self.track:
+        if self.track and not torch.compiler.is_compiling():
             observe(self, args)
         if not self.scopes and module not in self.module_policy and self.patterns:
             for path, sub in module.named_modules():  # `module` is a root: its paths start here
@@ -201,7 +201,7 @@ class _Call:
     def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
         if is_compiled_module(module):
             return None
-        if self.track:
+        if self.track and not torch.compiler.is_compiling():
             observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
         declined = self.declined.pop() if self.declined else None

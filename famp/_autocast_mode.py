@@ -342,7 +342,7 @@ class FampMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         owner = self.owner
-        if not owner.track:
+        if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping
             return self._op(owner, func, args, kwargs)
         if owner.recompute_only and saved_tensors_hooks_top() is None:
             return call(func, args, kwargs)  # a custom backward, not the recomputation
