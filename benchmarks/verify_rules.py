@@ -1,10 +1,10 @@
 """Derive torch's autocast rule of every op by running it, and compare with famp.default_rules.
 
 Not a benchmark: the full version of the check in tests/test_rules.py. For each device type and
-each overload with an ``Autocast<Device>`` kernel it runs the op under torch's autocast (real CPU
-tensors; fake CUDA/XPU/MPS tensors) in bfloat16 and float16, next to the reference for *every*
-rule (tests/autocast_reference.py), and reports which rules agree with torch in every run. A rule
-is derived when exactly one agrees.
+each overload with an ``Autocast<Device>`` kernel in the installed torch it runs the op under
+torch's autocast (real and fake CPU tensors; fake CUDA/XPU/MPS tensors) in bfloat16 and float16,
+next to the reference for *every* rule (famp/_rules_derive.py), and reports which rules agree with
+torch in every run. A rule is derived when exactly one agrees.
 
 Run from the repository root: ``python benchmarks/verify_rules.py [cpu,cuda,xpu,mps]``.
 """
@@ -21,24 +21,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 import famp
-from tests.autocast_reference import check_op
-
-KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+from famp._rules import DEVICE_TYPES, registered_ops
+from famp._rules_derive import check_op
 
 
 def registered(device: str) -> list[tuple[str, str]]:
-    out = []
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            name, KEYS[device]
-        ):
-            packet, _, overload = name[len("aten::") :].partition(".")
-            out.append((packet, overload or "default"))
-    return sorted(out)
+    return sorted(registered_ops(device))
 
 
 def main(devices: list[str]) -> int:
     logging.disable(logging.CRITICAL)  # fake tensors log the errors they re-raise
+    print(f"torch {torch.__version__}")
     failures = 0
     for device in devices:
         start = time.perf_counter()
@@ -81,4 +74,4 @@ def main(devices: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1].split(",") if len(sys.argv) > 1 else list(KEYS)))
+    sys.exit(main(sys.argv[1].split(",") if len(sys.argv) > 1 else list(DEVICE_TYPES)))

@@ -6,3 +6,28 @@ the tests that pin it across the supported window), never a user's numbers.
 """
 
 from __future__ import annotations
+
+# --- autocast op rules: _rules.py, _rules_derive.py --------------------------------------------
+# isort: split
+import torch
+from torch._ops import OpOverload as OpOverload  # an aten overload's type; no public alias
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode  # no computing
+from torch.utils import _pytree as _torch_pytree
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # see the casts
+
+torch_pytree = _torch_pytree  # tree_map/flatten over aten call arguments (torch's own pytree)
+
+
+def all_op_names() -> list[str]:
+    """Every op the dispatcher knows (``"aten::mm.out"``): the autocast ops are read off it."""
+    return list(torch._C._dispatch_get_all_op_names())
+
+
+def has_kernel(op_name: str, dispatch_key: str) -> bool:
+    """Whether ``op_name`` has a kernel for ``dispatch_key`` (``"AutocastCPU"``): no public API."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op_name, dispatch_key))
+
+
+def schema(op: OpOverload) -> torch.FunctionSchema:
+    """An overload's C++ schema: argument types decide what autocast casts; no public accessor."""
+    return op._schema
