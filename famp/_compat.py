@@ -18,14 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode 
 torch_pytree = _torch_pytree  # tree_map/flatten over aten call arguments (torch's own pytree)
 
 
-def all_op_names() -> list[str]:
-    """Every op the dispatcher knows (``"aten::mm.out"``): the autocast ops are read off it."""
-    return list(torch._C._dispatch_get_all_op_names())
-
-
-def has_kernel(op_name: str, dispatch_key: str) -> bool:
-    """Whether ``op_name`` has a kernel for ``dispatch_key`` (``"AutocastCPU"``): no public API."""
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op_name, dispatch_key))
+def kernel_registrations(dispatch_key: str) -> list[str]:
+    """The ops with a kernel registered for ``dispatch_key`` (``"AutocastCPU"``), as
+    ``"aten::mm"`` names: the autocast ops are read off torch's dispatcher; no public API."""
+    return list(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
 
 
 def schema(op: OpOverload) -> torch.FunctionSchema:

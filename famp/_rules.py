@@ -26,8 +26,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from famp._compat import all_op_names, has_kernel, schema
-from famp._rules_data import TABLES
+from famp._compat import kernel_registrations, schema
 
 __all__ = ["RULE_NAMES", "OpRules", "Rule", "default_rules"]
 
@@ -427,10 +426,9 @@ def torch_release() -> str:
 @functools.cache
 def registered_ops(device_type: str) -> frozenset[tuple[str, str]]:
     """(packet, overload) of every aten overload with a kernel for the device's autocast key."""
-    key = DISPATCH_KEYS[device_type]
     out = set()
-    for name in all_op_names():
-        if name.startswith("aten::") and has_kernel(name, key):
+    for name in kernel_registrations(DISPATCH_KEYS[device_type]):
+        if name.startswith("aten::"):
             packet, _, overload = name[len("aten::") :].partition(".")
             out.add((packet, overload or "default"))
     return frozenset(out)
@@ -481,10 +479,18 @@ def _release_key(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in release.split(".") if part.isdigit())
 
 
+def shipped_tables() -> dict[str, dict[str, dict[str, tuple[str, ...]]]]:
+    """release → device type → rule → keys: the tables famp ships (read on first use, not at
+    ``import famp``)."""
+    from famp import _rules_data
+
+    return _rules_data.TABLES
+
+
 def _prior(device_type: str) -> dict[tuple[str, str], str]:
     """The rules of the newest shipped release: the tie-break when running an op cannot tell."""
-    newest = max(TABLES, key=_release_key)
-    return expand(TABLES[newest][device_type])
+    tables = shipped_tables()
+    return expand(tables[max(tables, key=_release_key)][device_type])
 
 
 WRAPPER_RULES: dict[str, dict[tuple[str, str], Rule]] = {
@@ -506,8 +512,8 @@ class UnknownRulesError(RuntimeError):
 @functools.cache
 def _default_rules(device_type: str) -> OpRules:  # cached: runs once per device type
     registered = registered_ops(device_type)
-    release = torch_release()
-    known = expand(TABLES[release][device_type]) if release in TABLES else {}
+    release, tables = torch_release(), shipped_tables()
+    known = expand(tables[release][device_type]) if release in tables else {}
     per_op = {op: known[op] for op in registered if op in known}
     wrappers = WRAPPER_RULES.get(device_type, {})
     per_op.update((op, wrappers[op]) for op in registered - per_op.keys() if op in wrappers)
@@ -528,7 +534,7 @@ def _default_rules(device_type: str) -> OpRules:  # cached: runs once per device
             raise UnknownRulesError(
                 f"famp cannot tell which autocast rule torch {torch.__version__} applies to "
                 f"{len(unclassified)} op(s) on device_type {device_type!r}: {ops}. famp ships "
-                f"tables for torch {', '.join(sorted(TABLES, key=_release_key))}; install one "
+                f"tables for torch {', '.join(sorted(tables, key=_release_key))}; install one "
                 "of those or a famp release that knows this torch."
             )
         per_op.update(derived)

@@ -700,7 +700,7 @@ def check_op(
 ) -> tuple[set[str], int, int]:
     """Run one overload under torch's autocast and under the reference for each rule.
 
-    Real tensors (CPU only) compare bits; fake tensors (any device type: their
+    Real tensors (CPU, or moved to a real device) compare bits; fake tensors (any device type: their
     ``Autocast<Device>`` kernels still run) compare dtypes, shapes and devices. Every run also
     compares the ops dispatched below autocast (the casts and what they feed).
 
@@ -730,6 +730,11 @@ def _check_op(
         if inputs is None:
             continue
         if not fake:
+            # Real tensors: CPU samples, moved to the device (a GPU for CUDA's real-tensor check).
+            if device_type != "cpu":
+                inputs = torch_pytree.tree_map(
+                    lambda x: x.to(device_type) if isinstance(x, torch.Tensor) else x, inputs
+                )
             actual, simulated = run_both(rules, op, inputs, device_type, lower)
         else:
             with FakeTensorMode(allow_non_fake_inputs=True):

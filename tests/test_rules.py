@@ -220,7 +220,7 @@ def test_ops_missing_from_the_shipped_table_are_derived(
         tables[release]["cpu"]["lower"] = tuple(
             k for k in tables[release]["cpu"]["lower"] if k != "linear"
         )
-    monkeypatch.setattr(famp_rules, "TABLES", tables)
+    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
     assert famp.default_rules("cpu") == shipped
 
 
@@ -236,10 +236,15 @@ def test_table_entries_for_ops_this_torch_lacks_are_ignored(
         **table,
         "float32": (*table.get("float32", ()), "no_such_op_famp", "mm.no_such_overload"),
     }
-    monkeypatch.setattr(famp_rules, "TABLES", tables)
+    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
     rules = famp.default_rules("cpu")
     assert rules == shipped
     assert "no_such_op_famp" not in rules
+
+
+def test_autocast_ops_are_read_off_the_dispatcher_as_a_full_scan_finds_them() -> None:
+    for device in DEVICES:
+        assert famp_rules.registered_ops(device) == _registered(device)
 
 
 def test_ops_that_cannot_be_classified_are_named_in_one_error(
