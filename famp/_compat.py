@@ -15,6 +15,7 @@ from typing import Any
 import optree
 import torch
 import torch.utils._pytree as torch_pytree_module
+from torch._subclasses import fake_tensor
 from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
@@ -136,6 +137,19 @@ def is_compiled_module(module: object) -> bool:
     """Whether a module is `torch.compile(model)`'s wrapper (its class is private to Dynamo)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+# --- autocast op rules: _rules.py, _rules_derive.py ----------------------------------------------
+
+# Deriving a rule runs the op on fake tensors (shapes and dtypes, no computing); the class is
+# public in spirit but lives in a private module.
+FakeTensorMode = fake_tensor.FakeTensorMode
+
+
+def kernel_registrations(dispatch_key: str) -> list[str]:
+    """The ops with a kernel registered for ``dispatch_key`` (``"AutocastCPU"``), as
+    ``"aten::mm"`` names: the autocast ops are read off torch's dispatcher; no public API."""
+    return list(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
 
 
 # --- reliability: scaler state (_scaler.py), FSDP1 layouts read off live models (_distributed.py)

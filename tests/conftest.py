@@ -1,4 +1,4 @@
-"""Shared pytest configuration: hypothesis profiles and the eager/compiled fixture."""
+"""Shared pytest configuration: hypothesis profiles, CUDA skips and the eager/compiled fixture."""
 
 from __future__ import annotations
 
@@ -23,6 +23,18 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile(os.environ.get("FAMP_HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip without a CUDA GPU, unless FAMP_REQUIRE_CUDA=1 (``.ci/cuda``),
+    under which they run and fail; no other test may skip for want of a device."""
+    if torch.cuda.is_available() or os.environ.get("FAMP_REQUIRE_CUDA") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run bash .ci/cuda on one)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
 
 _COMPILED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
 import typing
+from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import pytest
@@ -13,7 +17,11 @@ import torch
 from hypothesis import given
 
 import famp
+import famp._rules as famp_rules
+from famp._compat import torch_pytree
+from famp._rules_data import TABLES
 from tests.autocast_reference import SAMPLES, check_op
+from tests.helpers import assert_bitwise_equal
 
 DEVICES = ("cpu", "cuda", "xpu", "mps")
 DISPATCH_KEY = {d: f"Autocast{d.upper() if d != 'cpu' else 'CPU'}" for d in DEVICES}
@@ -77,10 +85,20 @@ def test_packet_keys_only_where_every_functional_overload_shares_the_rule(device
         assert all(rules.lookup(packet, o) == rule for o in functional), key
 
 
-def test_rule_counts_per_device_match_the_reference_notes() -> None:
-    # shared/reference/torch-amp-semantics.md §3: CUDA 119 kernels, CPU 127, XPU 117, MPS 95.
+RELEASE = torch.__version__.split("+")[0]
+KERNEL_COUNTS = {
+    # shared/reference/torch-amp-semantics.md §3 (torch 2.13): CUDA 119, CPU 127, XPU 117, MPS 95.
+    "2.13.0": {"cpu": 127, "cuda": 119, "xpu": 117, "mps": 95},
+    # 2.15 dropped aten::cholesky and aten::qr, added linalg_matrix_sqrth (CPU, CUDA), _cudnn_rnn.
+    "2.15.0": {"cpu": 126, "cuda": 121, "xpu": 117, "mps": 95},
+}
+
+
+def test_rule_counts_per_device_match_the_release() -> None:
     counts = {d: len(_registered(d)) for d in DEVICES}
-    assert counts == {"cpu": 127, "cuda": 119, "xpu": 117, "mps": 95}
+    assert counts == KERNEL_COUNTS.get(RELEASE, counts)
+    assert {len(famp_rules.registered_ops(d)) for d in DEVICES} == set(counts.values())
+    assert all(n > 90 for n in counts.values())
 
 
 def test_well_known_rules_per_device() -> None:
@@ -119,7 +137,16 @@ def _name(packet: str, overload: str) -> str:
 
 def test_every_autocast_op_has_a_sample() -> None:
     registered = {_name(p, o) for d in DEVICES for p, o in _registered(d)}
-    assert set(SAMPLES) == registered
+    assert registered <= set(SAMPLES)
+    # The other samples are for ops that another shipped release autocasts.
+    shipped = {
+        key.partition(".")[0]
+        for tables in TABLES.values()
+        for table in tables.values()
+        for keys in table.values()
+        for key in keys
+    }
+    assert {name.partition(".")[0] for name in set(SAMPLES) - registered} <= shipped
 
 
 @pytest.mark.parametrize(
@@ -135,8 +162,13 @@ def test_default_rules_cast_as_torch_autocast_does(
     """
     rules = famp.default_rules(device)
     wrong, unverified = [], []
+    wrappers = famp_rules.WRAPPER_RULES.get(device, {})
     for packet, overload in sorted(_registered(device)):
         name, rule = _name(packet, overload), rules.lookup(packet, overload)
+        if (packet, overload) in wrappers:
+            # torch's hand-written wrapper needs the real device: test_cudnn_rnn_on_cuda_... runs it
+            assert rule == wrappers[(packet, overload)]
+            continue
         consistent, ran, casts = check_op(device, name, dtype, (rule,), fake=fake)
         if not fake and ran == 0:
             # Kernels this CPU cannot run in low precision (mkldnn_rnn_layer without AVX512-BF16)
@@ -151,6 +183,90 @@ def test_default_rules_cast_as_torch_autocast_does(
     assert wrong == []
     # Every op either produced outputs or showed its casts; banned ones raised torch's message.
     assert unverified == []
+
+
+# --- rules follow the installed torch --------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_rules() -> Iterator[None]:
+    """Drop the cached default tables before and after a test that patches what they are read
+    from, so that no other test sees a patched table."""
+    famp_rules._default_rules.cache_clear()
+    yield
+    famp_rules._default_rules.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # the code path is one for all four
+def test_a_release_famp_never_saw_gets_its_rules_by_running_every_op(
+    device: str, fresh_rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = famp.default_rules(device)
+    famp_rules._default_rules.cache_clear()
+    monkeypatch.setattr(famp_rules, "torch_release", lambda: "99.0.0")
+    derived = famp.default_rules(device)
+    assert derived == shipped
+    assert derived is famp.default_rules(device)  # derived once, then cached
+
+
+def test_ops_missing_from_the_shipped_table_are_derived(
+    fresh_rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = famp.default_rules("cpu")
+    assert shipped["linear"] == "lower"
+    tables = {r: {d: dict(t) for d, t in ts.items()} for r, ts in TABLES.items()}
+    for release in tables:  # no table, for this release or as the prior, knows linear
+        tables[release]["cpu"]["lower"] = tuple(
+            k for k in tables[release]["cpu"]["lower"] if k != "linear"
+        )
+    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
+    assert famp.default_rules("cpu") == shipped
+
+
+def test_table_entries_for_ops_this_torch_lacks_are_ignored(
+    fresh_rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What broke famp on torch 2.15: the table named aten::cholesky, which 2.15 removed.
+    shipped = famp.default_rules("cpu")
+    release = famp_rules.torch_release()
+    tables = {r: {d: dict(t) for d, t in ts.items()} for r, ts in TABLES.items()}
+    table = tables.setdefault(release, {d: {} for d in DEVICES})["cpu"]
+    tables[release]["cpu"] = {
+        **table,
+        "float32": (*table.get("float32", ()), "no_such_op_famp", "mm.no_such_overload"),
+    }
+    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
+    rules = famp.default_rules("cpu")
+    assert rules == shipped
+    assert "no_such_op_famp" not in rules
+
+
+def test_autocast_ops_are_read_off_the_dispatcher_as_a_full_scan_finds_them() -> None:
+    for device in DEVICES:
+        assert famp_rules.registered_ops(device) == _registered(device)
+
+
+def test_ops_that_cannot_be_classified_are_named_in_one_error(
+    fresh_rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registered = famp_rules.registered_ops("cpu")
+    # Two ops as a new torch might add them: one famp has no inputs for, one it cannot tell.
+    monkeypatch.setattr(
+        famp_rules,
+        "registered_ops",
+        lambda d: registered | {("relu", "default"), ("hardtanh", "default")},
+    )
+    with pytest.raises(RuntimeError) as info:
+        famp.default_rules("cpu")
+    message = str(info.value)
+    assert f"torch {torch.__version__}" in message
+    assert "device_type 'cpu'" in message
+    assert "hardtanh (famp has no sample inputs for it)" in message
+    assert "relu (famp has no sample inputs for it)" in message
+    assert "2 op(s)" in message
+    for release in TABLES:
+        assert release in message
 
 
 def test_banned_binary_cross_entropy_keeps_torch_message() -> None:
@@ -397,14 +513,24 @@ def test_dtype_rules_only_apply_to_ops_with_a_dtype_argument(
     assert ok.lookup("sum", "dim_IntList") == "float32_set_opt_dtype"
 
 
-def test_docs_rule_table_is_the_generated_one() -> None:
-    from famp._rules_table import END, START, markdown_table
+def test_docs_rule_table_is_the_generated_one_and_names_its_torch() -> None:
+    from famp._rules_table import END, GENERATED_FROM, START, markdown_table
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
     assert START in text, "run python -m famp._rules_table into docs/autocast.md"
     assert END in text, "run python -m famp._rules_table into docs/autocast.md"
     committed = text.split(START, 1)[1].split(END, 1)[0].strip()
-    assert committed == markdown_table(), "docs/autocast.md is stale: python -m famp._rules_table"
+    # The docs hold the newest shipped release's table; under that release it is regenerated.
+    newest = max(TABLES, key=famp_rules._release_key)
+    assert committed.splitlines()[0] == GENERATED_FROM.format(release=newest)
+    if famp_rules.torch_release() == newest:
+        assert committed == markdown_table(), (
+            "docs/autocast.md is stale: python -m famp._rules_table"
+        )
+    else:
+        assert markdown_table().splitlines()[0] == GENERATED_FROM.format(
+            release=famp_rules.torch_release()
+        )
 
 
 _TRACED_RULES = famp.default_rules("cpu").override({"relu": "float32"})
@@ -421,3 +547,94 @@ def test_rules_are_read_inside_a_fullgraph_compiled_function() -> None:
     out = torch.compile(_cast_by_rule, fullgraph=True, backend="eager")(torch.ones(2))
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, torch.full((2,), 2.0, dtype=torch.bfloat16))
+
+
+# --- GRU and LSTM on any CPU --------------------------------------------------------------------
+# On CPUs with AVX512-BF16 (or AMX) torch runs nn.LSTM/nn.GRU in bfloat16 through oneDNN's
+# mkldnn_rnn_layer; elsewhere it falls back to the native path. famp must equal torch.autocast on
+# both: in-process here (whichever path this CPU takes, and with oneDNN off), and in a process
+# whose oneDNN is capped at AVX2 (ONEDNN_MAX_CPU_ISA), which takes the path of a CPU without
+# AVX512-BF16 even on one that has it.
+
+RNN_CASES = [(kind, dtype) for kind in ("LSTM", "GRU") for dtype in ("bfloat16", "float16")]
+
+
+def rnn_mismatches(kind: str, dtype_name: str) -> list[str]:
+    """GRU/LSTM forward and backward under famp.autocast (default rules, and an override of an op
+    the RNN does not use, which routes every call through famp's mode) vs torch.autocast."""
+    dtype = getattr(torch, dtype_name)
+    short = {"bfloat16": "bf16", "float16": "f16"}[dtype_name]
+    torch.manual_seed(0)
+    module = getattr(torch.nn, kind)(5, 4, num_layers=2, batch_first=True)
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    params = [x, *module.parameters()]
+
+    def loss_and_grads(fn: typing.Callable[[torch.Tensor], typing.Any]) -> list[typing.Any]:
+        # An error is an outcome: where torch raises (oneDNN without bfloat16 RNN support), famp
+        # must raise the same.
+        try:
+            out, hidden, inner_dtype = fn(x)
+            hs = hidden if isinstance(hidden, tuple) else (hidden,)
+            loss = out.sum() + sum(h.pow(2).sum() for h in hs)
+            return [inner_dtype, out, *hs, *torch.autograd.grad(loss, params)]
+        except RuntimeError as e:
+            return [f"{type(e).__name__}: {e}"]
+
+    def run(x: torch.Tensor) -> typing.Any:
+        out, hidden = module(x)
+        return out, hidden, str(out.dtype)  # the dtype the RNN computed in
+
+    def under_torch(x: torch.Tensor) -> typing.Any:
+        with torch.autocast("cpu", dtype=dtype):
+            out, hidden, inner_dtype = run(x)
+        # famp's policy below casts floating outputs to float32 (exact from any dtype)
+        return out.float(), torch_pytree.tree_map(lambda h: h.float(), hidden), inner_dtype
+
+    expected = loss_and_grads(under_torch)
+    rules = famp.default_rules("cpu").override({"cholesky_solve": "lower"})
+    bad = []
+    for label, kwargs in (("default rules", {}), ("override", {"rules": rules})):
+        policy = f"c={short},o=f32"
+        got = loss_and_grads(famp.autocast(run, policy, compile=False, **kwargs))
+        if len(got) != len(expected):
+            bad.append(f"{kind} {dtype_name} {label}: {got[0]!r} vs torch's {expected[0]!r}")
+            continue
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            try:
+                if isinstance(e, str):  # an error, or the dtype the RNN computed in
+                    assert g == e
+                else:
+                    assert_bitwise_equal(g, e)
+            except AssertionError:
+                bad.append(f"{kind} {dtype_name} {label}: output {i} differs")
+    return bad
+
+
+@pytest.mark.parametrize("mkldnn", [True, False], ids=["onednn", "native"])
+@pytest.mark.parametrize(("kind", "dtype"), RNN_CASES)
+def test_gru_lstm_under_famp_autocast_equal_torch_autocast_bitwise(
+    kind: str, dtype: str, mkldnn: bool
+) -> None:
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = mkldnn  # flags() warns about TF32 on CPU-only builds
+    try:
+        assert rnn_mismatches(kind, dtype) == []
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
+@pytest.mark.slow
+def test_gru_lstm_equal_torch_on_a_cpu_without_avx512_bf16() -> None:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = (
+        "import torch, tests.test_rules as t\n"
+        "assert not torch.backends.mkldnn.is_available() or not "
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported()\n"
+        "print(sum((t.rnn_mismatches(k, d) for k, d in t.RNN_CASES), []))\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

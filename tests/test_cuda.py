@@ -1,0 +1,142 @@
+"""Checks that need a CUDA GPU: famp on CUDA against torch on CUDA, bit for bit.
+
+Every test here is marked ``cuda`` and skips where ``torch.cuda.is_available()`` is false
+(tests/conftest.py). ``bash .ci/cuda`` runs them, failing instead of skipping, together with the
+CUDA benchmark. They have not run on a GPU yet (docs/torch-versions.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.nn import functional
+
+import famp
+from famp._rules import WRAPPER_RULES
+from tests.autocast_reference import check_op
+from tests.helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.cuda
+
+CUDA = "cuda"
+LR = 0.1
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return net.to(CUDA)
+
+
+def _batch(step: int, bad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(6, 8, generator=gen)
+    y = torch.randint(0, 4, (6,), generator=gen)
+    if bad:
+        x[0, 0] = math.inf
+    return x.to(CUDA), y.to(CUDA)
+
+
+@functools.cache
+def _shared_model() -> torch.nn.Module:
+    return _model()  # built on first use: collection must not touch CUDA
+
+
+def _famp_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model = _shared_model()
+    forward = famp.autocast(  # eager, as the GradScaler run (CUDA inputs compile by default)
+        lambda x: functional_call(model, params, (x,)), "c=f16,o=f32", compile=False
+    )
+    logits = forward(x)
+    return functional.cross_entropy(logits, y)
+
+
+def test_fp16_loss_scaling_on_cuda_equals_gradscaler_bitwise() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    config: dict[str, Any] = {"init_scale": 2.0**16, "growth_interval": 2}
+    scaler = torch.amp.GradScaler(CUDA, **config)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = famp.init_scaler(**config, device=CUDA)
+    step = famp.value_and_grad(_famp_loss)
+    for i, bad in enumerate([False, True, False, False, True, False]):
+        x, y = _batch(i, bad)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(CUDA, dtype=torch.float16):
+            expected_loss = functional.cross_entropy(model(x).float(), y)
+        scaler.scale(expected_loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+        loss, grads, found_inf, state = step(state, params, x, y)
+        new = {k: torch.add(p, grads[k], alpha=-LR) for k, p in params.items()}
+        params = famp.skip_on_overflow(found_inf, new, params)
+
+        assert_bitwise_equal(loss, expected_loss.detach())
+        assert found_inf.item() == float(bad)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        for k, p in model.named_parameters():
+            assert_bitwise_equal(params[k], p.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_cuda_rules_cast_as_torch_cuda_autocast_on_real_tensors(dtype: torch.dtype) -> None:
+    """Every op of the CUDA table on real CUDA tensors: same casts, dtypes, errors and bits."""
+    rules = famp.default_rules(CUDA)
+    wrong = []
+    for packet, overload in sorted(famp._rules.registered_ops(CUDA)):
+        if (packet, overload) in WRAPPER_RULES[CUDA]:
+            continue
+        name = packet if overload == "default" else f"{packet}.{overload}"
+        rule = rules.lookup(packet, overload)
+        if rule not in check_op(CUDA, name, dtype, (rule,), fake=False)[0]:
+            wrong.append((name, rule))
+    assert wrong == []
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_cudnn_rnn_under_famp_autocast_equals_torch_autocast_bitwise(kind: str) -> None:
+    """torch's hand-written cuDNN RNN wrapper runs under famp.autocast, overrides or not."""
+    torch.manual_seed(0)
+    module = getattr(torch.nn, kind)(5, 4, num_layers=2).to(CUDA)
+    x = torch.randn(3, 2, 5, device=CUDA, requires_grad=True)
+
+    def run(x: torch.Tensor) -> Any:
+        out, _ = module(x)
+        return out, str(out.dtype)
+
+    with torch.autocast(CUDA, dtype=torch.float16):
+        expected, expected_dtype = run(x)
+    rules = famp.default_rules(CUDA).override({"cholesky_solve": "lower"})
+    for kwargs in ({}, {"rules": rules}):
+        out, dtype = famp.autocast(run, "c=f16,o=f16", compile=False, **kwargs)(x)
+        assert dtype == expected_dtype
+        assert_bitwise_equal(out, expected.half())
+
+
+def _mlp_loss_torch(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(CUDA, dtype=torch.float16):
+        return _shared_model()(x).float().pow(2).sum()
+
+
+def _mlp_loss_famp(x: torch.Tensor) -> torch.Tensor:
+    # torch.compile around it compiles the whole step, as it does the torch.autocast one
+    return famp.autocast(_shared_model(), "c=f16,o=f32", compile=False)(x).pow(2).sum()
+
+
+def test_compiled_autocast_step_on_cuda_equals_compiled_torch_autocast_bitwise() -> None:
+    """The transform compiled by inductor (Triton kernels) against compiled torch.autocast."""
+    x = torch.randn(32, 8, device=CUDA)
+    params = list(_shared_model().parameters())
+    expected = torch.compile(_mlp_loss_torch, fullgraph=True)(x)
+    e_grads = torch.autograd.grad(expected, params)
+    actual = torch.compile(_mlp_loss_famp, fullgraph=True)(x)
+    grads = torch.autograd.grad(actual, params)
+    assert_bitwise_equal(actual, expected)
+    for g, e in zip(grads, e_grads, strict=True):
+        assert_bitwise_equal(g, e)
