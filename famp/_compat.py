@@ -6,3 +6,10 @@ the tests that pin it across the supported window), never a user's numbers.
 """
 
 from __future__ import annotations
+
+import torch
+
+# --- scaler (applying a scale to trees: _unscale.py, _unscale_paths.py) ---
+# The fused unscale kernel has no batching rule and no derivative: under torch.func transforms
+# famp runs its arithmetic as plain ops instead. torch has no public way to ask.
+are_functorch_transforms_active = torch._C._are_functorch_transforms_active
