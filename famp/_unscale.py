@@ -107,7 +107,13 @@ def unscale_and_check(
     through. DTensor gradients (FSDP2) are unscaled shard by shard and ``found_inf`` is
     max-reduced over their mesh's non-replicated dimensions, as ``GradScaler`` does through
     DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic runs as separate ops
-    (bit-equal), and ``found_inf`` is per sample.
+    (bit-equal), and ``found_inf`` is per sample. Under ``torch.compile`` the results are the
+    same with static shapes, ``dynamic=True``, ``mark_dynamic`` and after a recompile.
+
+    Gradients that require grad (from ``torch.autograd.grad(..., create_graph=True)``, or inside
+    an outer ``torch.func.grad``) are unscaled differentiably: the values are the kernel's and the
+    backward is that of torch's gradient-penalty recipe, ``g * (1.0 / scaler.get_scale())``: the
+    incoming gradient times ``1 / scale`` (in float32 for float32 and narrower grads).
 
     Args:
         state: The ``famp.ScalerState`` whose scale produced the gradients.
@@ -115,7 +121,11 @@ def unscale_and_check(
         group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
             every rank agrees (``None``: no communication).
         donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
-            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards.
+            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards. Leaves that share
+            memory (the same tensor twice, as tied weights give; overlapping views) are unscaled
+            once: each holds its own contents unscaled, eagerly and compiled. Eagerly, views of
+            one buffer with different dtypes, and expanded tensors, are refused (compiled, their
+            memory cannot be seen: do not donate them).
 
     Returns:
         ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
@@ -123,8 +133,12 @@ def unscale_and_check(
         returns ``(grads, 0.0)``.
 
     Raises:
-        TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
-            its path.
+        TypeError: ``state`` is not a ``famp.ScalerState`` (the message says when the arguments
+            are swapped), ``donate`` is not a bool, or a leaf is not a floating tensor, is a
+            nested tensor or has an unsupported layout; the message names its path.
+        ValueError: A leaf is on the meta device while the scale is not; or, with
+            ``donate=True``, leaves share memory with different dtypes, a leaf overlaps itself,
+            or a leaf requires grad; the message names the paths.
 
     Examples:
         >>> import famp, torch
