@@ -4,7 +4,9 @@ torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel is the refer
 there are three ways to its results, chosen per call: runs of the kernel's functional variant, a
 min/max and a multiply for big CPU tensors, and the kernel's arithmetic as plain ops
 (``where_program``), which ``torch.func`` transforms and inductor need. Each is tested against
-``GradScaler`` bit for bit, NaN bit patterns included.
+``GradScaler`` bit for bit, NaN bit patterns included. ``differentiable_unscale`` gives the same
+results with the backward of torch's gradient-penalty recipe; ``shared_memory`` finds donated
+leaves that must not be unscaled in place.
 """
 
 from __future__ import annotations
