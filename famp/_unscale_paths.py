@@ -156,28 +156,37 @@ def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
     are then handled as shared, correctly but without the in-place speed. A tensor whose span
     holds fewer elements than it has (a stride 0, from ``expand``) overlaps itself.
     """
-    spans: list[tuple[int, int, int, int]] = []
     self_overlapping = []
-    for i, x in enumerate(tensors):
-        if type(x) is not torch.Tensor or x.is_meta or x.numel() == 0:
+    readable = [type(x) is torch.Tensor and not x.is_meta for x in tensors]  # pointers to read
+    starts = [x.data_ptr() if ok else 0 for x, ok in zip(tensors, readable, strict=True)]
+    spans = [
+        (start, start + x.nbytes, i)  # contiguous (the common case): its bytes, no stride walk
+        for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True))
+        if ok and x.is_contiguous() and x.nbytes
+    ]
+    for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True)):
+        if not ok or x.is_contiguous() or x.numel() == 0:
             continue
         extent = 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride(), strict=True))
         if extent < x.numel():
             self_overlapping.append(i)
-        start = x.data_ptr()
-        spans.append((x.get_device(), start, start + extent * x.element_size(), i))
+        # Virtual addresses: distinct devices' memory never shares one (a false match would
+        # only cost the in-place speed).
+        spans.append((start, start + extent * x.element_size(), i))
     shared: list[list[int]] = []
+    if len(spans) < 2:
+        return shared, self_overlapping
     spans.sort()
     cluster: list[int] = []
-    device, end = None, 0
-    for dev, start, stop, i in spans:
-        if dev == device and start < end:
+    end = -1
+    for start, stop, i in spans:
+        if start < end:
             cluster.append(i)
             end = max(end, stop)
             continue
         if len(cluster) > 1:
             shared.append(sorted(cluster))
-        cluster, device, end = [i], dev, stop
+        cluster, end = [i], stop
     if len(cluster) > 1:
         shared.append(sorted(cluster))
     return shared, self_overlapping
