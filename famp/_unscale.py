@@ -18,9 +18,15 @@ import optree
 import torch
 
 from famp import _distributed
+from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaler import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
-from famp._unscale_paths import out_of_place, where_program
+from famp._unscale_paths import (
+    differentiable_unscale,
+    out_of_place,
+    shared_memory,
+    where_program,
+)
 
 
 def _keystr(path: Sequence[Any]) -> str:
@@ -36,6 +42,18 @@ def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSp
                 f"got {type(leaf).__name__} {leaf!r}"
             )
     return leaves, spec
+
+
+def _check_state(fn: str, state: object, other: str, value: object) -> None:
+    """A TypeError in public terms when ``state`` is not a ``ScalerState`` (swapped, or None)."""
+    if isinstance(state, ScalerState):
+        return
+    if isinstance(value, ScalerState):
+        raise TypeError(
+            f"famp.{fn} takes the state first: famp.{fn}(state, {other}); got "
+            f"{type(state).__name__} as state and a famp.ScalerState as {other}"
+        )
+    raise TypeError(f"famp.{fn}: state must be a famp.ScalerState, got {type(state).__name__}")
 
 
 def scale(state: ScalerState, tree: TreeT) -> TreeT:
@@ -54,7 +72,9 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
         A tree of the same structure with every tensor scaled.
 
     Raises:
-        TypeError: A leaf is not a tensor; the message names its path.
+        TypeError: ``state`` is not a ``famp.ScalerState`` (e.g. the arguments swapped, as in
+            ``scaler.scale(loss)``: the state comes first), or a leaf is not a tensor; the message
+            names its path.
 
     Examples:
         >>> import famp, torch
@@ -62,6 +82,7 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
         >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
         {'loss': tensor(512.)}
     """
+    _check_state("scale", state, "loss", tree)
     if not state.enabled:
         return tree
     leaves, spec = _tensor_leaves("scale", tree)
@@ -86,7 +107,13 @@ def unscale_and_check(
     through. DTensor gradients (FSDP2) are unscaled shard by shard and ``found_inf`` is
     max-reduced over their mesh's non-replicated dimensions, as ``GradScaler`` does through
     DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic runs as separate ops
-    (bit-equal), and ``found_inf`` is per sample.
+    (bit-equal), and ``found_inf`` is per sample. Under ``torch.compile`` the results are the
+    same with static shapes, ``dynamic=True``, ``mark_dynamic`` and after a recompile.
+
+    Gradients that require grad (from ``torch.autograd.grad(..., create_graph=True)``, or inside
+    an outer ``torch.func.grad``) are unscaled differentiably: the values are the kernel's and the
+    backward is that of torch's gradient-penalty recipe, ``g * (1.0 / scaler.get_scale())``: the
+    incoming gradient times ``1 / scale`` (in float32 for float32 and narrower grads).
 
     Args:
         state: The ``famp.ScalerState`` whose scale produced the gradients.
@@ -94,7 +121,11 @@ def unscale_and_check(
         group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
             every rank agrees (``None``: no communication).
         donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
-            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards.
+            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards. Leaves that share
+            memory (the same tensor twice, as tied weights give; overlapping views) are unscaled
+            once: each holds its own contents unscaled, eagerly and compiled. Eagerly, views of
+            one buffer with different dtypes, and expanded tensors, are refused (compiled, their
+            memory cannot be seen: do not donate them).
 
     Returns:
         ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
@@ -102,8 +133,12 @@ def unscale_and_check(
         returns ``(grads, 0.0)``.
 
     Raises:
-        TypeError: A leaf is not a floating tensor or has an unsupported layout; the message names
-            its path.
+        TypeError: ``state`` is not a ``famp.ScalerState`` (the message says when the arguments
+            are swapped), ``donate`` is not a bool, or a leaf is not a floating tensor, is a
+            nested tensor or has an unsupported layout; the message names its path.
+        ValueError: A leaf is on the meta device while the scale is not; or, with
+            ``donate=True``, leaves share memory with different dtypes, a leaf overlaps itself,
+            or a leaf requires grad; the message names the paths.
 
     Examples:
         >>> import famp, torch
@@ -114,10 +149,14 @@ def unscale_and_check(
         >>> found_inf
         tensor(1.)
     """
+    _check_state("unscale_and_check", state, "grads", grads)
+    if not isinstance(donate, bool):
+        raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
     found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
     if not state.enabled:
         return grads, found_inf
     paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
+    scale_device = state.scale.device
     # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
     # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
     # entries may overflow float16; torch's _unscale_grads_ does the same).
@@ -125,11 +164,11 @@ def unscale_and_check(
     special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
     for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
-            if leaf.dtype not in _UNSCALE_DTYPES:
-                _check_leaf(path, leaf)
+            if leaf.dtype not in _UNSCALE_DTYPES or leaf.is_nested or leaf.is_meta:
+                _check_leaf(path, leaf, scale_device)
             dense.append(leaf)
             continue
-        _check_leaf(path, leaf)
+        _check_leaf(path, leaf, scale_device)
         source = _distributed.local_shard(leaf) if _distributed.is_dtensor(leaf) else leaf
         if source.is_sparse:
             source = source.coalesce() if source.dtype == torch.float16 else source
@@ -137,24 +176,64 @@ def unscale_and_check(
         else:
             dense.append(source)
         special[i] = (leaf, source)
+    # Gradients that carry a graph (create_graph=True, an outer torch.func.grad): the kernel has
+    # no derivative, so the same results through an autograd Function with the recipe's backward.
+    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in dense)
+    if differentiable and donate:
+        path = next(p for p, x in zip(paths, dense, strict=True) if x.requires_grad)
+        raise ValueError(
+            f"famp.unscale_and_check: donate=True cannot unscale in place the leaf at "
+            f"{_keystr(path)}, which requires grad (create_graph=True); pass donate=False"
+        )
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, x in enumerate(dense):
         groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
-    inv_scale = state.scale.double().reciprocal().float()
+    inv_scale64 = state.scale.double().reciprocal()
+    inv_scale = inv_scale64.float()
     # The fused kernel has no vmap batching rule: under torch.func transforms, the same arithmetic
     # as separate ops (per-sample found_inf under vmap), out of place.
-    transformed = torch._C._are_functorch_transforms_active()
+    transformed = are_functorch_transforms_active()
     in_place = donate and not transformed
+    # Eager donation: leaves that share memory (the same tensor twice, overlapping views) are
+    # computed out of place from what they hold and written back, so that every element is
+    # unscaled once, as compiled (functionalized) donation does. Compiled: dynamo sees no pointers.
+    shared: set[int] = set()
+    if in_place and not torch.compiler.is_compiling():
+        clusters, self_overlapping = shared_memory(dense)
+        for cluster in clusters:
+            if len({dense[i].dtype for i in cluster}) > 1:
+                raise ValueError(
+                    f"famp.unscale_and_check: with donate=True, the leaves at "
+                    f"{', '.join(_keystr(paths[i]) for i in cluster)} share memory with different "
+                    f"dtypes ({', '.join(str(dense[i].dtype) for i in cluster)}); pass donate=False"
+                )
+            shared.update(cluster)
+        if self_overlapping:
+            raise ValueError(
+                f"famp.unscale_and_check: with donate=True, the leaf at "
+                f"{_keystr(paths[self_overlapping[0]])} has elements that share memory (an "
+                f"expanded tensor), which in place would be unscaled more than once; pass "
+                f"donate=False"
+            )
+    write_back: dict[int, Tensor] = {}
     out = list(dense)
     for device, by_dtype in groups.items():
         inv = inv_scale.to(device, non_blocking=True)
         found = torch.zeros((), dtype=torch.float32, device=device)
         for index in by_dtype.values():
             tensors = [dense[i] for i in index]
-            if transformed:
+            if differentiable:
+                new, found = differentiable_unscale(tensors, found, inv_scale64.to(device))
+            elif transformed:
                 new, found = where_program(tensors, found, inv)
             elif in_place:
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+                alone = [x for i, x in zip(index, tensors, strict=True) if i not in shared]
+                if alone:
+                    torch._amp_foreach_non_finite_check_and_unscale_(alone, found, inv)
+                aliased = [i for i in index if i in shared]
+                if aliased:
+                    results, found = out_of_place([dense[i] for i in aliased], found, inv)
+                    write_back.update(zip(aliased, results, strict=True))
                 new = tensors
             else:
                 new, found = out_of_place(tensors, found, inv)
@@ -162,6 +241,8 @@ def unscale_and_check(
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
         found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
+    for i in sorted(write_back):  # in leaf order, after every result was computed
+        dense[i].copy_(write_back[i])
     dtensors = []
     for i, (leaf, source) in special.items():
         values = out[i]
@@ -178,17 +259,29 @@ def unscale_and_check(
     return cast(TreeT, optree.tree_unflatten(spec, out)), found_inf
 
 
-def _check_leaf(path: Sequence[Any], leaf: object) -> None:
+def _check_leaf(path: Sequence[Any], leaf: object, scale_device: torch.device) -> None:
     if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
         what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         raise TypeError(
             f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
             f"float16/bfloat16/float32/float64 tensor or None, got {what}"
         )
+    if leaf.is_nested:
+        raise TypeError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} is a nested tensor "
+            f"(layout {leaf.layout}); only strided and sparse_coo tensors are supported, as in "
+            f"GradScaler"
+        )
     if leaf.layout not in (torch.strided, torch.sparse_coo):
         raise TypeError(
             f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
             f"{leaf.layout}; only strided and sparse_coo are supported"
+        )
+    if leaf.is_meta and scale_device.type != "meta":
+        raise ValueError(
+            f"famp.unscale_and_check: the leaf at {_keystr(path)} is on the meta device (no "
+            f"data), so found_inf on {scale_device} cannot be computed from it; meta gradients "
+            f"need a meta scale: famp.init_scaler(..., device='meta')"
         )
 
 

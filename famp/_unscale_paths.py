@@ -4,13 +4,19 @@ torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel is the refer
 there are three ways to its results, chosen per call: runs of the kernel's functional variant, a
 min/max and a multiply for big CPU tensors, and the kernel's arithmetic as plain ops
 (``where_program``), which ``torch.func`` transforms and inductor need. Each is tested against
-``GradScaler`` bit for bit, NaN bit patterns included.
+``GradScaler`` bit for bit, NaN bit patterns included. ``differentiable_unscale`` gives the same
+results with the backward of torch's gradient-penalty recipe; ``shared_memory`` finds donated
+leaves that must not be unscaled in place.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import Tensor
+
+from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 
 
 def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -66,17 +72,32 @@ def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[T
     the kernel, 46 s as plain ops), so only tensors over ``_CHUNK_BYTES`` take it. Half dtypes
     keep the kernel, whose NaN bit patterns inductor does not keep.
     """
-    fuse = [
-        x.dtype not in _NAN_BITS and x.numel() * x.element_size() > _CHUNK_BYTES for x in tensors
-    ]
+    kernel: list[int] = []
+    fused: list[int] = []
+    for i, x in enumerate(tensors):  # total: every tensor takes exactly one of the two paths
+        (fused if _fuses(x) else kernel).append(i)
     out = list(tensors)
-    for fused, unscale in ((False, _kernel), (True, where_program)):
-        picked = [i for i, f in enumerate(fuse) if f is fused]
+    for picked, unscale in ((kernel, _kernel), (fused, where_program)):
         if picked:
             new, found = unscale([tensors[i] for i in picked], found, inv)
             for i, t in zip(picked, new, strict=True):
                 out[i] = t
     return out, found
+
+
+def _fuses(x: Tensor) -> bool:
+    """Whether compiled unscale traces ``x`` as plain ops: always a Python bool, never a symbol.
+
+    Under dynamic shapes (``dynamic=True``, ``mark_dynamic``, a recompile after a shape change)
+    ``x.numel()`` is a symbolic int and a size test a symbolic bool, which no identity check or
+    branch may read; such tensors take the kernel, whose bits are the same, without a guard.
+    """
+    if x.dtype in _NAN_BITS:
+        return False
+    numel: object = x.numel()
+    if not isinstance(numel, int):  # a torch.SymInt: its size is not known while tracing
+        return False
+    return numel * x.element_size() > _CHUNK_BYTES
 
 
 def _kernel(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -124,3 +145,89 @@ def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[li
 
 # The NaN bit patterns (for a positive and a negative float32 NaN) of c10's float -> half/bfloat16.
 _NAN_BITS = {torch.float16: (0x7E00, -0x200), torch.bfloat16: (0x7FC0, 0x7FC0)}
+
+
+def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
+    """Groups of tensors that share memory, and the tensors that overlap themselves, eagerly.
+
+    Compares the byte span each tensor's elements lie in (from its first to its last element);
+    spans that intersect count as shared. That is exact for the same tensor twice and for
+    overlapping views, and conservative for interleaved ones (``x[:, 0]`` and ``x[:, 1]``), which
+    are then handled as shared, correctly but without the in-place speed. A tensor whose span
+    holds fewer elements than it has (a stride 0, from ``expand``) overlaps itself.
+    """
+    self_overlapping = []
+    readable = [type(x) is torch.Tensor and not x.is_meta for x in tensors]  # pointers to read
+    starts = [x.data_ptr() if ok else 0 for x, ok in zip(tensors, readable, strict=True)]
+    spans = [
+        (start, start + x.nbytes, i)  # contiguous (the common case): its bytes, no stride walk
+        for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True))
+        if ok and x.is_contiguous() and x.nbytes
+    ]
+    for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True)):
+        if not ok or x.is_contiguous() or x.numel() == 0:
+            continue
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride(), strict=True))
+        if extent < x.numel():
+            self_overlapping.append(i)
+        # Virtual addresses: distinct devices' memory never shares one (a false match would
+        # only cost the in-place speed).
+        spans.append((start, start + extent * x.element_size(), i))
+    shared: list[list[int]] = []
+    if len(spans) < 2:
+        return shared, self_overlapping
+    spans.sort()
+    cluster: list[int] = []
+    end = -1
+    for start, stop, i in spans:
+        if start < end:
+            cluster.append(i)
+            end = max(end, stop)
+            continue
+        if len(cluster) > 1:
+            shared.append(sorted(cluster))
+        cluster, end = [i], stop
+    if len(cluster) > 1:
+        shared.append(sorted(cluster))
+    return shared, self_overlapping
+
+
+class _Unscale(torch.autograd.Function):
+    """The kernel's results, differentiable: the backward of torch's gradient-penalty recipe.
+
+    torch's recipe unscales with ``g * (1.0 / scaler.get_scale())``, a Python float; the backward
+    of that multiply is ``grad * (1.0 / scale)`` with the same scalar arithmetic, which a 0-d
+    float64 reciprocal reproduces (float32 and narrower grads compute with ``f32(1/f64(scale))``,
+    float64 ones with ``1/f64(scale)``). The forward is the kernel's (``out_of_place``), whose
+    results differ from the recipe's multiply only at a scale of 1 (NaN payloads) and, for
+    float64 grads, at scales that are not powers of two.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(found: Tensor, inv64: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        inv = inv64.float()
+        if are_functorch_transforms_active():
+            new, found = where_program(list(tensors), found, inv)
+        else:
+            new, found = out_of_place(list(tensors), found, inv)
+        return (*new, found)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.save_for_backward(inputs[1])
+        ctx.mark_non_differentiable(output[-1])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        (inv64,) = ctx.saved_tensors
+        return (None, None, *(None if g is None else g * inv64 for g in grads[:-1]))
+
+
+def differentiable_unscale(
+    tensors: list[Tensor], found: Tensor, inv64: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """The kernel's results through ``_Unscale``, for grads that carry a graph."""
+    *new, found = cast(tuple[Tensor, ...], _Unscale.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
+    return new, found

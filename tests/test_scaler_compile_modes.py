@@ -1,0 +1,275 @@
+"""Every public loss-scaling function under torch.compile(fullgraph=True), in every shape mode.
+
+Static shapes, ``dynamic=True``, ``torch._dynamo.mark_dynamic`` and the dynamic graph a shape
+change compiles under the default ``dynamic=None`` must all give eager's bits, and where a function
+mirrors torch, torch's (``GradScaler`` and its kernels). Under dynamic shapes sizes are symbols
+while tracing: a path choice that reads one as a Python bool once skipped the unscale entirely
+(issue 9). The functions run in two shared compiled functions, one graph per mode each; a
+recording backend checks that each mode really compiled the graph it names.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.test_scaler import torch_unscale, torch_update
+from tests.test_scaler_unscale import _INT_OF, random_bits
+
+MODES = ["static", "dynamic", "mark_dynamic", "recompile"]
+# float16 takes bfloat16's paths (the kernel, compiled or not); each leaf adds compile time.
+DTYPES = {"w": torch.float32, "b": torch.bfloat16, "d": torch.float64}
+SCALES = [3.0, 1.0, 2.0**-20, 65536.0]
+
+
+class _Recorder:
+    """Inductor, recording for every graph it compiles whether the graph has symbolic sizes."""
+
+    def __init__(self) -> None:
+        self.dynamic: list[bool] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def symbolic(x: object) -> bool:
+            if isinstance(x, torch.SymInt):
+                return True
+            return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
+
+        self.dynamic.append(any(symbolic(x) for x in example_inputs))
+        return compile_fx(gm, example_inputs)
+
+
+_COMPILED: dict[tuple[Callable[..., Any], str], tuple[Callable[..., Any], _Recorder]] = {}
+
+
+def compiled_in(mode: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], _Recorder]:
+    """One compiled function per (fn, mode), shared by the tests.
+
+    Each mode compiles its own copy of fn's code: dynamo keeps caches and the sizes it has seen
+    per code object, so modes sharing one would reuse each other's graphs.
+    """
+    key = (fn, mode)
+    if key not in _COMPILED:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{mode}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+        recorder = _Recorder()
+        dynamic = True if mode == "dynamic" else None
+        _COMPILED[key] = (
+            torch.compile(copy, fullgraph=True, dynamic=dynamic, backend=recorder),
+            recorder,
+        )
+    return _COMPILED[key]
+
+
+_EXPONENT = {torch.bfloat16: 0x7F80, torch.float32: 0x7F800000, torch.float64: 0x7FF << 52}
+
+
+def grads_of(n: int, gen: torch.Generator, *, finite: bool) -> dict[str, torch.Tensor]:
+    """Grads of every dtype, shaped by n: finite values, or random bit patterns of which every
+    other element has its exponent set (an infinity or a NaN with a random payload and sign)."""
+    out = {}
+    for name, dtype in DTYPES.items():
+        shape = (2, n) if name == "w" else (n,)
+        if finite:
+            out[name] = (torch.randn(shape, generator=gen) * 1e3).to(dtype)
+        else:
+            bits = random_bits(shape, dtype, gen)
+            ints = bits.view(_INT_OF[dtype])
+            ints[..., ::2] |= _EXPONENT[dtype]
+            out[name] = bits
+    return out
+
+
+def mark(tree: Any) -> Any:
+    for t in optree.tree_leaves(tree):
+        for d, size in enumerate(t.shape):
+            if size > 1:
+                torch._dynamo.mark_dynamic(t, d)
+    return tree
+
+
+def run_in(
+    mode: str, fn: Callable[..., Any], make_args: Callable[[int], tuple[Any, ...]]
+) -> list[tuple[tuple[Any, ...], Any]]:
+    """Call fn compiled in ``mode``; returns (args, compiled output) of every call made.
+
+    ``make_args(n)`` builds fresh arguments whose tensor sizes depend on n.
+    """
+    compiled, recorder = compiled_in(mode, fn)
+    sizes = [5, 7] if mode == "recompile" else [5]
+    calls = []
+    for n in sizes:
+        args = make_args(n)
+        if mode == "mark_dynamic":
+            mark(args[1:])
+        calls.append((args, compiled(*args)))
+    # The graph that ran was compiled in this mode: static, or with symbolic sizes. (Under
+    # dynamic=True, dynamo may restart a compile once, which the backend sees as two graphs.)
+    assert recorder.dynamic, "nothing was compiled"
+    assert recorder.dynamic[-1] == (mode != "static"), (mode, recorder.dynamic)
+    if mode in ("static", "recompile"):
+        assert recorder.dynamic[0] is False, (mode, recorder.dynamic)
+    return calls
+
+
+def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
+    leaves, spec = optree.tree_flatten(actual, none_is_leaf=True)
+    expected_leaves, expected_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert spec == expected_spec
+    for a, e in zip(leaves, expected_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert_bitwise_equal(a, e)
+        else:
+            assert a == e
+
+
+# --- scale, unscale_and_check (with and without donate), update_scale, all_finite, select_tree,
+# skip_on_overflow: one function, fed finite grads and random bit patterns -----------------------
+
+
+def loss_scaling(
+    state: famp.ScalerState,
+    grads: dict[str, torch.Tensor],
+    donated: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    loss: torch.Tensor,
+) -> tuple[Any, ...]:
+    scaled = famp.scale(state, {"loss": loss, "grads": grads})
+    unscaled, found_inf = famp.unscale_and_check(state, grads)
+    in_place, donated_found = famp.unscale_and_check(state, donated, donate=True)
+    finite = famp.all_finite(grads)
+    new_state = famp.update_scale(state, found_inf)
+    selected = famp.select_tree(finite, unscaled, params)
+    kept = famp.skip_on_overflow(found_inf, unscaled, params)
+    return scaled, unscaled, found_inf, in_place, donated_found, finite, new_state, selected, kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "random-bits"])
+def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_torch(
+    mode: str, finite: bool
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for scale_value in SCALES:
+
+        def make_args(n: int, scale_value: float = scale_value) -> tuple[Any, ...]:
+            grads = grads_of(n, gen, finite=finite)
+            donated = {k: v.clone() for k, v in grads.items()}
+            params = {k: torch.full_like(v, 0.5) for k, v in grads.items()}
+            loss = torch.tensor(0.75, dtype=torch.bfloat16)
+            return famp.init_scaler(scale_value), grads, donated, params, loss
+
+        for args, out in run_in(mode, loss_scaling, make_args):
+            state, grads, donated, params, loss = args
+            originals = {k: v.clone() for k, v in grads.items()}
+            # the donated tree was consumed: eager runs on copies of what it held
+            eager = loss_scaling(
+                state, grads, {k: v.clone() for k, v in grads.items()}, params, loss
+            )
+            # famp.scale is a multiply, which inductor compiles with its own NaN bit pattern for
+            # bfloat16 (all ones, where eager writes 0x7FC0): NaN where eager has NaN, every
+            # other element bitwise. Everything else: eager's bits, NaN payloads included.
+            assert_trees_bitwise_equal(out[1:], eager[1:])
+            for a, e in zip(optree.tree_leaves(out[0]), optree.tree_leaves(eager[0]), strict=True):
+                assert_bitwise_equal(torch.isnan(a), torch.isnan(e))
+                keep = ~torch.isnan(e)
+                assert_bitwise_equal(a[keep], e[keep])
+            (
+                scaled,
+                unscaled,
+                found_inf,
+                in_place,
+                donated_found,
+                finite_,
+                new_state,
+                selected,
+                kept,
+            ) = out
+            # torch as the oracle
+            scaler = torch.amp.GradScaler("cpu", init_scale=scale_value)
+            assert_bitwise_equal(scaled["loss"], scaler.scale(loss))
+            assert scaled["loss"].dtype == torch.float32
+            for k, g in originals.items():
+                assert_bitwise_equal(eager[0]["grads"][k], scaler.scale(g))
+            expected, expected_found = torch_unscale(
+                scale_value, list(originals.values()), allow_fp16=True
+            )
+            for k, e in zip(originals, expected, strict=True):
+                assert unscaled[k].dtype == DTYPES[k]
+                assert_bitwise_equal(unscaled[k], e)
+                assert_bitwise_equal(in_place[k], e)
+                assert_bitwise_equal(donated[k], e)  # unscaled in place, the buffers given
+            assert_bitwise_equal(found_inf, expected_found)
+            assert_bitwise_equal(donated_found, expected_found)
+            assert found_inf.item() == float(not finite)
+            expected_scale, expected_tracker = torch_update(
+                state.scale, state.growth_tracker, found_inf.item(), state
+            )
+            assert_bitwise_equal(new_state.scale, expected_scale)
+            assert_bitwise_equal(new_state.growth_tracker, expected_tracker)
+            all_finite = all(
+                math.isfinite(x) for g in originals.values() for x in g.double().flatten().tolist()
+            )
+            assert finite_.item() == all_finite
+            chosen = unscaled if all_finite else params
+            assert_trees_bitwise_equal(selected, chosen)
+            assert_trees_bitwise_equal(kept, chosen)
+
+
+# --- value_and_grad through famp.autocast: GradScaler's grads and scale -------------------------
+
+POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
+DOT = famp.autocast(lambda w, x: x @ w, POLICY)
+
+
+def dot_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return DOT(w, x)
+
+
+def value_and_grad_step(
+    state: famp.ScalerState, w: torch.Tensor, x: torch.Tensor
+) -> tuple[Any, ...]:
+    return famp.value_and_grad(dot_loss)(state, w, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_value_and_grad_compiled_in_every_shape_mode_equals_gradscaler(mode: str) -> None:
+    # Small integers: exact in bfloat16 whatever order a reduction takes, so eager, inductor and
+    # torch.autocast agree bit for bit; an inf in x overflows the grad.
+    for bad in (False, True):
+
+        def make_args(n: int, bad: bool = bad) -> tuple[Any, ...]:
+            x = torch.arange(1.0, n + 1.0)
+            if bad:
+                x[1] = math.inf
+            return famp.init_scaler(2.0**10, growth_interval=1), torch.full((n,), 2.0), x
+
+        for (state, w, x), out in run_in(mode, value_and_grad_step, make_args):
+            assert_trees_bitwise_equal(out, value_and_grad_step(state, w, x))
+            loss, grad, found_inf, new_state = out
+            # the same step with torch.autocast and GradScaler
+            param = torch.nn.Parameter(w.clone())
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+            opt = torch.optim.SGD([param], lr=0.0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                expected_loss = x @ param
+            scaler.scale(expected_loss.float()).backward()
+            scaler.unscale_(opt)
+            assert_bitwise_equal(loss, expected_loss.float())
+            assert grad.dtype == torch.float32
+            assert param.grad is not None
+            assert_bitwise_equal(grad, param.grad)
+            assert found_inf.item() == float(bad)
+            scaler.step(opt)
+            scaler.update()
+            assert_bitwise_equal(new_state.scale, scaler._scale)
