@@ -185,7 +185,6 @@ def test_recipe_gradient_accumulation_equals_torch() -> None:
 # --- gradient penalty ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="needs differentiable unscale (scaler branch)")
 def test_recipe_gradient_penalty_equals_torch() -> None:
     model, torch_model = net(), net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
