@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast_recompute import bracket_outputs, observe
-from famp._compat import OpOverload, op_schema, saved_tensors_hooks_top
+from famp._compat import OpOverload, is_view, op_schema, saved_tensors_hooks_top, tensor_version
 from famp._op_calls import CALLS, COPIES, call, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
@@ -190,17 +190,17 @@ class CastCache:
             and t.dtype == torch.float32
             and t.requires_grad
             and t.is_leaf
-            and not t._is_view()
+            and not is_view(t)
             and torch.is_grad_enabled()
         )
         if not cacheable:
             return t.to(dtype)
         key = (id(t), dtype)
         hit = self.entries.get(key)
-        if hit is not None and hit[0] is t and hit[1] == t._version:
+        if hit is not None and hit[0] is t and hit[1] == tensor_version(t):
             return hit[2]
         out = t.to(dtype)
-        self.entries[key] = (t, t._version, out)
+        self.entries[key] = (t, tensor_version(t), out)
         return out
 
 

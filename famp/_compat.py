@@ -205,6 +205,13 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
     return _StorageInfo(relative_path, offset, length)
 
 
+# --- applying a scale (_unscale_paths.py) -------------------------------------------------------
+
+# The functional (out-of-place) form of the same kernel, for tensors whose in-place update is not
+# allowed (under torch.func, on other devices); no public name either.
+amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finite_check_and_unscale
+
+
 # --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
 
 

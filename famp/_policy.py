@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from famp._compat import torch_pytree as pytree
 from famp._typing import DTypeLike, TreeT
 
 __all__ = ["Policy", "cast_to_compute", "cast_to_output", "cast_to_param", "get_policy"]

@@ -27,7 +27,7 @@ import optree
 import torch
 
 from famp import _distributed
-from famp._compat import functorch_transforms_active, torch_pytree
+from famp._compat import OPTREE_GLOBAL_NAMESPACE, functorch_transforms_active, torch_pytree
 from famp._typing import PyTree, Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -142,7 +142,7 @@ _register_optree(
     lambda r: (*_flatten(r), _LEAF_NAMES),
     lambda aux, children: _unflatten(aux, list(children)),
     path_entry_type=optree.GetAttrEntry,
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),  # as famp.ScalerState
+    namespace=OPTREE_GLOBAL_NAMESPACE,  # as famp.ScalerState
 )
 torch_pytree.register_pytree_node(
     NonfiniteReport,

@@ -18,6 +18,7 @@ import optree
 import torch
 
 from famp import _distributed
+from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaler import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
@@ -229,7 +230,7 @@ def unscale_and_check(
             elif in_place:
                 alone = [x for i, x in zip(index, tensors, strict=True) if i not in shared]
                 if alone:
-                    torch._amp_foreach_non_finite_check_and_unscale_(alone, found, inv)
+                    amp_foreach_non_finite_check_and_unscale_(alone, found, inv)
                 aliased = [i for i in index if i in shared]
                 if aliased:
                     results, found = out_of_place([dense[i] for i in aliased], found, inv)

@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from famp._compat import amp_foreach_non_finite_check_and_unscale
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 
 
@@ -102,7 +103,7 @@ def _fuses(x: Tensor) -> bool:
 
 def _kernel(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
     """The kernel's functional variant (a clone of every tensor, then the in-place kernel)."""
-    new, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
+    new, found = amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
     return list(new), found
 
 
