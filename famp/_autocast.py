@@ -15,6 +15,7 @@ import difflib
 import fnmatch
 import functools
 import threading
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -436,6 +437,21 @@ def _hooks(change: int) -> None:
             _count_hook_user(change)
 
 
+def own_code(fn: Callable[..., Any]) -> Any:
+    """A copy of a function with a code object of its own.
+
+    Dynamo keeps its compiled graphs per code object, at most `recompile_limit` (8) of them: the
+    transforms of one process would all share the code of the one wrapper below, so that from the
+    ninth transform compiled on, torch would run them uncompiled, with only a warning.
+    """
+    code = fn.__code__
+    copy = types.FunctionType(
+        code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 # --- the transform --------------------------------------------------------------------------------
 
 
@@ -510,7 +526,8 @@ class _Transform:
         ):
             return self.run(device_type, *args, **kwargs)
         if self.compiled is None:
-            self.compiled = torch.compile(self.run, fullgraph=True)
+            run = types.MethodType(own_code(_Transform.run), self)
+            self.compiled = torch.compile(run, fullgraph=True)
         return self.compiled(device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -667,6 +684,7 @@ def autocast(
     def transformed(*args: Any, **kwargs: Any) -> Any:
         return transform(*args, **kwargs)
 
+    transformed = own_code(transformed)
     functools.update_wrapper(transformed, fn, updated=())
     return transformed  # type: ignore[return-value]
 

@@ -672,3 +672,28 @@ def test_ema_update_inside_one_call_reads_fresh_casts() -> None:
     assert_bitwise_equal(first, ref_first.float())
     assert_bitwise_equal(second, ref_second.float())
     assert not torch.equal(first, second)
+
+
+@pytest.mark.slow
+def test_every_transform_compiles_however_many_a_process_compiles() -> None:
+    """Dynamo keeps at most 8 graphs per code object: transforms must not share one.
+
+    With one shared wrapper, the ninth `torch.compile(famp.autocast(...))` of a process ran
+    uncompiled (a warning only), so its numbers were eager's, not the compiled torch's.
+    """
+    graphs: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    for k in range(12):
+        transform = famp.autocast(lambda x, k=k: lin(x) * k, "c=bf16,o=f32")
+        compiled = torch.compile(transform, backend=counting_backend, fullgraph=True)
+        out = compiled(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = (lin(x) * k).float()
+        assert_bitwise_equal(out, expected)
+    assert len(graphs) == 12
