@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -84,12 +85,12 @@ def build_optimizer(model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Opti
     )
 
 
-def shard(model: nn.Module, dim: int = 0) -> None:
+def shard(model: nn.Module, dim: int = 0, mesh: Any = None) -> None:
     """FSDP2 on each layer and the root; ``dim=1`` shards on dim 1 what divides evenly there.
 
     (FSDP2 refuses uneven sharding on dims other than 0.)
     """
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {} if mesh is None else {"mesh": mesh}
     if dim:
         w = dist.get_world_size()
         kwargs["shard_placement_fn"] = lambda p: Shard(
@@ -101,10 +102,12 @@ def shard(model: nn.Module, dim: int = 0) -> None:
     fully_shard(model, **kwargs)
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, rank: int) -> None:
+def train(
+    model: nn.Module, optim: torch.optim.Optimizer, rank: int, dtype: torch.dtype = torch.float32
+) -> None:
     torch.manual_seed(1 + rank)
     for _ in range(2):
-        loss = model(torch.randn(8, 6)).square().mean()
+        loss = model(torch.randn(8, 6, dtype=dtype)).square().mean()
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -138,6 +141,88 @@ def from_local(local: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     return {"state": state, "param_groups": local["param_groups"]}
 
 
+# (dtype, source W, target W): every W in 1..4 saves a source and loads one; bf16 state too.
+MATRIX = (
+    ("float32", 1, 4),
+    ("float32", 2, 3),
+    ("float32", 3, 2),
+    ("float32", 4, 1),
+    ("float32", 4, 3),
+    ("bfloat16", 2, 4),
+    ("bfloat16", 3, 1),
+)
+
+
+def fresh(mesh: Any, dtype: torch.dtype, lr_scale: float) -> tuple[nn.Module, Any]:
+    model = build_model().to(dtype)
+    shard(model, mesh=mesh)
+    return model, build_optimizer(model, lr_scale)
+
+
+def record(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "optim": to_local(get_optimizer_state_dict(model, optim)),
+        "model": model_local(get_model_state_dict(model)),
+    }
+
+
+def dcp_load(mesh: Any, dtype: torch.dtype, path: str, group: Any) -> dict[str, Any]:
+    """A fresh FSDP2 model and AdamW on ``mesh`` loaded from DCP checkpoint ``path``."""
+    model, optim = fresh(mesh, dtype, 10.0)  # other learning rates: the checkpoint's must win
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return record(model, optim)
+
+
+def run_matrix(rank: int, world_size: int, out: str) -> None:
+    """One job for the whole MATRIX: sub-meshes of 1..4 ranks save, famp reshards, ranks load.
+
+    Each source ``src_<dtype>_<W>`` is saved by ranks ``0..W-1`` on their own process group.
+    Rank 0 then runs ``famp-reshard SOURCE -n T -o out_<dtype>_<W>_<T> --format dcp`` for every
+    case; ranks ``0..T-1`` load the source directly (DCP reshards) and famp's output into fresh
+    FSDP2 models and record both in ``case_<dtype>_<W>_<T>_<rank>.pt``.
+    """
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from famp._cli import main as famp_reshard
+
+    groups = {w: dist.new_group(list(range(w))) for w in range(1, world_size + 1)}
+    meshes = {w: DeviceMesh.from_group(g, "cpu") for w, g in groups.items() if rank < w}
+    for name, w in sorted({(d, s) for d, s, _ in MATRIX}):
+        if rank < w:
+            model, optim = fresh(meshes[w], getattr(torch, name), 1.0)
+            train(model, optim, rank, getattr(torch, name))
+            msd, osd = get_state_dict(model, optim)
+            path = os.path.join(out, f"src_{name}_{w}")
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=groups[w])
+        dist.barrier()
+    if rank == 0:
+        for name, s, t in MATRIX:
+            src, dst = (
+                os.path.join(out, f"src_{name}_{s}"),
+                os.path.join(out, f"out_{name}_{s}_{t}"),
+            )
+            if famp_reshard([src, "-n", str(t), "-o", dst, "--format", "dcp"]) != 0:
+                raise RuntimeError(f"famp-reshard {src} -n {t} failed")
+    dist.barrier()
+    for name, s, t in MATRIX:
+        if rank < t:
+            dtype = getattr(torch, name)
+            got = {
+                "direct": dcp_load(
+                    meshes[t], dtype, os.path.join(out, f"src_{name}_{s}"), groups[t]
+                ),
+                "famp": dcp_load(
+                    meshes[t], dtype, os.path.join(out, f"out_{name}_{s}_{t}"), groups[t]
+                ),
+            }
+            torch.save(got, os.path.join(out, f"case_{name}_{s}_{t}_{rank}.pt"))
+    dist.barrier()
+    with open(os.path.join(out, f"done{rank}"), "w") as f:
+        f.write("ok")
+
+
 def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
     dist.init_process_group(
         "gloo",
@@ -147,6 +232,9 @@ def run(rank: int, world_size: int, mode: str, out: str, port: int) -> None:
         timeout=TIMEOUT,
     )
     try:
+        if mode == "matrix":
+            run_matrix(rank, world_size, out)
+            return
         model = build_model()
         shard(model)
         # The loading job starts from other learning rates: the checkpoint's must win.
@@ -231,8 +319,8 @@ def free_port() -> int:
 
 def main() -> None:
     mode, world_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    if mode not in ("save", "load"):
-        raise ValueError(f"mode must be 'save' or 'load', got {mode!r}")
+    if mode not in ("save", "load", "matrix"):
+        raise ValueError(f"mode must be 'save', 'load' or 'matrix', got {mode!r}")
     torch.set_num_threads(1)
     mp.start_processes(
         run, args=(world_size, mode, out, free_port()), nprocs=world_size, start_method="fork"

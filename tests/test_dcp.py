@@ -27,13 +27,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import famp
 from famp._cli import main
+from tests.dcp_worker import MATRIX
 from tests.helpers import assert_bitwise_equal
 from tests.test_cli import _assert_same_tree as assert_same_tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dcp_worker.py"
 SAVE_W, LOAD_W = 4, 3
-DCP_OUT_W = (1, LOAD_W)  # load jobs: DCP's own load of the W=4 checkpoint, and of famp's output
+DCP_OUT_W = (LOAD_W,)  # load job: DCP's own load of the W=4 checkpoint, and of famp's output
 PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in order
     "0.weight": (5, 6),
     "0.bias": (5,),
@@ -180,6 +181,60 @@ def test_famp_dcp_output_loads_into_real_fsdp2_as_the_source_does(
         assert list(got["model"]) == list(expected_model)
         for fqn, value in expected_model.items():
             assert_bitwise_equal(got["model"][fqn], value)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """One 4-rank job: sources saved at W=1..4 (fp32 and bf16), famp's DCP output, both loaded."""
+    out = tmp_path_factory.mktemp("fsdp2_matrix")
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "matrix", "4", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    # Judged by what the ranks report: gloo teardown sometimes aborts a finished process.
+    done = all((out / f"done{rank}").exists() for rank in range(4))
+    assert done, f"matrix job failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def test_matrix_covers_every_world_size_as_source_and_target() -> None:
+    assert {s for _, s, _ in MATRIX} == {1, 2, 3, 4} == {t for _, _, t in MATRIX}
+    assert {d for d, _, _ in MATRIX} == {"float32", "bfloat16"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("dtype", "source_w", "target_w"), MATRIX)
+def test_famp_dcp_output_loads_at_any_world_size_as_the_source_does(
+    matrix: pathlib.Path, dtype: str, source_w: int, target_w: int
+) -> None:
+    # Real FSDP2 + AdamW (two param groups) saved at source_w ranks; famp-reshard --format dcp
+    # -n target_w; target_w real ranks dcp.load famp's output and, separately, the source itself
+    # (DCP reshards): model and optimizer state bit-equal on every rank, empty shards included.
+    empty = 0
+    for rank in range(target_w):
+        got = _load(matrix / f"case_{dtype}_{source_w}_{target_w}_{rank}.pt")
+        direct, fromfamp = got["direct"], got["famp"]
+        assert_osd_bitwise_equal(fromfamp["optim"], direct["optim"])
+        assert list(fromfamp["model"]) == list(direct["model"]) == list(PARAMS)
+        for fqn, value in direct["model"].items():
+            assert value.dtype == getattr(torch, dtype)
+            assert_bitwise_equal(fromfamp["model"][fqn], value)
+        state = direct["optim"]["state"]
+        assert sorted(state) == sorted(PARAMS)
+        assert state["0.weight"]["exp_avg"].dtype == getattr(torch, dtype)
+        assert state["0.weight"]["step"].dtype == torch.float32
+        assert [g["lr"] for g in direct["optim"]["param_groups"]] == [0.01, 0.005]
+        empty += sum(s["exp_avg"].shape[0] == 0 for s in state.values())
+        for fqn, shape in PARAMS.items():  # each rank holds its dim-0 torch.chunk
+            rows = torch.empty(shape[0]).chunk(target_w)
+            local = rows[rank].shape[0] if rank < len(rows) else 0
+            assert tuple(state[fqn]["exp_avg_sq"].shape) == (local, *shape[1:])
+    assert (empty > 0) == (target_w > 1)  # 2.weight has one row: a rank is empty
 
 
 @pytest.mark.slow
