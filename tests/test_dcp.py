@@ -239,7 +239,7 @@ def test_famp_dcp_output_loads_at_any_world_size_as_the_source_does(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dcp_output_is_the_same_files_for_any_number_of_workers(
+def test_dcp_and_full_output_are_the_same_files_for_any_number_of_workers(
     real: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     outs = []
@@ -253,6 +253,13 @@ def test_dcp_output_is_the_same_files_for_any_number_of_workers(
     assert names == sorted(os.listdir(outs[1]))
     for name in names:
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    # --full: the tensors' records written by 1 or 3 processes, the same file byte for byte.
+    for out, workers in zip(outs, (1, 3), strict=True):
+        argv = [str(real / "ckpt"), "--full", str(out / "full.pt"), "--workers", str(workers)]
+        assert main(argv) == 0
+    assert (outs[0] / "full.pt").read_bytes() == (outs[1] / "full.pt").read_bytes()
+    dcp_to_torch_save(real / "ckpt", tmp_path / "torch.pt")
+    assert_same_tree(_load(outs[1] / "full.pt"), _load(tmp_path / "torch.pt"))
 
 
 @pytest.mark.slow
