@@ -56,7 +56,7 @@ param_groups are replicated. Load it with torch.load(path, weights_only=True).""
 EPILOG = """\
 examples:
   famp-reshard ckpt/step100 -n 3 -o resharded/      # DCP at any world size -> 3 rank files
-  famp-reshard ckpt/step100 --full full.pt          # DCP -> one file, as dcp_to_torch_save
+  famp-reshard ckpt/step100 --full full.pt --workers 4   # DCP -> one file, as dcp_to_torch_save
   famp-reshard ckpt/step100 -n 3 -o w3/ --format dcp --workers 3   # DCP -> DCP for 3 ranks
   famp-reshard resharded/rank*.pt -n 8 -o w8/       # 3 rank files -> 8
   famp-reshard optim_full.pt -n 64 --dry-run        # summary only
@@ -126,8 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers",
         type=_positive_int,
-        default=1,
-        help="processes that write --format dcp output ranks in parallel (same files for any N)",
+        help="processes that write --format dcp output ranks, or the --full file's tensors, in "
+        "parallel, from a DCP checkpoint (the same files for any N; default 1)",
     )
     parser.add_argument(
         "--max-memory",
@@ -190,6 +190,13 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return (
             "--max-memory applies to --full and --format dcp from a DCP checkpoint "
             "(rank files and --dry-run hold the whole optimizer state)"
+        )
+    if args.workers is not None and (
+        not dcp_source or args.dry_run or (args.format != "dcp" and args.full is None)
+    ):
+        return (
+            "--workers applies to --full and --format dcp from a DCP checkpoint "
+            "(rank files and --dry-run are written in one process)"
         )
     return None
 
@@ -311,8 +318,9 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
 def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
     """``--workers``, lowered so that each worker's two chunks fit in ``--max-memory``."""
+    workers = 1 if args.workers is None else int(args.workers)
     if args.max_memory is None:
-        return int(args.workers)
+        return workers
     largest = max(
         (
             math.prod(c.sizes) * md.properties.dtype.itemsize
@@ -322,19 +330,24 @@ def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
         ),
         default=1,
     )
-    return max(1, min(int(args.workers), int(args.max_memory) // max(1, 2 * largest)))
+    return max(1, min(workers, int(args.max_memory) // max(1, 2 * largest)))
 
 
 def _stream_full_dcp(args: argparse.Namespace) -> str:
     """``--full`` from a DCP SOURCE: what ``dcp_to_torch_save`` writes, streamed to a temp file."""
-    from famp._dcp_writer import write_torch_save
+    from famp._dcp_reader import Checkpoint
+    from famp._dcp_writer import largest_piece, write_torch_save
 
     parent, name = os.path.split(os.path.abspath(args.full))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
     os.close(fd)
     buffer = 64 * 2**20 if args.max_memory is None else min(64 * 2**20, int(args.max_memory))
+    workers = 1 if args.workers is None else int(args.workers)
     try:
-        write_torch_save(args.sources[0], tmp, buffer_bytes=buffer)
+        if args.max_memory is not None and workers > 1:  # each worker: one piece and a buffer
+            piece = largest_piece(Checkpoint(args.sources[0]))
+            workers = max(1, min(workers, int(args.max_memory) // (piece + buffer)))
+        write_torch_save(args.sources[0], tmp, buffer_bytes=buffer, workers=workers)
         _set_default_modes(None, [tmp])
     except BaseException:
         os.unlink(tmp)

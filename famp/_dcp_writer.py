@@ -169,6 +169,7 @@ def write_torch_save(
     path: str,
     *,
     buffer_bytes: int = 64 * 2**20,
+    workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Write what ``dcp_to_torch_save(root, path)`` writes, holding one saved chunk at a time.
@@ -176,7 +177,9 @@ def write_torch_save(
     ``torch.save`` first writes the whole nested dict with every tensor a placeholder whose bytes
     are skipped (``torch.serialization.skip_data``; ``torch.empty`` pages are never touched, so
     they cost no memory); then each tensor's bytes are written into its record, chunk by chunk,
-    through a buffer of ``buffer_bytes``, and the records' CRC-32 fields are set.
+    through a buffer of ``buffer_bytes``, and the records' CRC-32 fields are set. With
+    ``workers`` > 1, that many processes write disjoint shares of the records (balanced by
+    bytes); the file is the same for any number.
     """
     from famp._dcp_reader import set_element
 
@@ -198,12 +201,10 @@ def write_torch_save(
     by_id = {id(t): (key, md) for key, md, t in tensors}
     if len(order) != len(tensors) or {id(t) for t in order} != set(by_id):
         raise AssertionError("placeholders pickled in an unexpected order")
-    with open(path, "r+b") as f, zipfile.ZipFile(path) as zf:
+    jobs: list[tuple[str, int, str, int]] = []  # record name, data offset, key, bytes
+    with open(path, "rb") as f, zipfile.ZipFile(path) as zf:
         infos = {info.filename: info for info in zf.infolist()}
         prefix = next(n for n in infos if n.endswith("/data.pkl"))[: -len("data.pkl")]
-        crcs: dict[str, int] = {}
-        largest = max((t.numel() * t.element_size() for t in order), default=1)
-        buffer = bytearray(max(1, min(buffer_bytes, largest)))
         for storage_key, placeholder in enumerate(order):
             key, md = by_id[id(placeholder)]
             info = infos[f"{prefix}data/{storage_key}"]
@@ -212,15 +213,61 @@ def write_torch_save(
                 raise AssertionError(f"record {info.filename} holds {info.file_size} bytes")
             f.seek(info.header_offset + 26)
             name_len, extra_len = struct.unpack("<HH", f.read(4))
-            start = info.header_offset + 30 + name_len + extra_len
+            jobs.append(
+                (info.filename, info.header_offset + 30 + name_len + extra_len, key, nbytes)
+            )
+    largest = max((job[3] for job in jobs), default=1)
+    buffer_bytes = max(1, min(buffer_bytes, largest))
+    crcs: dict[str, int] = {}
+    if workers <= 1 or len(jobs) <= 1:
+        crcs = _write_records(root, path, jobs, buffer_bytes, progress)
+    else:
+        # Records are disjoint byte ranges of one file: each worker writes its own share of
+        # them in place and returns their CRC-32s; the bytes do not depend on who wrote them.
+        shares: list[list[tuple[str, int, str, int]]] = [[] for _ in range(workers)]
+        loads = [0] * workers
+        for job in sorted(jobs, key=lambda j: -j[3]):
+            least = loads.index(min(loads))
+            shares[least].append(job)
+            loads[least] += job[3]
+        context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {
+                pool.submit(_write_records, root, path, share, buffer_bytes): load
+                for share, load in zip(shares, loads, strict=True)
+                if share
+            }
+            for future in concurrent.futures.as_completed(futures):
+                crcs.update(future.result())
+                if progress is not None:
+                    progress(futures[future])
+    with open(path, "r+b") as f, zipfile.ZipFile(path) as zf:
+        _set_crcs(f, zf, crcs)
+
+
+def _write_records(
+    root: str,
+    path: str,
+    jobs: Sequence[tuple[str, int, str, int]],
+    buffer_bytes: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, int]:
+    """Write each ``(record, offset, key, _)`` tensor's bytes at ``offset``; return the CRC-32s."""
+    ckpt = Checkpoint(root)
+    buffer = bytearray(buffer_bytes)
+    crcs: dict[str, int] = {}
+    with open(path, "r+b") as f:
+        for record, start, key, _ in jobs:
+            md = ckpt.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
             crc = 0
             for byte_offset, data in _row_slabs(ckpt, key, md):
                 f.seek(start + byte_offset)
                 crc = _write_bytes(f, data, buffer, crc)
                 if progress is not None:
                     progress(data.numel() * data.element_size())
-            crcs[info.filename] = crc
-        _set_crcs(f, zf, crcs)
+            crcs[record] = crc
+    return crcs
 
 
 def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -248,12 +295,37 @@ def _row_slabs(
     size = tuple(md.size)
     chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
     row_bytes = math.prod(size[1:]) * md.properties.dtype.itemsize if size else 0
-    slabs = all(tuple(c.sizes[1:]) == size[1:] and not any(c.offsets[1:]) for c in chunks)
-    if size and slabs:
+    if _is_slabs(md):
         for chunk in chunks:
             yield chunk.offsets[0] * row_bytes, ckpt.read_chunk(key, md, chunk).contiguous()
     else:
         yield 0, ckpt.read_tensor(key, md)
+
+
+def _is_slabs(md: TensorStorageMetadata) -> bool:
+    """Whether ``md``'s saved chunks are whole rows (dim-0 slabs), written as they are read."""
+    size = tuple(md.size)
+    chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
+    return bool(size) and all(
+        tuple(c.sizes[1:]) == size[1:] and not any(c.offsets[1:]) for c in chunks
+    )
+
+
+def largest_piece(ckpt: Checkpoint) -> int:
+    """The most bytes ``write_torch_save`` holds at once for one tensor of ``ckpt``.
+
+    A saved chunk for dim-0 slabs; the whole tensor for any other chunking (assembled first).
+    """
+    largest = 1
+    for md in ckpt.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            itemsize = md.properties.dtype.itemsize
+            if _is_slabs(md):
+                sizes = [math.prod(c.sizes) for c in md.chunks]
+                largest = max(largest, max(sizes, default=0) * itemsize)
+            else:
+                largest = max(largest, math.prod(md.size) * itemsize)
+    return largest
 
 
 def _write_bytes(f: Any, data: torch.Tensor, buffer: bytearray, crc: int) -> int:

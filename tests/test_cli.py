@@ -358,11 +358,14 @@ def _assert_same_tree(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected, where
 
 
-@pytest.mark.parametrize("max_memory", [None, "1K", "0.5M"])
+@pytest.mark.parametrize(
+    ("max_memory", "workers"), [(None, None), ("1K", None), ("0.5M", None), (None, 3), ("1K", 2)]
+)
 def test_full_from_dcp_equals_dcp_to_torch_save(
     tmp_path: pathlib.Path,
     trained: tuple[dict[str, Any], dict[str, Any]],
     max_memory: str | None,
+    workers: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if max_memory == "1K":  # the copy through famp's own buffer, as without numpy
@@ -385,13 +388,18 @@ def test_full_from_dcp_equals_dcp_to_torch_save(
         dcp.save({"model": model, "optim": osd, "extra": extra}, checkpoint_id=ckpt, no_dist=True)
         dcp_to_torch_save(ckpt, tmp_path / "torch.pt")
     argv = [str(ckpt), "--full", str(tmp_path / "famp.pt")]
-    assert main(argv + ([] if max_memory is None else ["--max-memory", max_memory])) == 0
+    argv += [] if max_memory is None else ["--max-memory", max_memory]
+    assert main(argv + ([] if workers is None else ["--workers", str(workers)])) == 0
     expected = torch.load(tmp_path / "torch.pt", weights_only=True)
     _assert_same_tree(torch.load(tmp_path / "famp.pt", weights_only=True), expected)
     import zipfile
 
     with zipfile.ZipFile(tmp_path / "famp.pt") as zf:
         assert zf.testzip() is None  # every record's CRC-32 is right
+    if workers is not None:  # the same file, byte for byte, as one process writes
+        (tmp_path / "one").mkdir()  # the same name: torch.save's records are named after it
+        assert main([str(ckpt), "--full", str(tmp_path / "one" / "famp.pt")]) == 0
+        assert (tmp_path / "famp.pt").read_bytes() == (tmp_path / "one" / "famp.pt").read_bytes()
     assert _leftovers(tmp_path) == []
 
 
@@ -434,6 +442,7 @@ def test_interrupted_streaming_leaves_nothing(
         [dcp_dir, "--full", str(tmp_path / "f.pt")],
         [dcp_dir, "-n", "2", "-o", str(tmp_path / "d"), "--format", "dcp"],
         [dcp_dir, "-n", "2", "-o", str(tmp_path / "d"), "--format", "dcp", "--workers", "2"],
+        [dcp_dir, "--full", str(tmp_path / "f.pt"), "--workers", "2"],
     ):
         with pytest.raises((KeyboardInterrupt, BrokenProcessPool)):
             main(argv)
@@ -461,3 +470,18 @@ def test_max_memory_with_whole_state_outputs_is_a_usage_error(
             main(argv)
         assert exit_info.value.code == 2
         assert "--max-memory" in capsys.readouterr().err
+
+
+def test_workers_with_outputs_written_in_one_process_is_a_usage_error(
+    full_file: str, dcp_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        [dcp_dir, "-n", "2", "-o", "out", "--workers", "2"],  # rank files
+        [dcp_dir, "-n", "2", "--dry-run", "--workers", "2"],
+        [full_file, "--full", "x.pt", "--workers", "2"],  # a torch.save source
+        [dcp_dir, "--full", "x.pt", "--workers", "0"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "--workers" in capsys.readouterr().err
