@@ -483,24 +483,39 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         )
     if not (state.enabled and state.dynamic):
         return state
-    if found_inf.device != state.scale.device:
-        found_inf = found_inf.to(state.scale.device, non_blocking=True)
-    guarded = state.overflow_count is not None or state.min_scale is not None
-    if guarded or state.max_scale is not None or functorch_transforms_active():
+    scale = state.scale
+    if found_inf.device != scale.device:
+        found_inf = found_inf.to(scale.device, non_blocking=True)
+    if (
+        state.overflow_count is not None
+        or state.min_scale is not None
+        or state.max_scale is not None
+        or functorch_transforms_active()
+    ):
         return _update_where(state, found_inf)
     # No guard: torch's own functional kernel, one call. It has no vmap batching rule, hence the
     # torch.where formulation under torch.func transforms.
     if found_inf.dtype != torch.float32:
         found_inf = (found_inf != 0).to(torch.float32)  # any non-zero, exactly as the kernel reads
-    new_scale, new_tracker = amp_update_scale(
-        state.scale,
+    # The overload itself, not the packet, which resolves the overload on every call (~0.4 µs).
+    new_scale, new_tracker = amp_update_scale.default(
+        scale,
         state.growth_tracker,
         found_inf,
         state.growth_factor,
         state.backoff_factor,
         state.growth_interval,
     )
-    return _evolve(state, scale=new_scale, growth_tracker=new_tracker)
+    if torch.compiler.is_compiling():  # Dynamo rebuilds the dataclass through its constructor
+        return dataclasses.replace(state, scale=new_scale, growth_tracker=new_tracker)
+    # _evolve inlined (the hot path; ~0.5 µs less): the statics were validated when ``state`` was
+    # built, so the new state copies them without re-validating.
+    new = object.__new__(ScalerState)
+    fields = new.__dict__
+    fields.update(state.__dict__)
+    fields["scale"] = new_scale
+    fields["growth_tracker"] = new_tracker
+    return new
 
 
 def _evolve(state: ScalerState, **leaves: Any) -> ScalerState:
