@@ -34,6 +34,7 @@ from famp._autocast_recompute import (
 )
 from famp._autocast_region import policy_state, region
 from famp._compat import (
+    assume_constant_result,
     functorch_transforms_active,
     is_compiled_module,
     is_view,
@@ -102,9 +103,7 @@ def _first_match(patterns: tuple[str, ...], path: str) -> int:
 
 
 # Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
-_match: Callable[[tuple[str, ...], str], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _first_match
-)
+_match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
 
 
 class _Call:
