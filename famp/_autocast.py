@@ -35,6 +35,7 @@ from famp._autocast_recompute import (
 )
 from famp._autocast_region import policy_state, region
 from famp._compat import (
+    assume_constant_result,
     functorch_transforms_active,
     is_compiled_module,
     is_view,
@@ -103,9 +104,7 @@ def _first_match(patterns: tuple[str, ...], path: str) -> int:
 
 
 # Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
-_match: Callable[[tuple[str, ...], str], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _first_match
-)
+_match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
 
 
 class _Call:
@@ -684,7 +683,8 @@ def autocast(
     def transformed(*args: Any, **kwargs: Any) -> Any:
         return transform(*args, **kwargs)
 
-    transformed = own_code(transformed)
+    if not torch.compiler.is_compiling():  # Dynamo cannot copy code; a traced build is its own
+        transformed = own_code(transformed)
     functools.update_wrapper(transformed, fn, updated=())
     return transformed  # type: ignore[return-value]
 

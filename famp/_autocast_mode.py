@@ -28,8 +28,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast_recompute import bracket_outputs, observe
-from famp._compat import OpOverload, is_view, op_schema, saved_tensors_hooks_top, tensor_version
-from famp._op_calls import CALLS, COPIES, call, op_name
+from famp._compat import (
+    OpOverload,
+    assume_constant_result,
+    is_view,
+    op_schema,
+    saved_tensors_hooks_top,
+    tensor_version,
+)
+from famp._op_calls import call, calls, copies, op_name
 from famp._rules import OpRules, banned_message, default_rules
 
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
@@ -69,10 +76,11 @@ class Overrides:
         self.packets = frozenset(self.uniform) | frozenset(self.per_overload)
         # torch's Python functions worth entering: they may call an overridden op under another
         # name. One named like an overridden op is that op: its rule applies to the whole call.
+        names = calls()
         self.enter = {
             f: copy
-            for f, copy in COPIES.items()
-            if CALLS[f] & self.packets and op_name(f)[0] not in self.packets
+            for f, copy in copies().items()
+            if names[f] & self.packets and op_name(f)[0] not in self.packets
         }
 
     def __bool__(self) -> bool:
@@ -305,9 +313,7 @@ def _traced_key(rules: OpRules) -> int:
     return key
 
 
-_constant_key: Callable[[OpRules], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _traced_key
-)
+_constant_key: Callable[[OpRules], int] = assume_constant_result(_traced_key)
 
 
 def overrides_for(rules: OpRules | None) -> Overrides | None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree_module
-from torch._subclasses import fake_tensor
 from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
@@ -108,6 +107,23 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+# --- import cost (famp/__init__.py, famp/_autocast*.py) ------------------------------------------
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+# What `torch.compiler.assume_constant_result(fn)` does (torch 2.13-2.15): set this attribute,
+# which Dynamo reads when it traces a call of `fn`. torch's function first imports `torch._dynamo`
+# (~850 modules, about a second); famp marks its functions at import, so it sets the attribute
+# itself. tests/test_import_cost.py checks that torch's function sets exactly this.
+_DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
+def assume_constant_result(fn: _Fn) -> _Fn:
+    """`torch.compiler.assume_constant_result(fn)`, without importing Dynamo (see above)."""
+    setattr(fn, _DYNAMO_CONSTANT_MARK, True)
+    return fn
+
+
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
 
 
@@ -141,9 +157,14 @@ def is_compiled_module(module: object) -> bool:
 
 # --- autocast op rules: _rules.py, _rules_derive.py ----------------------------------------------
 
-# Deriving a rule runs the op on fake tensors (shapes and dtypes, no computing); the class is
-# public in spirit but lives in a private module.
-FakeTensorMode = fake_tensor.FakeTensorMode
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A `FakeTensorMode(**kwargs)`: deriving a rule runs the op on fake tensors (shapes and
+    dtypes, no computing); the class is public in spirit but lives in a private module, imported
+    here on first use (not at famp's import)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
 
 
 def kernel_registrations(dispatch_key: str) -> list[str]:
@@ -186,7 +207,7 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
 # --- explain (famp/_explain.py) ------------------------------------------------------------
 
 # The public base class of dispatch modes lives in a private module; explain records every aten op
-# (and its dtypes) with one.
+# (and its dtypes) with one. Needed at import (a base class); `import torch` loads it already.
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 

@@ -6,16 +6,20 @@ wrapped models live here, so that the import graph stays a tree.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
+import torch.distributed as dist  # loaded by `import torch` itself; light
 
 from famp._compat import fsdp1_flat_params, fsdp1_unit_settings
 from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
 from famp._rekey import clean_fqn
+
+# `torch.distributed.tensor` (DTensor; with it sympy, ~250 modules) and `torch.distributed.fsdp`
+# are imported inside the functions that need them, so that loss scaling and autocast never load
+# them: an object can only be a DTensor once that module is loaded (see `is_dtensor`).
 
 # --- found_inf reduction across ranks (used by unscale_and_check's `group=`) ---------------------
 
@@ -35,18 +39,27 @@ def all_reduce_max(found_inf: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a ``DTensor`` (an FSDP2 gradient, say)."""
-    return isinstance(x, DTensor)
+    """Whether ``x`` is a ``DTensor`` (an FSDP2 gradient, say).
+
+    Without importing ``torch.distributed.tensor``: no object is a DTensor before it is loaded.
+    Dynamo traces the ``sys.modules`` lookup (and ``torch.compile`` itself loads the module).
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def local_shard(x: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor."""
+    from torch.distributed.tensor import DTensor
+
     assert isinstance(x, DTensor)
     return x.to_local()
 
 
 def dtensor_like(src: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """The DTensor with ``src``'s mesh, placements and global shape around ``local``."""
+    from torch.distributed.tensor import DTensor
+
     assert isinstance(src, DTensor)
     return DTensor.from_local(
         local,
@@ -80,6 +93,8 @@ def shard_as_dtensor(
     local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]
 ) -> torch.Tensor:
     """``local`` as this rank's ``Shard(dim)`` of a DTensor of global ``shape`` (no collective)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     stride = torch.empty(tuple(shape), device="meta").stride()
     return DTensor.from_local(
         local, mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=stride
@@ -93,6 +108,8 @@ def reduce_found_inf_over_meshes(found_inf: torch.Tensor, dtensors: list[Any]) -
     (``torch/distributed/tensor/_dispatch.py``, ``found_inf_reduce_handler``): ``found_inf`` as a
     ``Partial("max")`` DTensor on the sharded dimensions, made whole with ``full_tensor()``.
     """
+    from torch.distributed.tensor import DTensor, Partial
+
     seen = set()
     for grad in dtensors:
         key = (grad.device_mesh, tuple(grad.placements))
@@ -122,6 +139,8 @@ def check_fsdp2_param(
     process is ``rank``, the placement ``Shard(dim)`` with the layout's dim, the global shape,
     and the local shape. Runs no collective.
     """
+    from torch.distributed.tensor import DTensor, Shard
+
     assert isinstance(param, DTensor)
     mesh, placements = param.device_mesh, tuple(param.placements)
     where = f"the optimizer's parameter for {fqn!r} on rank {rank}"

@@ -4,11 +4,12 @@
 module names the aten op of a call (`op_name`), tells whether it writes into its first argument
 (`writes_first_arg`), calls it (`call`), and holds copies of torch's own Python functions
 (`torch.nn.functional`, `torch.functional`, Python `Tensor` methods) that the mode can enter so
-that the ops they call are seen too (`COPIES`, with the op names each may call in `CALLS`).
+that the ops they call are seen too (`copies()`, with the op names each may call in `calls()`).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,9 @@ from famp._compat import OpOverload, OpOverloadPacket, op_schema, overload_name,
 # torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
 # which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
 # of such a function whose `has_torch_function*` globals answer False, with the mode pushed again.
-# The copies are made once, at import: Dynamo can call a prebuilt copy but cannot build one.
+# The copies are made once, on first use (the first `famp.autocast` whose rules override an op, in
+# Python: overrides are read outside Dynamo's tracing), not at famp's import (~50 ms): Dynamo can
+# call a prebuilt copy but cannot build one.
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -58,7 +61,10 @@ def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
     return copies
 
 
-COPIES = _copies()
+@functools.cache
+def copies() -> dict[Callable[..., Any], Callable[..., Any]]:
+    """torch's Python function -> its copy whose `has_torch_function*` answer False."""
+    return _copies()
 
 
 def _names(func: types.FunctionType) -> frozenset[str]:
@@ -83,7 +89,7 @@ def _names(func: types.FunctionType) -> frozenset[str]:
             for name in code.co_names:  # functions it may call: globals, torch.*, F.*
                 for g in (
                     f.__globals__.get(name),
-                    getattr(torch, name, None),
+                    vars(torch).get(name),  # not getattr: that imports torch._dynamo & co.
                     getattr(torch.nn.functional, name, None),
                 ):
                     if isinstance(g, types.FunctionType) and g.__code__ not in seen:
@@ -94,7 +100,11 @@ def _names(func: types.FunctionType) -> frozenset[str]:
     return frozenset(names)
 
 
-CALLS: dict[Callable[..., Any], frozenset[str]] = {f: _names(f) for f in COPIES}  # type: ignore[arg-type]
+@functools.cache
+def calls() -> dict[Callable[..., Any], frozenset[str]]:
+    """torch's Python function (those of `copies()`) -> the op names it may call."""
+    return {f: _names(f) for f in copies()}  # type: ignore[arg-type]
+
 
 # --- naming the op of a call ----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from famp._compat import FakeTensorMode, OpOverload, TorchDispatchMode, torch_pytree
+from famp._compat import OpOverload, TorchDispatchMode, fake_tensor_mode, torch_pytree
 from famp._compat import op_schema as schema
 from famp._rules import APPEND_DTYPE_OVERLOADS, banned_message
 
@@ -738,7 +738,7 @@ def _check_op(
                 )
             actual, simulated = run_both(rules, op, inputs, device_type, lower)
         else:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with fake_tensor_mode(allow_non_fake_inputs=True):
                 # Fake tensors carry no values: only dtypes and shapes are compared.
                 moved = torch_pytree.tree_map(
                     lambda x: (

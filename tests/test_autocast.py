@@ -1087,10 +1087,10 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
     # False. On the installed torch, each copy must be the original in everything else: the same
     # code, defaults, closure, and every global its code names bound to the same object as in the
     # original's module now (so a global torch sets or changes after famp's import is no risk).
-    from famp._op_calls import _CHECKS, COPIES
+    from famp._op_calls import _CHECKS, copies
 
-    assert len(COPIES) > 100  # F.*, torch.functional.*, Python Tensor methods
-    for original, copy in COPIES.items():
+    assert len(copies()) > 100  # F.*, torch.functional.*, Python Tensor methods
+    for original, copy in copies().items():
         assert copy.__code__ is original.__code__, original
         assert copy.__defaults__ is original.__defaults__, original
         assert copy.__kwdefaults__ is original.__kwdefaults__, original
