@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+import socket
+import subprocess
+import sys
+
 import torch
 
 
@@ -20,3 +25,40 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
         assert torch.equal(a.contiguous().view(bits), e.contiguous().view(bits)), (a, e)
     else:
         assert torch.equal(a, e), (a, e)
+
+
+def torchrun(
+    worker: pathlib.Path, out: pathlib.Path, nproc: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """Run `worker OUT` on `nproc` gloo ranks with torchrun on 127.0.0.1 (a free port, 240 s).
+
+    Judge the job by the files the ranks write into `out`, not by the exit code alone: gloo's
+    teardown sometimes aborts a process that has finished its work (torch's, not famp's).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(worker),
+        str(out),
+    ]
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=root)
+
+
+def rank_files(
+    out: pathlib.Path, proc: subprocess.CompletedProcess[str], nproc: int = 2
+) -> list[pathlib.Path]:
+    """The `rank{r}.pt` files a torchrun job wrote, asserting every rank wrote its own."""
+    files = [out / f"rank{r}.pt" for r in range(nproc)]
+    assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return files

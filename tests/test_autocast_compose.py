@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 import functools
 import pathlib
-import socket
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +19,7 @@ import torch
 from torch import nn
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, rank_files, torchrun
 
 BF16 = torch.bfloat16
 
@@ -286,33 +283,10 @@ DISTRIBUTED_CELLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("compose_job")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(WORKER),
-        str(out),
-    ]
-    root = WORKER.parents[1]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=root)
-    # Judged by what the ranks recorded: gloo's teardown sometimes aborts a finished process.
-    files = [out / f"rank{r}.pt" for r in range(2)]
-    assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
+    files = rank_files(out, torchrun(WORKER, out))
     return [torch.load(f, weights_only=False) for f in files]
 
 

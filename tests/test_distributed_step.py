@@ -10,16 +10,13 @@ import importlib.util
 import itertools
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, rank_files, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -27,31 +24,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).with_name("step_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict[str, Any]], str]:
     out = tmp_path_factory.mktemp("step_job")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(WORKER),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    proc = torchrun(WORKER, out)
+    ranks = [torch.load(f, weights_only=False) for f in rank_files(out, proc)]
     return out, ranks, proc.stdout
 
 

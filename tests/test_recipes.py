@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +17,7 @@ import torch
 from torch.nn import functional
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, rank_files, torchrun
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
@@ -442,30 +439,10 @@ def test_recipe_sparse_gradients_equal_torch() -> None:
 # --- DDP on 2 gloo ranks ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_recipe_ddp_on_two_gloo_ranks_equals_torch(tmp_path: pathlib.Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(ROOT / "tests" / "recipes_ddp_worker.py"),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rank_files(tmp_path, torchrun(ROOT / "tests" / "recipes_ddp_worker.py", tmp_path))
     for rank in range(2):
         record = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert record["famp_found_inf"].tolist() == [float(i in BAD) for i in range(STEPS)]
