@@ -102,9 +102,9 @@ def shard_optim_state(
     if mesh is not None:
         if not isinstance(layout, FSDP2Layout):
             raise ValueError("mesh applies to FSDP2 layouts only, got a famp.FSDP1Layout")
-        from famp import _distributed  # the one module that talks to torch.distributed
+        from famp import _collectives  # collectives and DTensors, loaded only with a mesh
 
-        mesh = _distributed.check_mesh(mesh, layout.world_size, rank)
+        mesh = _collectives.check_mesh(mesh, layout.world_size, rank)
     out: State = {}
     for fqn, entry in state.items():
         shape, dim = layout._specs[fqn]
@@ -116,7 +116,7 @@ def shard_optim_state(
                 continue
             piece = narrow(value, dim, start, length, copy)
             if mesh is not None:
-                piece = _distributed.shard_as_dtensor(piece, mesh, dim, shape)
+                piece = _collectives.shard_as_dtensor(piece, mesh, dim, shape)
             out[fqn][key] = piece
     return {"state": out, "param_groups": copy_groups(groups, copy)}
 

@@ -26,7 +26,7 @@ from typing import Any
 import optree
 import torch
 
-from famp import _distributed
+from famp import _collectives
 from famp._compat import OPTREE_GLOBAL_NAMESPACE, functorch_transforms_active, torch_pytree
 from famp._typing import PyTree, Tensor
 
@@ -247,9 +247,9 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
                 f"famp.nonfinite_report: the leaf at {_path_str(path)!r} must be a "
                 f"float16/bfloat16/float32/float64 tensor or None, got {what}"
             )
-        if _distributed.is_dtensor(leaf):
+        if _collectives.is_dtensor(leaf):
             dtensors.append(leaf)
-            leaf = _distributed.local_shard(leaf)
+            leaf = _collectives.local_shard(leaf)
         if leaf.layout != torch.strided:
             raise TypeError(
                 f"famp.nonfinite_report: the leaf at {_path_str(path)!r} has layout "
@@ -264,10 +264,10 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     else:
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if dtensors:
-        found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
+        found_inf = _collectives.reduce_found_inf_over_meshes(found_inf, dtensors)
     world_size = None
     if group is not None:
-        counts, amaxes, found_inf, world_size = _distributed.all_gather_report(
+        counts, amaxes, found_inf, world_size = _collectives.all_gather_report(
             counts, amaxes, found_inf, group
         )
     return NonfiniteReport(

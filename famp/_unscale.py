@@ -17,7 +17,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from famp import _distributed
+from famp import _collectives
 from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaler import ScalerState
@@ -170,7 +170,7 @@ def unscale_and_check(
             dense.append(leaf)
             continue
         _check_leaf(path, leaf, scale_device)
-        source = _distributed.local_shard(leaf) if _distributed.is_dtensor(leaf) else leaf
+        source = _collectives.local_shard(leaf) if _collectives.is_dtensor(leaf) else leaf
         if source.is_sparse:
             source = source.coalesce() if source.dtype == torch.float16 else source
             dense.append(source._values())
@@ -249,14 +249,14 @@ def unscale_and_check(
         values = out[i]
         if source.is_sparse:  # in place: its values were unscaled
             values = source if in_place else _sparse_like(source, values)
-        if _distributed.is_dtensor(leaf):
+        if _collectives.is_dtensor(leaf):
             dtensors.append(leaf)
-            values = leaf if in_place else _distributed.dtensor_like(leaf, values)
+            values = leaf if in_place else _collectives.dtensor_like(leaf, values)
         out[i] = values
     if dtensors:
-        found_inf = _distributed.reduce_found_inf_over_meshes(found_inf, dtensors)
+        found_inf = _collectives.reduce_found_inf_over_meshes(found_inf, dtensors)
     if group is not None:
-        found_inf = _distributed.all_reduce_max(found_inf, group)
+        found_inf = _collectives.all_reduce_max(found_inf, group)
     return cast(TreeT, optree.tree_unflatten(spec, out)), found_inf
 
 
