@@ -1,6 +1,6 @@
 """famp: functional automatic mixed precision for PyTorch.
 
-Everything PyTorch's AMP keeps in mutable objects (``torch.amp.GradScaler``, ``torch.autocast``,
+Everything PyTorch's AMP keeps in mutable objects (`torch.amp.GradScaler`, `torch.autocast`,
 FSDP's optimizer-state loading) as pure functions over pytrees with explicit, immutable state.
 """
 

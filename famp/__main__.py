@@ -1,4 +1,4 @@
-"""``python -m famp reshard ...``: the same as the ``famp-reshard`` command."""
+"""`python -m famp reshard ...`: the same as the `famp-reshard` command."""
 
 from __future__ import annotations
 

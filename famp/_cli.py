@@ -1,10 +1,10 @@
-"""``famp-reshard``: reshard an FSDP checkpoint to another world size, offline.
+"""`famp-reshard`: reshard an FSDP checkpoint to another world size, offline.
 
 No process group. For rank files (the default), the source is read into famp's canonical full
-form (``famp.load_dcp_optim_state`` for DCP, ``torch.load(weights_only=True)`` for files), cut
-with ``famp.shard_optim_state`` for an FSDP2 layout of the new world size, and written one file
-per rank. From a DCP checkpoint, ``--format dcp`` (a DCP checkpoint for W ranks) and ``--full``
-(``dcp_to_torch_save``'s file) stream chunk by chunk instead (``famp/_dcp_writer.py``). Every
+form (`famp.load_dcp_optim_state` for DCP, `torch.load(weights_only=True)` for files), cut
+with `famp.shard_optim_state` for an FSDP2 layout of the new world size, and written one file
+per rank. From a DCP checkpoint, `--format dcp` (a DCP checkpoint for W ranks) and `--full`
+(`dcp_to_torch_save`'s file) stream chunk by chunk instead (`famp/_dcp_writer.py`). Every
 output is written into a temporary sibling and renamed into place at the end, so a failure
 leaves nothing behind.
 """
@@ -65,7 +65,7 @@ exit status: 0 on success, 1 on bad input (nothing written), 2 on a usage error.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``famp-reshard`` with ``argv`` (``sys.argv[1:]`` if None); return the exit status."""
+    """Run `famp-reshard` with `argv` (`sys.argv[1:]` if None); return the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     usage = _usage_error(args)
@@ -218,7 +218,7 @@ def _check_targets(args: argparse.Namespace) -> None:
 
 
 def _check_replaceable(out: str) -> None:
-    """``--force`` replaces a directory of rank files only, never one holding anything else."""
+    """`--force` replaces a directory of rank files only, never one holding anything else."""
     if not os.path.isdir(out) or os.path.islink(out):
         raise ValueError(f"--out {out!r} exists and is not a directory")
     others = [n for n in os.listdir(out) if not _RANK_FILE.fullmatch(n)]
@@ -284,7 +284,7 @@ def _is_dcp_source(args: argparse.Namespace) -> bool:
 
 
 def _run_dcp(args: argparse.Namespace) -> int:
-    """Stream a DCP SOURCE into a DCP checkpoint for ``args.world_size`` ranks."""
+    """Stream a DCP SOURCE into a DCP checkpoint for `args.world_size` ranks."""
     from famp import _dcp_reader as reader
     from famp._dcp_writer import write_dcp
 
@@ -317,7 +317,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
 
 def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
-    """``--workers``, lowered so that each worker's two chunks fit in ``--max-memory``."""
+    """`--workers`, lowered so that each worker's two chunks fit in `--max-memory`."""
     workers = 1 if args.workers is None else int(args.workers)
     if args.max_memory is None:
         return workers
@@ -334,7 +334,7 @@ def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
 
 
 def _stream_full_dcp(args: argparse.Namespace) -> str:
-    """``--full`` from a DCP SOURCE: what ``dcp_to_torch_save`` writes, streamed to a temp file."""
+    """`--full` from a DCP SOURCE: what `dcp_to_torch_save` writes, streamed to a temp file."""
     from famp._dcp_reader import Checkpoint
     from famp._dcp_writer import largest_piece, write_torch_save
 
@@ -486,7 +486,7 @@ def _shapes_from_shards(
 
 
 class _LazyShards(Sequence[tuple[str, dict[str, Any]]]):
-    """``(file name, shard)`` per rank, each shard cut (as a compact copy) only when asked for."""
+    """`(file name, shard)` per rank, each shard cut (as a compact copy) only when asked for."""
 
     def __init__(self, full: Mapping[str, Any], layout: FSDP2Layout, *, copy: bool) -> None:
         self.full, self.layout, self.copy = full, layout, copy
@@ -548,7 +548,7 @@ def _write_ranks(
 
 
 def _replace(tmp: str, target: str, force: bool) -> None:
-    """Rename ``tmp`` to ``target``; with ``force``, an existing ``target`` goes only after."""
+    """Rename `tmp` to `target`; with `force`, an existing `target` goes only after."""
     if not os.path.lexists(target):
         os.rename(tmp, target)
         return
@@ -573,7 +573,7 @@ def _umask() -> int:
 
 
 def _set_default_modes(directory: str | None, files: Sequence[str]) -> None:
-    """Give outputs the modes ``open``/``mkdir`` would (``tempfile`` makes them private)."""
+    """Give outputs the modes `open`/`mkdir` would (`tempfile` makes them private)."""
     mask = _umask()
     for path in files:
         os.chmod(path, 0o666 & ~mask)

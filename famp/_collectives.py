@@ -22,9 +22,9 @@ import torch.distributed as dist  # loaded by `import torch` itself; light
 
 
 def all_reduce_max(found_inf: torch.Tensor, group: Any) -> torch.Tensor:
-    """Max-reduce a one-element ``found_inf`` across ``group``, out of place (every rank agrees).
+    """Max-reduce a one-element `found_inf` across `group`, out of place (every rank agrees).
 
-    Max rather than torch's ``ShardedGradScaler`` sum, so the result stays exactly 0.0 or 1.0.
+    Max rather than torch's `ShardedGradScaler` sum, so the result stays exactly 0.0 or 1.0.
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
@@ -36,10 +36,10 @@ def all_reduce_max(found_inf: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a ``DTensor`` (an FSDP2 gradient, say).
+    """Whether `x` is a `DTensor` (an FSDP2 gradient, say).
 
-    Without importing ``torch.distributed.tensor``: no object is a DTensor before it is loaded.
-    Dynamo traces the ``sys.modules`` lookup (and ``torch.compile`` itself loads the module).
+    Without importing `torch.distributed.tensor`: no object is a DTensor before it is loaded.
+    Dynamo traces the `sys.modules` lookup (and `torch.compile` itself loads the module).
     """
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
@@ -54,7 +54,7 @@ def local_shard(x: torch.Tensor) -> torch.Tensor:
 
 
 def dtensor_like(src: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """The DTensor with ``src``'s mesh, placements and global shape around ``local``."""
+    """The DTensor with `src`'s mesh, placements and global shape around `local`."""
     from torch.distributed.tensor import DTensor
 
     assert isinstance(src, DTensor)
@@ -69,7 +69,7 @@ def dtensor_like(src: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def check_mesh(mesh: object, world_size: int, rank: int) -> Any:
-    """``mesh`` if it is a 1-d ``DeviceMesh`` of ``world_size`` and this process is its ``rank``."""
+    """`mesh` if it is a 1-d `DeviceMesh` of `world_size` and this process is its `rank`."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -89,7 +89,7 @@ def check_mesh(mesh: object, world_size: int, rank: int) -> Any:
 def shard_as_dtensor(
     local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]
 ) -> torch.Tensor:
-    """``local`` as this rank's ``Shard(dim)`` of a DTensor of global ``shape`` (no collective)."""
+    """`local` as this rank's `Shard(dim)` of a DTensor of global `shape` (no collective)."""
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(tuple(shape), device="meta").stride()
@@ -99,11 +99,11 @@ def shard_as_dtensor(
 
 
 def reduce_found_inf_over_meshes(found_inf: torch.Tensor, dtensors: list[Any]) -> torch.Tensor:
-    """Max-reduce ``found_inf`` over every non-replicated mesh dimension of the DTensor grads.
+    """Max-reduce `found_inf` over every non-replicated mesh dimension of the DTensor grads.
 
-    What ``GradScaler`` gets through DTensor dispatch of the in-place unscale kernel
-    (``torch/distributed/tensor/_dispatch.py``, ``found_inf_reduce_handler``): ``found_inf`` as a
-    ``Partial("max")`` DTensor on the sharded dimensions, made whole with ``full_tensor()``.
+    What `GradScaler` gets through DTensor dispatch of the in-place unscale kernel
+    (`torch/distributed/tensor/_dispatch.py`, `found_inf_reduce_handler`): `found_inf` as a
+    `Partial("max")` DTensor on the sharded dimensions, made whole with `full_tensor()`.
     """
     from torch.distributed.tensor import DTensor, Partial
 
@@ -132,7 +132,7 @@ def all_gather_report(
 
     Each rank packs its counts, the bit patterns of its float32 amaxes and its found_inf into
     one int64 vector (exact: no float conversion of a count or an amax); entry r of each
-    returned 1-d tensor is rank r's. ``found_inf`` is the max over ranks, as ``all_reduce_max``.
+    returned 1-d tensor is rank r's. `found_inf` is the max over ranks, as `all_reduce_max`.
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(

@@ -168,8 +168,8 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
 
 
 def kernel_registrations(dispatch_key: str) -> list[str]:
-    """The ops with a kernel registered for ``dispatch_key`` (``"AutocastCPU"``), as
-    ``"aten::mm"`` names: the autocast ops are read off torch's dispatcher; no public API."""
+    """The ops with a kernel registered for `dispatch_key` (`"AutocastCPU"`), as
+    `"aten::mm"` names: the autocast ops are read off torch's dispatcher; no public API."""
     return list(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
 
 
@@ -192,13 +192,13 @@ def fsdp1_flat_params(module: Any) -> Any:
     """An FSDP1 unit's flat-parameter handle, or None for a unit without parameters of its own.
 
     FSDP1 exposes no public accessor for the flat parameter's original names and shapes, its
-    compute dtype or its ``use_orig_params`` flag; ``layout_of`` needs all four.
+    compute dtype or its `use_orig_params` flag; `layout_of` needs all four.
     """
     return module._handle
 
 
 def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], Any, bool]:
-    """``(fqns, shapes, compute dtype, use_orig_params)`` of an FSDP1 handle (see above)."""
+    """`(fqns, shapes, compute dtype, use_orig_params)` of an FSDP1 handle (see above)."""
     flat = handle.flat_param
     shapes = [tuple(s) for s in flat._shapes]
     return list(flat._fqns), shapes, handle._fwd_bwd_param_dtype, bool(handle._use_orig_params)
@@ -215,11 +215,11 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
-    """DCP's per-item storage record, for a ``.metadata`` that ``dcp.load`` reads.
+    """DCP's per-item storage record, for a `.metadata` that `dcp.load` reads.
 
-    ``FileSystemReader`` looks up each item's byte range in ``Metadata.storage_data`` as an
+    `FileSystemReader` looks up each item's byte range in `Metadata.storage_data` as an
     instance of this class (unpickled by name); torch has no public constructor for it. Imported
-    lazily: ``torch.distributed.checkpoint`` is heavy.
+    lazily: `torch.distributed.checkpoint` is heavy.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -237,10 +237,10 @@ amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finit
 
 
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` reads ``grad_scale``/``found_inf`` and skips in its kernel.
+    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` and skips in its kernel.
 
     torch marks such optimizers (fused Adam, AdamW, SGD, Adagrad) only with this private attribute,
-    the one ``GradScaler.step`` reads.
+    the one `GradScaler.step` reads.
     """
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
@@ -248,5 +248,5 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 def amp_foreach_non_finite_check_and_unscale_(
     tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> Any:
-    """``GradScaler``'s fused check-and-unscale kernel, which has no public name."""
+    """`GradScaler`'s fused check-and-unscale kernel, which has no public name."""
     return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)

@@ -90,10 +90,10 @@ def custom_fwd(
         The decorated `forward`, or a decorator.
 
     Raises:
-        TypeError: ``forward`` is neither callable nor None, ``rule`` is not a str, or
-            ``device_type`` is neither a str nor None.
-        ValueError: an unknown rule, or a ``device_type`` that is not a device type with
-            autocast support (``"bogus"``, ``"cuda:0"``).
+        TypeError: `forward` is neither callable nor None, `rule` is not a str, or
+            `device_type` is neither a str nor None.
+        ValueError: an unknown rule, or a `device_type` that is not a device type with
+            autocast support (`"bogus"`, `"cuda:0"`).
 
     Examples:
         >>> import torch, famp
@@ -161,7 +161,7 @@ def custom_bwd(backward: F) -> F:
         The decorated `backward`.
 
     Raises:
-        TypeError: ``backward`` is not callable.
+        TypeError: `backward` is not callable.
 
     Examples:
         >>> import famp

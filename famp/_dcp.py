@@ -1,18 +1,18 @@
 """Reading DCP checkpoints into famp's canonical optimizer state, offline, in one process.
 
-``torch.distributed.checkpoint`` (DCP) saves ``{"model": msd, "optim": osd}`` from
-``get_state_dict`` as flattened entries (``optim.state.<fqn>.exp_avg``,
-``optim.param_groups.<i>.<key>``), each tensor as the chunks its ranks held. These functions
+`torch.distributed.checkpoint` (DCP) saves `{"model": msd, "optim": osd}` from
+`get_state_dict` as flattened entries (`optim.state.<fqn>.exp_avg`,
+`optim.param_groups.<i>.<key>`), each tensor as the chunks its ranks held. These functions
 rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint,
-reading DCP's on-disk format with every stated fact checked (``famp/_dcp_reader.py``), with no
-process group; ``famp.shard_optim_state`` then cuts it for any layout and world size.
+reading DCP's on-disk format with every stated fact checked (`famp/_dcp_reader.py`), with no
+process group; `famp.shard_optim_state` then cuts it for any layout and world size.
 
-DCP's reader lives in ``torch.distributed.checkpoint``; famp confines that import to
-``famp/_dcp_reader.py`` and imports it on the first read, so this module and ``import famp`` stay
+DCP's reader lives in `torch.distributed.checkpoint`; famp confines that import to
+`famp/_dcp_reader.py` and imports it on the first read, so this module and `import famp` stay
 free of it. No collective runs either way.
 
 Not supported: storage other than a local (or mounted) file system; checkpoints written without
-DCP's ``planner_data`` (before torch 2.0); reading only one rank's region (the full state is read).
+DCP's `planner_data` (before torch 2.0); reading only one rank's region (the full state is read).
 """
 
 from __future__ import annotations
@@ -34,39 +34,39 @@ def load_dcp_optim_state(
 ) -> dict[str, Any]:
     """Read the optimizer state of a DCP checkpoint into the full FQN-keyed form, offline.
 
-    The checkpoint is what ``dcp.save({"model": msd, key: osd}, checkpoint_id=...)`` wrote at any
-    world size, with ``osd`` from ``get_state_dict`` or ``get_optimizer_state_dict`` (FSDP2, or
+    The checkpoint is what `dcp.save({"model": msd, key: osd}, checkpoint_id=...)` wrote at any
+    world size, with `osd` from `get_state_dict` or `get_optimizer_state_dict` (FSDP2, or
     FSDP1 sharded), in the nested or the flattened layout
-    (``StateDictOptions(flatten_optimizer_state_dict=True)``). Every tensor is assembled whole
+    (`StateDictOptions(flatten_optimizer_state_dict=True)`). Every tensor is assembled whole
     from its saved chunks (empty shards included), in this process, with no process group.
 
-    The result is what ``get_optimizer_state_dict`` returns with ``full_state_dict=True``:
-    ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, tensors
-    on CPU in their saved dtype. ``state`` follows the ``param_groups`` order; the keys inside each
-    entry and each group come back sorted (``params`` last), as the checkpoint does not keep
+    The result is what `get_optimizer_state_dict` returns with `full_state_dict=True`:
+    `{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`, tensors
+    on CPU in their saved dtype. `state` follows the `param_groups` order; the keys inside each
+    entry and each group come back sorted (`params` last), as the checkpoint does not keep
     their order.
 
-    Nothing in the checkpoint is unpickled beyond plain data: the ``.metadata`` file may only name
-    DCP's metadata classes, and non-tensor values are read with ``torch.load(weights_only=True)``.
+    Nothing in the checkpoint is unpickled beyond plain data: the `.metadata` file may only name
+    DCP's metadata classes, and non-tensor values are read with `torch.load(weights_only=True)`.
     Every tensor record must hold the dtype and shape its metadata states, inside its file.
     In the flattened layout, parameters whose hyperparameters are all equal come back as one
     param group (that layout keeps no group boundaries).
 
     Args:
-        checkpoint_id: the checkpoint directory (it holds ``.metadata`` and ``*.distcp`` files).
+        checkpoint_id: the checkpoint directory (it holds `.metadata` and `*.distcp` files).
         key: the top-level key the optimizer state was saved under.
 
     Returns:
-        The full optimizer state dict. Pass it to ``famp.shard_optim_state`` for any layout, or to
-        ``set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))``.
+        The full optimizer state dict. Pass it to `famp.shard_optim_state` for any layout, or to
+        `set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))`.
 
     Raises:
-        FileNotFoundError: ``checkpoint_id`` does not exist.
-        KeyError: ``key`` or its ``param_groups`` is not in the checkpoint.
+        FileNotFoundError: `checkpoint_id` does not exist.
+        KeyError: `key` or its `param_groups` is not in the checkpoint.
         ValueError: not a DCP checkpoint; metadata naming a class famp does not unpickle, or
             malformed; a record that disagrees with its metadata, lies outside its file or in a
             file outside the checkpoint; chunks that do not tile a tensor; an entry under
-            ``key`` other than ``state`` and ``param_groups``; a parameter in two param groups
+            `key` other than `state` and `param_groups`; a parameter in two param groups
             or a state entry in none.
 
     Examples:
@@ -90,24 +90,24 @@ def read_dcp_param_shapes(
 ) -> dict[str, torch.Size]:
     """The shape of every parameter in a DCP checkpoint's optimizer state, for building a layout.
 
-    Reads the metadata and the small ``param_groups`` entries only, no tensor data. For each FQN in
-    the ``param_groups`` (in their order) the shape is that of the model entry ``<key>.<fqn>``;
+    Reads the metadata and the small `param_groups` entries only, no tensor data. For each FQN in
+    the `param_groups` (in their order) the shape is that of the model entry `<key>.<fqn>`;
     without one, the common shape of the parameter's saved optimizer-state tensors of at least one
-    dimension (``exp_avg``, ``exp_avg_sq``, ...), or ``torch.Size([])`` if all of them are 0-d.
+    dimension (`exp_avg`, `exp_avg_sq`, ...), or `torch.Size([])` if all of them are 0-d.
 
     Args:
         checkpoint_id: the checkpoint directory.
-        key: the top-level key of the model state dict (``{"model": msd, ...}``).
+        key: the top-level key of the model state dict (`{"model": msd, ...}`).
         optim_key: the top-level key of the optimizer state dict.
 
     Returns:
-        ``{fqn: torch.Size}``, ready for ``famp.fsdp2_layout(shapes, world_size)``.
+        `{fqn: torch.Size}`, ready for `famp.fsdp2_layout(shapes, world_size)`.
 
     Raises:
-        FileNotFoundError: ``checkpoint_id`` does not exist.
-        KeyError: ``optim_key`` is not in the checkpoint, or a parameter has neither a model entry
+        FileNotFoundError: `checkpoint_id` does not exist.
+        KeyError: `optim_key` is not in the checkpoint, or a parameter has neither a model entry
             nor optimizer state to read its shape from.
-        ValueError: as for ``famp.load_dcp_optim_state``, or a parameter's state tensors disagree
+        ValueError: as for `famp.load_dcp_optim_state`, or a parameter's state tensors disagree
             on its shape.
 
     Examples:
@@ -157,9 +157,9 @@ def read_dcp_param_shapes(
 
 
 def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Size | None:
-    """A parameter's shape read off its state tensors' shapes; ``None`` if there are none.
+    """A parameter's shape read off its state tensors' shapes; `None` if there are none.
 
-    The tensors of one dimension or more must agree (``exp_avg``, ``exp_avg_sq``, ...); if all are
+    The tensors of one dimension or more must agree (`exp_avg`, `exp_avg_sq`, ...); if all are
     0-d, the parameter is 0-d.
     """
     shaped = {tuple(s) for s in shapes if len(s) > 0}
@@ -173,7 +173,7 @@ def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Si
 
 
 def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
-    """Bytes of the tensors saved under ``key``, from the metadata alone."""
+    """Bytes of the tensors saved under `key`, from the metadata alone."""
     from famp import _dcp_reader as reader
 
     ckpt = reader.Checkpoint(checkpoint_id)
@@ -208,9 +208,9 @@ def _load_optim_state(
 
 
 def _unflatten(items: dict[str, Any], where: str, model_order: list[str]) -> dict[str, Any]:
-    """The canonical form of a state saved with ``flatten_optimizer_state_dict=True``.
+    """The canonical form of a state saved with `flatten_optimizer_state_dict=True`.
 
-    The saved keys are ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyperparameter>``.
+    The saved keys are `state.<fqn>.<name>` and `param_groups.<fqn>.<hyperparameter>`.
     Parameters whose hyperparameters are all equal form one group (the flattened form keeps no
     group boundaries); groups and parameters follow the model's order where the checkpoint has
     the model, else the saved order.
@@ -279,7 +279,7 @@ def _state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) 
 
 
 def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
-    """Check the entries under ``key``; return whether they are in the flattened layout."""
+    """Check the entries under `key`; return whether they are in the flattened layout."""
     from famp import _dcp_reader as reader
 
     paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]

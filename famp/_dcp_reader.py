@@ -1,23 +1,23 @@
 """A DCP checkpoint read offline, in one process, trusting nothing in it.
 
 famp reads DCP's on-disk format itself (the public metadata classes of
-``torch.distributed.checkpoint.metadata``; each saved item is a ``torch.save`` record at a byte
-range of a ``.distcp`` file) instead of driving DCP's loader, so that every fact the metadata
+`torch.distributed.checkpoint.metadata`; each saved item is a `torch.save` record at a byte
+range of a `.distcp` file) instead of driving DCP's loader, so that every fact the metadata
 states is checked against the bytes before it is used:
 
-* ``.metadata`` (a plain pickle) is read by an unpickler that builds only DCP's metadata classes,
-  ``torch.Size``, dtypes, layouts and paths; its structure is then checked field by field;
+* `.metadata` (a plain pickle) is read by an unpickler that builds only DCP's metadata classes,
+  `torch.Size`, dtypes, layouts and paths; its structure is then checked field by field;
 * every storage path stays inside the checkpoint directory, names a regular file (a symlink
   whose target lies outside the directory is refused) and every byte range lies inside its file;
-* every tensor record is read with ``torch.load(weights_only=True)`` and must hold exactly the
+* every tensor record is read with `torch.load(weights_only=True)` and must hold exactly the
   dtype and the chunk shape the metadata states (DCP itself casts silently); non-tensor items
-  are read with ``torch.load(weights_only=True)`` (DCP uses ``weights_only=False``);
+  are read with `torch.load(weights_only=True)` (DCP uses `weights_only=False`);
 * the saved chunks of every tensor must tile it exactly (no gap, no overlap).
 
-Any failure is a ``ValueError`` (``FileNotFoundError`` for a missing directory) naming the file
+Any failure is a `ValueError` (`FileNotFoundError` for a missing directory) naming the file
 and the key. DCP stores no checksums: flipped payload bytes read as wrong values, as in torch.
-``famp/_dcp.py`` imports this module lazily, on the first read, so ``import famp`` does not pay
-for ``torch.distributed.checkpoint``.
+`famp/_dcp.py` imports this module lazily, on the first read, so `import famp` does not pay
+for `torch.distributed.checkpoint`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 Path = tuple[str | int, ...]
-"""A key's path in the nested state dict, e.g. ``("optim", "state", "0.weight", "exp_avg")``."""
+"""A key's path in the nested state dict, e.g. `("optim", "state", "0.weight", "exp_avg")`."""
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -100,7 +100,7 @@ class Checkpoint:
     def entries(
         self, prefixes: Iterable[Path]
     ) -> list[tuple[str, TensorStorageMetadata | BytesStorageMetadata, Path]]:
-        """``(flat key, storage metadata, path)`` of every entry whose path starts with a prefix."""
+        """`(flat key, storage metadata, path)` of every entry whose path starts with a prefix."""
         prefixes = [tuple(p) for p in prefixes]
         out = []
         for key, md in self.metadata.state_dict_metadata.items():
@@ -110,20 +110,20 @@ class Checkpoint:
         return out
 
     def check_records(self, keys: Iterable[str]) -> None:
-        """Check, from the metadata and the files' sizes, every record that ``keys`` read."""
+        """Check, from the metadata and the files' sizes, every record that `keys` read."""
         for key in keys:
             for index in self._indices(key):
                 self._record(key, index)
 
     def read(self, key: str) -> Any:
-        """The entry ``key``: a whole tensor assembled from its chunks, or a plain value."""
+        """The entry `key`: a whole tensor assembled from its chunks, or a plain value."""
         md = self.metadata.state_dict_metadata[key]
         if isinstance(md, BytesStorageMetadata):
             return self._load(key, MetadataIndex(key), "item", plain=True)
         return self.read_tensor(key, md)
 
     def read_tensor(self, key: str, md: TensorStorageMetadata) -> torch.Tensor:
-        """The tensor ``key`` assembled whole, on CPU, in its saved dtype."""
+        """The tensor `key` assembled whole, on CPU, in its saved dtype."""
         dtype, size = md.properties.dtype, torch.Size(md.size)
         chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
         if len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(size):
@@ -143,7 +143,7 @@ class Checkpoint:
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
     ) -> torch.Tensor:
-        """The box ``offsets``/``sizes`` of tensor ``key``, reading only the chunks it overlaps."""
+        """The box `offsets`/`sizes` of tensor `key`, reading only the chunks it overlaps."""
         out: torch.Tensor | None = None
         for chunk in md.chunks:
             if math.prod(chunk.sizes) == 0:
@@ -169,7 +169,7 @@ class Checkpoint:
         return out if out is not None else torch.empty(sizes, dtype=md.properties.dtype)
 
     def raw_bytes(self, key: str) -> bytes:
-        """The stored bytes of the item ``key``, as checked by ``_record``."""
+        """The stored bytes of the item `key`, as checked by `_record`."""
         record = self._record(key, MetadataIndex(key))
         with open(os.path.join(self.root, record.relative_path), "rb") as f:
             f.seek(record.offset)
@@ -178,7 +178,7 @@ class Checkpoint:
     def read_chunk(
         self, key: str, md: TensorStorageMetadata, chunk: ChunkStorageMetadata
     ) -> torch.Tensor:
-        """One saved chunk of ``key``, checked against its metadata."""
+        """One saved chunk of `key`, checked against its metadata."""
         where = f"tensor {key!r} (chunk at offsets {list(chunk.offsets)})"
         value = self._load(key, MetadataIndex(key, chunk.offsets), where, plain=False)
         rel = self._record(key, MetadataIndex(key, chunk.offsets)).relative_path
@@ -241,7 +241,7 @@ class Checkpoint:
 
 
 class _Window(io.RawIOBase):
-    """The byte range ``[offset, offset + length)`` of an open file, as a seekable file."""
+    """The byte range `[offset, offset + length)` of an open file, as a seekable file."""
 
     def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
         super().__init__()
@@ -313,7 +313,7 @@ def _read_metadata(root: str) -> Metadata:
 
 
 def _check_metadata(metadata: Metadata, where: str) -> None:
-    """Raise ``ValueError`` naming the field unless ``metadata`` is well formed."""
+    """Raise `ValueError` naming the field unless `metadata` is well formed."""
     sdm = getattr(metadata, "state_dict_metadata", None)
     planner = getattr(metadata, "planner_data", None)
     storage = getattr(metadata, "storage_data", None)
@@ -399,7 +399,7 @@ def entry_path(metadata: Metadata, key: str) -> Path:
 
 
 def check_chunks_tile(key: str, md: TensorStorageMetadata) -> None:
-    """Raise ``ValueError`` unless the saved chunks of ``key`` cover it exactly once."""
+    """Raise `ValueError` unless the saved chunks of `key` cover it exactly once."""
     size = tuple(md.size)
     total = math.prod(size)
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks if math.prod(c.sizes) > 0]
@@ -433,7 +433,7 @@ def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
 
 
 def set_element(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Put ``value`` at ``path`` in ``root``, as DCP nests entries (int keys make lists)."""
+    """Put `value` at `path` in `root`, as DCP nests entries (int keys make lists)."""
     container: Any = root
     for key, nxt in itertools.pairwise(path):
         container = _child(container, key, [] if type(nxt) is int else {}, path)
@@ -476,7 +476,7 @@ def iter_entries(
     prefixes: Iterable[Path],
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[Path, Any]]:
-    """``(path, value)`` of every entry under ``prefixes``, in the metadata's order, one at a time.
+    """`(path, value)` of every entry under `prefixes`, in the metadata's order, one at a time.
 
     Every record is checked against the files' sizes before the first is read.
     """
@@ -494,7 +494,7 @@ def read_entries(
     prefixes: Iterable[Path],
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """The nested state dict of every saved entry under ``prefixes``, tensors whole, on CPU."""
+    """The nested state dict of every saved entry under `prefixes`, tensors whole, on CPU."""
     state_dict: dict[str, Any] = {}
     for path, value in iter_entries(Checkpoint(checkpoint_id), prefixes, progress):
         set_element(state_dict, path, value)
@@ -502,7 +502,7 @@ def read_entries(
 
 
 def is_tensor_entry(md: object) -> bool:
-    """Whether ``md`` describes a saved tensor (not pickled bytes)."""
+    """Whether `md` describes a saved tensor (not pickled bytes)."""
     return isinstance(md, TensorStorageMetadata)
 
 

@@ -1,16 +1,16 @@
 """A DCP checkpoint re-chunked for W ranks, written offline, one output rank at a time.
 
-What ``dcp.load`` reads does not depend on how the saved chunks are cut: it copies from every
+What `dcp.load` reads does not depend on how the saved chunks are cut: it copies from every
 saved chunk that overlaps what a rank asks for. famp therefore writes every tensor of one
-dimension or more as FSDP2's dim-0 ``torch.chunk`` over W ranks, rank ``r``'s chunks in
-``__<r>_0.distcp``, and 0-d tensors and non-tensor items whole in ``__0_0.distcp`` (their
+dimension or more as FSDP2's dim-0 `torch.chunk` over W ranks, rank `r`'s chunks in
+`__<r>_0.distcp`, and 0-d tensors and non-tensor items whole in `__0_0.distcp` (their
 records are copied byte for byte after they are read and checked). Paths, dtypes and
-``planner_data`` are the source's: a nested or flattened optimizer state stays what it was, and
+`planner_data` are the source's: a nested or flattened optimizer state stays what it was, and
 a job on W ranks loads the output as it would load the source.
 
 Each output rank reads only the saved chunks that overlap its rows and holds one saved chunk
 and one output chunk at a time, so memory stays within about twice the largest saved chunk. The
-ranks are independent: ``workers`` processes write them in parallel, and the files do not
+ranks are independent: `workers` processes write them in parallel, and the files do not
 depend on how many.
 """
 
@@ -43,7 +43,7 @@ Record = tuple[str, int, int]  # relative path, offset, length
 
 
 def rank_boxes(size: Sequence[int], world_size: int) -> list[Box | None]:
-    """Each rank's ``(offsets, sizes)`` of a tensor of ``size``: FSDP2's dim-0 ``torch.chunk``."""
+    """Each rank's `(offsets, sizes)` of a tensor of `size`: FSDP2's dim-0 `torch.chunk`."""
     if len(size) == 0:
         return [((), ())] + [None] * (world_size - 1)
     rows = size[0]
@@ -61,7 +61,7 @@ def rank_boxes(size: Sequence[int], world_size: int) -> list[Box | None]:
 def _plan(
     ckpt: Checkpoint, keys: Sequence[str], world_size: int
 ) -> list[list[tuple[str, Box | None]]]:
-    """Per output rank, the ``(key, box)`` it writes (box None: a non-tensor item)."""
+    """Per output rank, the `(key, box)` it writes (box None: a non-tensor item)."""
     plan: list[list[tuple[str, Box | None]]] = [[] for _ in range(world_size)]
     for key in keys:
         md = ckpt.metadata.state_dict_metadata[key]
@@ -77,7 +77,7 @@ def _plan(
 def _write_rank(
     root: str, out_dir: str, rank: int, items: Sequence[tuple[str, Box | None]]
 ) -> list[Record]:
-    """Write rank ``rank``'s file; return each item's record, in ``items`` order."""
+    """Write rank `rank`'s file; return each item's record, in `items` order."""
     ckpt = Checkpoint(root)
     name = f"__{rank}_0.distcp"
     records: list[Record] = []
@@ -104,7 +104,7 @@ def write_dcp(
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write the entries ``keys`` of checkpoint ``root`` to ``out_dir`` for ``world_size`` ranks."""
+    """Write the entries `keys` of checkpoint `root` to `out_dir` for `world_size` ranks."""
     ckpt = Checkpoint(root)
     ckpt.check_records(keys)
     plan = _plan(ckpt, keys, world_size)
@@ -172,13 +172,13 @@ def write_torch_save(
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write what ``dcp_to_torch_save(root, path)`` writes, holding one saved chunk at a time.
+    """Write what `dcp_to_torch_save(root, path)` writes, holding one saved chunk at a time.
 
-    ``torch.save`` first writes the whole nested dict with every tensor a placeholder whose bytes
-    are skipped (``torch.serialization.skip_data``; ``torch.empty`` pages are never touched, so
+    `torch.save` first writes the whole nested dict with every tensor a placeholder whose bytes
+    are skipped (`torch.serialization.skip_data`; `torch.empty` pages are never touched, so
     they cost no memory); then each tensor's bytes are written into its record, chunk by chunk,
-    through a buffer of ``buffer_bytes``, and the records' CRC-32 fields are set. With
-    ``workers`` > 1, that many processes write disjoint shares of the records (balanced by
+    through a buffer of `buffer_bytes`, and the records' CRC-32 fields are set. With
+    `workers` > 1, that many processes write disjoint shares of the records (balanced by
     bytes); the file is the same for any number.
     """
     from famp._dcp_reader import set_element
@@ -252,7 +252,7 @@ def _write_records(
     buffer_bytes: int,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, int]:
-    """Write each ``(record, offset, key, _)`` tensor's bytes at ``offset``; return the CRC-32s."""
+    """Write each `(record, offset, key, _)` tensor's bytes at `offset`; return the CRC-32s."""
     ckpt = Checkpoint(root)
     buffer = bytearray(buffer_bytes)
     crcs: dict[str, int] = {}
@@ -271,7 +271,7 @@ def _write_records(
 
 
 def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Tensors in the order ``pickle`` meets them: dicts in insertion order, lists in order."""
+    """Tensors in the order `pickle` meets them: dicts in insertion order, lists in order."""
     out = [] if out is None else out
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -287,7 +287,7 @@ def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[tor
 def _row_slabs(
     ckpt: Checkpoint, key: str, md: TensorStorageMetadata
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(byte offset, contiguous tensor)`` pieces of ``key`` in row-major order, lazily.
+    """`(byte offset, contiguous tensor)` pieces of `key` in row-major order, lazily.
 
     Saved chunks that are whole rows (dim-0 slabs: FSDP2) are written as they are read; any
     other chunking is assembled whole first.
@@ -303,7 +303,7 @@ def _row_slabs(
 
 
 def _is_slabs(md: TensorStorageMetadata) -> bool:
-    """Whether ``md``'s saved chunks are whole rows (dim-0 slabs), written as they are read."""
+    """Whether `md`'s saved chunks are whole rows (dim-0 slabs), written as they are read."""
     size = tuple(md.size)
     chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
     return bool(size) and all(
@@ -312,7 +312,7 @@ def _is_slabs(md: TensorStorageMetadata) -> bool:
 
 
 def largest_piece(ckpt: Checkpoint) -> int:
-    """The most bytes ``write_torch_save`` holds at once for one tensor of ``ckpt``.
+    """The most bytes `write_torch_save` holds at once for one tensor of `ckpt`.
 
     A saved chunk for dim-0 slabs; the whole tensor for any other chunking (assembled first).
     """
@@ -329,7 +329,7 @@ def largest_piece(ckpt: Checkpoint) -> int:
 
 
 def _write_bytes(f: Any, data: torch.Tensor, buffer: bytearray, crc: int) -> int:
-    """Write ``data``'s bytes at ``f``'s position; return the running CRC-32."""
+    """Write `data`'s bytes at `f`'s position; return the running CRC-32."""
     flat = data.reshape(-1).view(torch.uint8) if data.dim() else data.reshape(1).view(torch.uint8)
     try:  # numpy exposes the tensor's own memory: no copy (torch does not need numpy)
         view = memoryview(flat.numpy())  # type: ignore[arg-type]

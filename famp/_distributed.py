@@ -22,10 +22,10 @@ def check_fsdp2_param(
     layout: FSDP2Layout,
     rank: int,
 ) -> None:
-    """Refuse an FSDP2 parameter (a DTensor) that the layout's chunk for ``rank`` would not fit.
+    """Refuse an FSDP2 parameter (a DTensor) that the layout's chunk for `rank` would not fit.
 
     Checks what the optimizer really holds: a 1-d mesh of the layout's world size on which this
-    process is ``rank``, the placement ``Shard(dim)`` with the layout's dim, the global shape,
+    process is `rank`, the placement `Shard(dim)` with the layout's dim, the global shape,
     and the local shape. Runs no collective.
     """
     from torch.distributed.tensor import DTensor, Shard
@@ -124,13 +124,13 @@ def _layout_fsdp1(model: torch.nn.Module) -> FSDP1Layout:
 
 
 def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
-    """The layout of a live model wrapped by FSDP2's ``fully_shard`` or by FSDP1.
+    """The layout of a live model wrapped by FSDP2's `fully_shard` or by FSDP1.
 
     FSDP2: every parameter is a DTensor sharded on one dim of a 1-d mesh; the layout records its
     global shape and shard dim. FSDP1: every unit's flat parameter gives its original parameters'
-    names and shapes, and the unit its world size, ``use_orig_params`` and compute dtype.
-    Names are cleaned as in state dicts (no ``_fsdp_wrapped_module.``, ``_orig_mod.`` or
-    ``_checkpoint_wrapped_module.``). Reads metadata only; runs no collective.
+    names and shapes, and the unit its world size, `use_orig_params` and compute dtype.
+    Names are cleaned as in state dicts (no `_fsdp_wrapped_module.`, `_orig_mod.` or
+    `_checkpoint_wrapped_module.`). Reads metadata only; runs no collective.
 
     Args:
         model: the wrapped root module.
@@ -140,10 +140,10 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
         names and shapes with `famp.fsdp2_layout` or `famp.fsdp1_layout`.
 
     Raises:
-        TypeError: ``model`` is not a ``torch.nn.Module``.
+        TypeError: `model` is not a `torch.nn.Module`.
         ValueError: the model is not wrapped, mixes FSDP1 and FSDP2 or plain parameters, uses a
-            2-d mesh (HSDP, tensor parallel), ``NO_SHARD`` or ``HYBRID_SHARD``, or its FSDP1 units
-            differ in world size, ``use_orig_params`` or ``param_dtype``.
+            2-d mesh (HSDP, tensor parallel), `NO_SHARD` or `HYBRID_SHARD`, or its FSDP1 units
+            differ in world size, `use_orig_params` or `param_dtype`.
 
     Examples:
         >>> import famp, torch

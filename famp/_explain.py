@@ -1,35 +1,35 @@
-"""``famp.explain``: every aten op a ``famp.autocast`` call runs, with its dtypes and its rule.
+"""`famp.explain`: every aten op a `famp.autocast` call runs, with its dtypes and its rule.
 
-The function runs exactly as ``famp.autocast(fn, policy, ..., compile=False)`` runs it; three
+The function runs exactly as `famp.autocast(fn, policy, ..., compile=False)` runs it; three
 observers watch it, none of which changes what runs:
 
-- a ``TorchDispatchMode`` records each aten op that reaches dispatch, with its tensor arguments'
-  and results' dtypes (the ops ``torch.autocast`` and a dispatch-mode logger see: the ``_to_copy``
+- a `TorchDispatchMode` records each aten op that reaches dispatch, with its tensor arguments'
+  and results' dtypes (the ops `torch.autocast` and a dispatch-mode logger see: the `_to_copy`
   casts that autocast inserts, and the pieces of composite ops, never the composite itself);
 - global module forward hooks keep the stack of modules running, for each op's module path;
-- a profile function (``sys.setprofile``) sees each call of a torch builtin from Python code
-  (``F.linear``, ``torch.conv2d``, ``x.softmax``), the level where autocast's rules apply.
+- a profile function (`sys.setprofile`) sees each call of a torch builtin from Python code
+  (`F.linear`, `torch.conv2d`, `x.softmax`), the level where autocast's rules apply.
 
 **What "rule" means at dispatch level.** Autocast's rule applies to the op called from Python:
-torch's C++ wrapper for ``linear`` casts the inputs (the ``_to_copy`` ops) and runs ``linear``'s
-pieces (``t``, ``addmm``) with autocast off, so each of them is governed by ``linear``'s rule. A
-record's ``rule`` is therefore the rule, in the call's table, of the outermost torch builtin
-called from Python that encloses the op (``call`` names it); an op reached without one (Python
-operators such as ``a @ b`` and ``a + b``, which are not profiled calls) gets its own aten
+torch's C++ wrapper for `linear` casts the inputs (the `_to_copy` ops) and runs `linear`'s
+pieces (`t`, `addmm`) with autocast off, so each of them is governed by `linear`'s rule. A
+record's `rule` is therefore the rule, in the call's table, of the outermost torch builtin
+called from Python that encloses the op (`call` names it); an op reached without one (Python
+operators such as `a @ b` and `a + b`, which are not profiled calls) gets its own aten
 overload's rule, and so does an op inside a builtin that is not an aten op (the backward pass,
-run by ``torch.autograd``'s engine). Two blind spots follow, where the dtypes tell the truth and
-the rule does not: the casts autocast makes for an operator (``a @ b``) show ``"keep"`` (``mm``
-itself shows ``"lower"``), and the ops that another op's C++ implementation calls through their
-own autocast wrappers (the linears inside ``_VF.gru`` and ``lstm_cell``) show the outer op's
-rule (``"keep"``), although torch casts them. ``rule`` is ``None`` where autocast is off for the
+run by `torch.autograd`'s engine). Two blind spots follow, where the dtypes tell the truth and
+the rule does not: the casts autocast makes for an operator (`a @ b`) show `"keep"` (`mm`
+itself shows `"lower"`), and the ops that another op's C++ implementation calls through their
+own autocast wrappers (the linears inside `_VF.gru` and `lstm_cell`) show the outer op's
+rule (`"keep"`), although torch casts them. `rule` is `None` where autocast is off for the
 device (a float32 compute dtype, a module rule computing in float32, the function's own
-``torch.autocast(enabled=False)``, the output cast after the autocast region). ``source`` is
-``"override"`` where the call's rules give the op another rule than the device's defaults, else
-``"module"`` inside a module that a module rule matches, else ``"default"``.
+`torch.autocast(enabled=False)`, the output cast after the autocast region). `source` is
+`"override"` where the call's rules give the op another rule than the device's defaults, else
+`"module"` inside a module that a module rule matches, else `"default"`.
 
 Deliberately not supported: compiled execution (a compiled graph runs no aten ops one by one:
 explain always runs eagerly), and threads other than the caller's (the profile function is the
-calling thread's; ``sys.setprofile`` users such as ``cProfile`` are suspended meanwhile).
+calling thread's; `sys.setprofile` users such as `cProfile` are suspended meanwhile).
 """
 
 from __future__ import annotations
@@ -71,19 +71,19 @@ def _short(dtype: torch.dtype | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
-    """One aten op that ran inside a ``famp.explain`` call.
+    """One aten op that ran inside a `famp.explain` call.
 
     Attributes:
-        op: The aten overload, such as ``"aten.mm.default"``.
-        module: The path of the innermost ``nn.Module`` running it, relative to the outermost
-            module the call entered (``""`` outside any module, the backward pass included).
-        rule: The famp rule governing it (see ``famp.explain``), or ``None`` where autocast is off.
-        source: ``"default"``, ``"override"`` (the call's ``rules`` differ from the defaults
-            here) or ``"module"`` (a module rule's policy governs it).
+        op: The aten overload, such as `"aten.mm.default"`.
+        module: The path of the innermost `nn.Module` running it, relative to the outermost
+            module the call entered (`""` outside any module, the backward pass included).
+        rule: The famp rule governing it (see `famp.explain`), or `None` where autocast is off.
+        source: `"default"`, `"override"` (the call's `rules` differ from the defaults
+            here) or `"module"` (a module rule's policy governs it).
         in_dtypes: The dtypes of its tensor arguments, in order.
         out_dtypes: The dtypes of its tensor results, in order.
-        call: The torch function called from Python whose rule governs the op (``"linear"``),
-            or ``""`` when the op's own rule applies.
+        call: The torch function called from Python whose rule governs the op (`"linear"`),
+            or `""` when the op's own rule applies.
     """
 
     op: str
@@ -96,7 +96,7 @@ class OpRecord:
 
 
 class Trace(Sequence[OpRecord]):
-    """The ops one ``famp.explain`` call ran, in order: a sequence of ``famp.OpRecord``.
+    """The ops one `famp.explain` call ran, in order: a sequence of `famp.OpRecord`.
 
     Examples:
         >>> import famp, torch
@@ -132,7 +132,7 @@ class Trace(Sequence[OpRecord]):
         """The trace as a table for a terminal: one row per op.
 
         Args:
-            module: Only the ops of this module and its submodules (a path prefix); ``None``: all.
+            module: Only the ops of this module and its submodules (a path prefix); `None`: all.
 
         Returns:
             The table as text: op, module, call, rule, source, input and output dtypes.
@@ -177,7 +177,7 @@ class Trace(Sequence[OpRecord]):
         """How many ops ran per (rule, first output dtype), in order of first appearance.
 
         Returns:
-            ``{(rule, dtype): count}``; the dtype is ``None`` for ops without a tensor result.
+            `{(rule, dtype): count}`; the dtype is `None` for ops without a tensor result.
 
         Examples:
             >>> import famp, torch
@@ -192,7 +192,7 @@ class Trace(Sequence[OpRecord]):
         return out
 
     def summary(self) -> str:
-        """``counts()`` as a short table for a terminal.
+        """`counts()` as a short table for a terminal.
 
         Returns:
             One line per (rule, output dtype): the number of ops.
@@ -220,7 +220,7 @@ class Trace(Sequence[OpRecord]):
 
 @functools.cache
 def _aten_overloads(name: str) -> tuple[str, ...] | None:
-    """The overloads of ``torch.ops.aten.<name>``, or None if there is no such op."""
+    """The overloads of `torch.ops.aten.<name>`, or None if there is no such op."""
     if not name.isidentifier():
         return None
     try:
@@ -399,33 +399,33 @@ def _infer_device(args: Any) -> str:
 def explain(
     fn: Callable[..., Any], policy: Policy | str, **autocast_kwargs: Any
 ) -> Callable[..., tuple[Any, Trace]]:
-    """Run a function as ``famp.autocast`` would, and say what each aten op did and why.
+    """Run a function as `famp.autocast` would, and say what each aten op did and why.
 
-    The returned function takes ``fn``'s arguments, runs ``fn`` exactly as
-    ``famp.autocast(fn, policy, **autocast_kwargs)`` runs it eagerly (same ops, same results, bit
-    for bit) and returns ``(output, trace)``. ``trace`` is a ``famp.Trace``: one
-    ``famp.OpRecord`` per aten op that ran, in order, with its overload, the innermost module
+    The returned function takes `fn`'s arguments, runs `fn` exactly as
+    `famp.autocast(fn, policy, **autocast_kwargs)` runs it eagerly (same ops, same results, bit
+    for bit) and returns `(output, trace)`. `trace` is a `famp.Trace`: one
+    `famp.OpRecord` per aten op that ran, in order, with its overload, the innermost module
     running it, the famp rule that governed it and where that rule came from, and its input and
-    output dtypes. The ops and dtypes are those a ``TorchDispatchMode`` logs under
-    ``torch.autocast`` (the casts autocast inserts are ``aten._to_copy`` ops; composite ops
+    output dtypes. The ops and dtypes are those a `TorchDispatchMode` logs under
+    `torch.autocast` (the casts autocast inserts are `aten._to_copy` ops; composite ops
     appear as their pieces). An op's rule is that of the torch function called from Python that
-    encloses it (the ``addmm`` inside ``F.linear`` runs under ``linear``'s rule); the module
-    docstring of ``famp._explain`` spells out the cases. Explain always runs eagerly: a compiled
+    encloses it (the `addmm` inside `F.linear` runs under `linear`'s rule); the module
+    docstring of `famp._explain` spells out the cases. Explain always runs eagerly: a compiled
     graph has no per-op dispatch to watch.
 
     Args:
         fn: The function (or module) to run.
-        policy: A ``famp.Policy`` or a ``famp.get_policy`` string.
-        **autocast_kwargs: ``famp.autocast``'s keyword arguments (``device_type``, ``rules``,
-            ``module_rules``, ``track_casts``); ``compile`` may only be ``False`` or ``None``.
+        policy: A `famp.Policy` or a `famp.get_policy` string.
+        **autocast_kwargs: `famp.autocast`'s keyword arguments (`device_type`, `rules`,
+            `module_rules`, `track_casts`); `compile` may only be `False` or `None`.
 
     Returns:
-        A function with ``fn``'s arguments returning ``(fn's output as famp.autocast returns it,
-        trace)``.
+        A function with `fn`'s arguments returning `(fn's output as famp.autocast returns it,
+        trace)`.
 
     Raises:
-        ValueError: ``compile=True``; and every error ``famp.autocast`` raises for its arguments.
-        TypeError: As ``famp.autocast``.
+        ValueError: `compile=True`; and every error `famp.autocast` raises for its arguments.
+        TypeError: As `famp.autocast`.
 
     Examples:
         >>> import famp, torch

@@ -1,18 +1,18 @@
 """Pure maps between the full FQN-keyed optimizer state and per-rank shards.
 
-The canonical form is the full state dict that FSDP1's FULL ``optim_state_dict`` and
-``get_optimizer_state_dict(full_state_dict=True)`` return::
+The canonical form is the full state dict that FSDP1's FULL `optim_state_dict` and
+`get_optimizer_state_dict(full_state_dict=True)` return::
 
     {"state": {fqn: {"step": 0-d tensor, "exp_avg": tensor of the parameter's shape, ...}},
      "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}, ...]}
 
 A rank's shard is the same dict with every parameter-shaped tensor replaced by the rank's chunk
-(what ``get_optimizer_state_dict(model, optim)`` returns under FSDP2, DTensors as local tensors).
+(what `get_optimizer_state_dict(model, optim)` returns under FSDP2, DTensors as local tensors).
 0-d tensors and non-tensors are replicated. Any other tensor shape is rejected.
 
 Where copies happen: `shard_optim_state` returns views of the full tensors (dim 0 of a
-contiguous tensor) unless ``copy=True``; a shard on another dim is made contiguous, which copies.
-`unshard_optim_state` always copies (``torch.cat``). `reshard_optim_state` returns
+contiguous tensor) unless `copy=True`; a shard on another dim is made contiguous, which copies.
+`unshard_optim_state` always copies (`torch.cat`). `reshard_optim_state` returns
 views of the old shards where a new shard lies inside one old shard, and concatenates otherwise.
 """
 
@@ -30,12 +30,12 @@ __all__ = ["reshard_optim_state", "shard_optim_state", "unshard_optim_state"]
 
 
 def clone_value(value: Any, copy: bool) -> Any:
-    """``value.clone()`` for a tensor when ``copy``, else ``value``."""
+    """`value.clone()` for a tensor when `copy`, else `value`."""
     return value.clone() if copy and isinstance(value, torch.Tensor) else value
 
 
 def copy_groups(groups: Sequence[Mapping[str, Any]], copy: bool) -> Groups:
-    """New param-group dicts (new ``params`` lists; tensors cloned when ``copy``)."""
+    """New param-group dicts (new `params` lists; tensors cloned when `copy`)."""
     return [
         {k: list(v) if k == "params" else clone_value(v, copy) for k, v in group.items()}
         for group in groups
@@ -43,7 +43,7 @@ def copy_groups(groups: Sequence[Mapping[str, Any]], copy: bool) -> Groups:
 
 
 def narrow(tensor: torch.Tensor, dim: int, start: int, length: int, copy: bool) -> torch.Tensor:
-    """A contiguous chunk of ``tensor``: a view where possible, a compact copy when ``copy``."""
+    """A contiguous chunk of `tensor`: a view where possible, a compact copy when `copy`."""
     piece = tensor.narrow(dim, start, length)
     return piece.clone(memory_format=torch.contiguous_format) if copy else piece.contiguous()
 
@@ -59,34 +59,34 @@ def shard_optim_state(
     """One rank's piece of a full FQN-keyed optimizer state dict.
 
     Every tensor of its parameter's shape becomes the rank's chunk along the layout's shard dim
-    (``torch.chunk``; possibly ``(0, *rest)``); 0-d tensors (``step``) and non-tensors are shared;
-    ``param_groups`` are copied. Under FSDP2 this equals ``get_optimizer_state_dict(model, optim)``
-    on ``rank`` with every DTensor replaced by its local tensor, and with ``mesh`` (FSDP2's 1-d
-    device mesh) it is that dict itself: the chunks are wrapped as ``DTensor``s placed
-    ``Shard(dim)`` on the mesh with the parameter's global shape (no collective runs), ready for
-    ``set_optimizer_state_dict(model, optim, shard)`` on that rank. Under FSDP1 it is the SHARDED
+    (`torch.chunk`; possibly `(0, *rest)`); 0-d tensors (`step`) and non-tensors are shared;
+    `param_groups` are copied. Under FSDP2 this equals `get_optimizer_state_dict(model, optim)`
+    on `rank` with every DTensor replaced by its local tensor, and with `mesh` (FSDP2's 1-d
+    device mesh) it is that dict itself: the chunks are wrapped as `DTensor`s placed
+    `Shard(dim)` on the mesh with the parameter's global shape (no collective runs), ready for
+    `set_optimizer_state_dict(model, optim, shard)` on that rank. Under FSDP1 it is the SHARDED
     state dict's per-parameter chunks. Parameters without state stay without state.
 
     Args:
-        full_osd: ``{"state": {fqn: {...}}, "param_groups": [...]}``, full tensors.
+        full_osd: `{"state": {fqn: {...}}, "param_groups": [...]}`, full tensors.
         layout: a `famp.FSDP2Layout` or `famp.FSDP1Layout`.
         rank: the rank whose shard to return.
-        copy: clone every tensor, so that the shard keeps no reference to ``full_osd``'s storage
+        copy: clone every tensor, so that the shard keeps no reference to `full_osd`'s storage
             (PyTorch #116553). By default shards on dim 0 are views.
-        mesh: FSDP2 only: a 1-d ``torch.distributed.DeviceMesh`` of the layout's world size on
-            which this process is ``rank``; the sharded tensors come back as DTensors on it.
+        mesh: FSDP2 only: a 1-d `torch.distributed.DeviceMesh` of the layout's world size on
+            which this process is `rank`; the sharded tensors come back as DTensors on it.
 
     Returns:
-        The rank's state dict, FQN-keyed, with the structure of ``full_osd``.
+        The rank's state dict, FQN-keyed, with the structure of `full_osd`.
 
     Raises:
-        KeyError: a name that is not in the layout, or a missing ``state``/``param_groups`` entry.
+        KeyError: a name that is not in the layout, or a missing `state`/`param_groups` entry.
         ValueError: a rank outside the world, a tensor whose shape disagrees with the layout, a
             state name that is a tensor for one parameter and not for another, a parameter in two
-            param groups or in none; ``mesh`` with an FSDP1 layout, of another size or shape, or
-            on which this process is not ``rank``.
-        TypeError: ``layout`` is not a layout, ``rank`` is not an int, a state tensor is sparse
-            (not ``torch.strided``), or ``mesh`` is not a ``DeviceMesh``.
+            param groups or in none; `mesh` with an FSDP1 layout, of another size or shape, or
+            on which this process is not `rank`.
+        TypeError: `layout` is not a layout, `rank` is not an int, a state tensor is sparse
+            (not `torch.strided`), or `mesh` is not a `DeviceMesh`.
 
     Examples:
         >>> import famp, torch
@@ -129,19 +129,19 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
 
     Args:
         shards: one FQN-keyed local state dict per rank, in rank order (e.g. each rank's
-            ``get_optimizer_state_dict(model, optim)`` with DTensors as local tensors).
+            `get_optimizer_state_dict(model, optim)` with DTensors as local tensors).
         layout: the layout the shards were taken with.
 
     Returns:
-        The full state dict, equal to ``get_optimizer_state_dict(model, optim,
-        options=StateDictOptions(full_state_dict=True))``.
+        The full state dict, equal to `get_optimizer_state_dict(model, optim,
+        options=StateDictOptions(full_state_dict=True))`.
 
     Raises:
         KeyError: a name that is not in the layout.
         ValueError: a missing or extra shard, a shard of the wrong shape or dtype, parameters or
-            state names or ``param_groups`` that differ between ranks, replicated values that
+            state names or `param_groups` that differ between ranks, replicated values that
             differ, non-tensor state where other ranks hold tensors.
-        TypeError: ``shards`` is not a list.
+        TypeError: `shards` is not a list.
 
     Examples:
         >>> import famp, torch
@@ -169,7 +169,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
 def _new_chunks(
     pieces: list[torch.Tensor], old: Layout, new: Layout, fqn: str, copy: bool
 ) -> list[torch.Tensor]:
-    """One parameter's state tensor moved from ``old``'s chunks to ``new``'s, one per new rank."""
+    """One parameter's state tensor moved from `old`'s chunks to `new`'s, one per new rank."""
     shape, old_dim = old._specs[fqn]
     new_dim = new._specs[fqn][1]
     size = shape[new_dim]
@@ -205,20 +205,20 @@ def reshard_optim_state(
 ) -> list[dict[str, Any]]:
     """Move every rank's shard from one layout to another without gathering the full state.
 
-    Equal to ``[shard_optim_state(unshard_optim_state(shards, old_layout), new_layout, r) for r in
-    range(new_layout.world_size)]``, but each new chunk is cut from the old chunks it overlaps:
+    Equal to `[shard_optim_state(unshard_optim_state(shards, old_layout), new_layout, r) for r in
+    range(new_layout.world_size)]`, but each new chunk is cut from the old chunks it overlaps:
     a view when it lies inside one old chunk, a concatenation of the overlapping pieces otherwise.
     Only a parameter whose shard dim changes is gathered, one at a time. Layouts may be of
     different kinds (FSDP1's SHARDED form and FSDP2 share the per-parameter chunking).
 
     Args:
         shards: one FQN-keyed local state dict per old rank, in rank order.
-        old_layout: the layout of ``shards``.
+        old_layout: the layout of `shards`.
         new_layout: the target layout: same parameter names and shapes, any world size.
         copy: clone views too, so no new shard keeps an old shard's storage alive.
 
     Returns:
-        A list of ``new_layout.world_size`` FQN-keyed local state dicts.
+        A list of `new_layout.world_size` FQN-keyed local state dicts.
 
     Raises:
         KeyError: a name that is not in the layouts.

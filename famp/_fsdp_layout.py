@@ -1,12 +1,12 @@
 """FSDP1 and FSDP2 layouts: which piece of every parameter each rank holds, from names and shapes.
 
-A layout is plain data (frozen, comparable, picklable). It is built from ``{fqn: shape}`` alone,
+A layout is plain data (frozen, comparable, picklable). It is built from `{fqn: shape}` alone,
 so a 64-rank checkpoint can be resharded on one machine, or read off a live wrapped model with
-`famp.layout_of`. The rules were read off torch 2.13's ``fully_shard`` (``_fsdp_param.py``)
-and ``FullyShardedDataParallel`` (``_flat_param.py``) and are checked against both in the tests.
+`famp.layout_of`. The rules were read off torch 2.13's `fully_shard` (`_fsdp_param.py`)
+and `FullyShardedDataParallel` (`_flat_param.py`) and are checked against both in the tests.
 
 Not supported: 0-d and zero-element parameters, HSDP and tensor-parallel meshes, FSDP1's
-``NO_SHARD`` strategy and parameters that FSDP1 does not manage (``ignored_modules``).
+`NO_SHARD` strategy and parameters that FSDP1 does not manage (`ignored_modules`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _REPR_PARAMS = 6
 
 
 def chunk_range(size: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(start, length)`` of ``torch.chunk(range(size), world_size)[rank]``, empty past the end."""
+    """`(start, length)` of `torch.chunk(range(size), world_size)[rank]`, empty past the end."""
     step = -(-size // world_size)
     start = min(rank * step, size)
     return start, min(step, size - start)
@@ -44,7 +44,7 @@ def _check_world_size(world_size: object) -> int:
 
 
 def check_rank(rank: object, world_size: int) -> int:
-    """``rank`` as an int in ``[0, world_size)``: a TypeError or ValueError naming it."""
+    """`rank` as an int in `[0, world_size)`: a TypeError or ValueError naming it."""
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(
             f"rank must be an int in [0, {world_size}), got {type(rank).__name__} {rank!r}"
@@ -92,12 +92,12 @@ def _repr_params(items: Iterable[str]) -> str:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class FSDP2Layout:
-    """How ``fully_shard`` (FSDP2) splits every parameter across ``world_size`` ranks.
+    """How `fully_shard` (FSDP2) splits every parameter across `world_size` ranks.
 
-    Each parameter is cut along its shard dim (0 unless ``shard_placement_fn`` chose another) with
-    ``torch.chunk`` semantics: chunks of ``ceil(n / world_size)`` rows, so trailing ranks may hold
-    fewer rows or none (shape ``(0, *rest)``). A dim other than 0 must divide evenly, as FSDP2
-    requires. Optimizer state follows the parameters; 0-d state such as ``step`` is replicated.
+    Each parameter is cut along its shard dim (0 unless `shard_placement_fn` chose another) with
+    `torch.chunk` semantics: chunks of `ceil(n / world_size)` rows, so trailing ranks may hold
+    fewer rows or none (shape `(0, *rest)`). A dim other than 0 must divide evenly, as FSDP2
+    requires. Optimizer state follows the parameters; 0-d state such as `step` is replicated.
     Build it with `famp.fsdp2_layout` or `famp.layout_of`. Equal by content.
 
     Attributes:
@@ -132,7 +132,7 @@ class FSDP2Layout:
         return {f: (s, d) for f, s, d in triples}
 
     def local_shape(self, fqn: str, rank: int) -> Shape:
-        """Shape of ``fqn``'s shard on ``rank``, e.g. ``(0, 4)`` for an empty trailing rank."""
+        """Shape of `fqn`'s shard on `rank`, e.g. `(0, 4)` for an empty trailing rank."""
         return local_shape(self, fqn, rank)
 
     def __repr__(self) -> str:
@@ -153,7 +153,7 @@ class FlatSlice:
     numel: int
 
     def in_shard(self, shard_numel: int, rank: int) -> tuple[int, int]:
-        """Intra-parameter ``[start, end)`` on ``rank``; ``(0, 0)`` when it is not there."""
+        """Intra-parameter `[start, end)` on `rank`; `(0, 0)` when it is not there."""
         lo = max(self.start, rank * shard_numel)
         hi = min(self.start + self.numel, (rank + 1) * shard_numel)
         return (lo - self.start, hi - self.start) if lo < hi else (0, 0)
@@ -161,23 +161,23 @@ class FlatSlice:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class FSDP1Layout:
-    """How ``FullyShardedDataParallel`` (FSDP1) lays out parameters and optimizer state.
+    """How `FullyShardedDataParallel` (FSDP1) lays out parameters and optimizer state.
 
-    Every FSDP unit flattens its parameters, in ``named_parameters()`` order, into one 1-D flat
-    parameter. With ``use_orig_params=True`` each parameter starts on a 16-byte boundary measured
-    in ``param_dtype`` (zero padding before it: 4 elements for float32, 8 for bfloat16) and the
-    total is padded to a multiple of ``world_size``. Rank ``r`` holds flat elements
-    ``[r*c, (r+1)*c)`` with ``c = ceil(total / world_size)``, zero padded at the end. Its optimizer
-    then holds one flat state per unit (``use_orig_params=False``) or one 1-D slice per original
-    parameter that intersects its shard, and no state at all for the others (``True``). FSDP1's
+    Every FSDP unit flattens its parameters, in `named_parameters()` order, into one 1-D flat
+    parameter. With `use_orig_params=True` each parameter starts on a 16-byte boundary measured
+    in `param_dtype` (zero padding before it: 4 elements for float32, 8 for bfloat16) and the
+    total is padded to a multiple of `world_size`. Rank `r` holds flat elements
+    `[r*c, (r+1)*c)` with `c = ceil(total / world_size)`, zero padded at the end. Its optimizer
+    then holds one flat state per unit (`use_orig_params=False`) or one 1-D slice per original
+    parameter that intersects its shard, and no state at all for the others (`True`). FSDP1's
     SHARDED state dict cuts each parameter on dim 0 like FSDP2 (`shard_dims` are 0).
     Build it with `famp.fsdp1_layout` or `famp.layout_of`. Equal by content.
 
     Attributes:
         world_size: number of ranks.
-        units: per FSDP unit, its ``(fqn, shape)`` pairs in flattening order.
+        units: per FSDP unit, its `(fqn, shape)` pairs in flattening order.
         use_orig_params: FSDP1's flag of that name.
-        param_dtype: the dtype FSDP1 computes in (``MixedPrecision.param_dtype``, or the
+        param_dtype: the dtype FSDP1 computes in (`MixedPrecision.param_dtype`, or the
             parameters' dtype without mixed precision); it sets the alignment.
     """
 
@@ -223,7 +223,7 @@ class FSDP1Layout:
 
     @functools.cached_property
     def _flat(self) -> tuple[tuple[tuple[FlatSlice, ...], int], ...]:
-        """Per unit: its parameters' slices and the shard length ``c``."""
+        """Per unit: its parameters' slices and the shard length `c`."""
         align = _ALIGNMENT_BYTES // self.param_dtype.itemsize if self.use_orig_params else 0
         units = []
         for u, unit in enumerate(self.units):
@@ -241,17 +241,17 @@ class FSDP1Layout:
         return {s.fqn: s for slices, _ in self._flat for s in slices}
 
     def local_shape(self, fqn: str, rank: int) -> Shape:
-        """Shape of ``fqn``'s dim-0 chunk on ``rank`` in FSDP1's SHARDED state dict."""
+        """Shape of `fqn`'s dim-0 chunk on `rank` in FSDP1's SHARDED state dict."""
         return local_shape(self, fqn, rank)
 
     def flat_numel(self, unit: int) -> int:
-        """Elements of unit ``unit``'s flat parameter on each rank (padding included)."""
+        """Elements of unit `unit`'s flat parameter on each rank (padding included)."""
         return self._flat[unit][1]
 
     def param_slice(self, fqn: str, rank: int) -> tuple[int, int]:
-        """``(start, stop)`` of ``fqn``'s flattened elements in ``rank``'s shard; equal if none.
+        """`(start, stop)` of `fqn`'s flattened elements in `rank`'s shard; equal if none.
 
-        With ``use_orig_params=True`` this 1-D slice is the parameter ``rank``'s optimizer sees.
+        With `use_orig_params=True` this 1-D slice is the parameter `rank`'s optimizer sees.
         """
         if fqn not in self._slices:
             raise KeyError(f"parameter {fqn!r} is not in the layout")
@@ -268,7 +268,7 @@ class FSDP1Layout:
 
 
 def local_shape(layout: FSDP1Layout | FSDP2Layout, fqn: str, rank: int) -> Shape:
-    """Shape of ``fqn``'s dim-``d`` chunk on ``rank`` (shared by both layouts)."""
+    """Shape of `fqn`'s dim-`d` chunk on `rank` (shared by both layouts)."""
     if fqn not in layout._specs:
         raise KeyError(f"parameter {fqn!r} is not in the layout")
     check_rank(rank, layout.world_size)
@@ -290,26 +290,26 @@ def fsdp2_layout(
     *,
     shard_dims: Mapping[str, int] | None = None,
 ) -> FSDP2Layout:
-    """The layout ``fully_shard`` gives these parameters on ``world_size`` ranks.
+    """The layout `fully_shard` gives these parameters on `world_size` ranks.
 
-    Every parameter is chunked on dim 0 (``torch.chunk``; trailing ranks may be empty) unless
-    ``shard_dims`` names another dim, as FSDP2's ``shard_placement_fn`` would; a dim other than 0
+    Every parameter is chunked on dim 0 (`torch.chunk`; trailing ranks may be empty) unless
+    `shard_dims` names another dim, as FSDP2's `shard_placement_fn` would; a dim other than 0
     must divide evenly. Negative dims count from the end.
 
     Args:
-        params: ``{fqn: shape}`` in the model's ``named_parameters()`` order, e.g.
-            ``{n: p.shape for n, p in model.named_parameters()}``.
+        params: `{fqn: shape}` in the model's `named_parameters()` order, e.g.
+            `{n: p.shape for n, p in model.named_parameters()}`.
         world_size: number of ranks.
-        shard_dims: optional ``{fqn: dim}`` for parameters not sharded on dim 0.
+        shard_dims: optional `{fqn: dim}` for parameters not sharded on dim 0.
 
     Returns:
         A frozen `famp.FSDP2Layout`.
 
     Raises:
-        TypeError: ``params`` is not a mapping, or ``world_size`` is not an int.
+        TypeError: `params` is not a mapping, or `world_size` is not an int.
         ValueError: a world size < 1, a bad name or shape, an out-of-range dim, or uneven
             sharding on dim > 0.
-        KeyError: ``shard_dims`` names a parameter that is not in ``params``.
+        KeyError: `shard_dims` names a parameter that is not in `params`.
 
     Examples:
         >>> import famp
@@ -338,27 +338,27 @@ def fsdp1_layout(
     use_orig_params: bool = True,
     param_dtype: torch.dtype = torch.float32,
 ) -> FSDP1Layout:
-    """The layout ``FullyShardedDataParallel`` gives these FSDP units on ``world_size`` ranks.
+    """The layout `FullyShardedDataParallel` gives these FSDP units on `world_size` ranks.
 
     One mapping per FSDP unit (every wrapped module, root last or first as you like), holding the
-    parameters that unit flattens, in ``named_parameters()`` order and without the parameters of
+    parameters that unit flattens, in `named_parameters()` order and without the parameters of
     nested units; a parameter shared within a unit appears once, under its first name.
 
     Args:
-        units: ``[{fqn: shape}, ...]``, one mapping per FSDP unit.
+        units: `[{fqn: shape}, ...]`, one mapping per FSDP unit.
         world_size: number of ranks.
         use_orig_params: FSDP1's flag of that name.
-        param_dtype: ``MixedPrecision.param_dtype``, or the parameters' dtype without mixed
-            precision: the 16-byte alignment of ``use_orig_params=True`` counts in it.
+        param_dtype: `MixedPrecision.param_dtype`, or the parameters' dtype without mixed
+            precision: the 16-byte alignment of `use_orig_params=True` counts in it.
 
     Returns:
         A frozen `famp.FSDP1Layout`.
 
     Raises:
-        ValueError: a world size < 1, a bad name or shape, a ``param_dtype`` that is not
+        ValueError: a world size < 1, a bad name or shape, a `param_dtype` that is not
             floating (FSDP1 computes in it), an empty unit, a name in two units.
-        TypeError: ``units`` is not a sequence of mappings, ``world_size`` is not an int,
-            ``use_orig_params`` is not a bool, or ``param_dtype`` is not a ``torch.dtype``.
+        TypeError: `units` is not a sequence of mappings, `world_size` is not an int,
+            `use_orig_params` is not a bool, or `param_dtype` is not a `torch.dtype`.
 
     Examples:
         >>> import famp, torch
@@ -382,7 +382,7 @@ Layout = FSDP1Layout | FSDP2Layout
 
 
 def check_layout(layout: Any, name: str = "layout") -> Layout:
-    """``layout`` if it is one, else a TypeError naming what it is."""
+    """`layout` if it is one, else a TypeError naming what it is."""
     if not isinstance(layout, (FSDP1Layout, FSDP2Layout)):
         raise TypeError(
             f"{name} must be a famp.FSDP1Layout or famp.FSDP2Layout, got {type(layout).__name__}"

@@ -1,16 +1,16 @@
 """What a rank's optimizer holds in memory under FSDP1 or FSDP2, from the full FQN-keyed state.
 
 FSDP1 keeps one flat parameter per unit; its optimizer holds either one flat state per unit
-(``use_orig_params=False``) or a 1-D slice of every original parameter that intersects the rank's
-shard (``True``). This module computes those slices without a process group, equal to
-``FullyShardedDataParallel.optim_state_dict_to_load``. Only the rank's slices are built: the full
+(`use_orig_params=False`) or a 1-D slice of every original parameter that intersects the rank's
+shard (`True`). This module computes those slices without a process group, equal to
+`FullyShardedDataParallel.optim_state_dict_to_load`. Only the rank's slices are built: the full
 flat state is never concatenated.
 
 Where copies happen: by default every tensor of the result owns its memory, as FSDP1's own result
-does. ``optimizer.load_state_dict`` keeps the tensors it is given and the optimizer then updates
-them in place, so views would write through to ``osd`` and keep its full storage alive for the
-whole run (PyTorch #116553). ``copy=False`` returns views where the layout allows (FSDP2 chunks on
-dim 0, ``use_orig_params=True`` slices), for read-only use.
+does. `optimizer.load_state_dict` keeps the tensors it is given and the optimizer then updates
+them in place, so views would write through to `osd` and keep its full storage alive for the
+whole run (PyTorch #116553). `copy=False` returns views where the layout allows (FSDP2 chunks on
+dim 0, `use_orig_params=True` slices), for read-only use.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _orig_param_state(
 def _flat_state(
     state: State, unit: int, layout: FSDP1Layout, rank: int, kinds: Kinds, copy: bool
 ) -> dict[str, Any]:
-    """The rank's flat state of one FSDP1 unit (``use_orig_params=False``) that has state."""
+    """The rank's flat state of one FSDP1 unit (`use_orig_params=False`) that has state."""
     slices, numel = layout._flat[unit]
     have = [s.fqn for s in slices if s.fqn in state]
     names = list(state[have[0]])
@@ -208,7 +208,7 @@ def _is_dtensor(param: torch.Tensor) -> bool:
 
 
 def _wrap_like(value: Any, param: torch.Tensor | None) -> Any:
-    """A local chunk as a DTensor placed like the FSDP2 parameter ``param``, if it is one."""
+    """A local chunk as a DTensor placed like the FSDP2 parameter `param`, if it is one."""
     if param is None or not _is_dtensor(param):
         return value
     dtensor: Any = type(param)
@@ -230,45 +230,45 @@ def optim_state_dict_to_load(
     *,
     copy: bool = True,
 ) -> dict[str, Any]:
-    """The int-keyed state dict that ``rank``'s optimizer holds, ready for ``load_state_dict``.
+    """The int-keyed state dict that `rank`'s optimizer holds, ready for `load_state_dict`.
 
-    Under FSDP1 this equals ``FullyShardedDataParallel.optim_state_dict_to_load`` on ``rank``:
-    one flat state per unit (``use_orig_params=False``; parameters without state are zeros there,
+    Under FSDP1 this equals `FullyShardedDataParallel.optim_state_dict_to_load` on `rank`:
+    one flat state per unit (`use_orig_params=False`; parameters without state are zeros there,
     as FSDP1 fills them) or one 1-D slice per original parameter that intersects the rank's
-    shard (``use_orig_params=True``; no entry for the others; at world size 1, where FSDP1
-    switches to ``NO_SHARD``, the original shapes). Under FSDP2 it is the rank's chunk
+    shard (`use_orig_params=True`; no entry for the others; at world size 1, where FSDP1
+    switches to `NO_SHARD`, the original shapes). Under FSDP2 it is the rank's chunk
     of every parameter, as DTensors placed like the optimizer's parameters when they are DTensors.
-    Ids follow the optimizer: the i-th param group of ``osd`` must list the parameters of the
-    optimizer's i-th group in the same order (FSDP1 without ``use_orig_params``: its units, in the
-    order of their first parameter), as DCP assumes. With ``optimizer``, what it holds is checked
+    Ids follow the optimizer: the i-th param group of `osd` must list the parameters of the
+    optimizer's i-th group in the same order (FSDP1 without `use_orig_params`: its units, in the
+    order of their first parameter), as DCP assumes. With `optimizer`, what it holds is checked
     before anything is built: FSDP2 DTensor parameters' mesh, rank, placement and global and local
     shapes; plain parameters' local shapes.
 
     Args:
-        osd: the full FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``);
+        osd: the full FQN-keyed optimizer state dict (`{"state": ..., "param_groups": ...}`);
             under FSDP2 also the rank's own shard (`famp.shard_optim_state`'s result, or
             one file of a per-rank checkpoint), so a rank never needs the full state.
         layout: the rank's `famp.FSDP1Layout` or `famp.FSDP2Layout`.
         rank: the rank to load.
         optimizer: the rank's optimizer, to check the ids and shapes against (and for FSDP2, to
-            place DTensors); ``None`` numbers parameters by their order in ``osd``'s groups.
+            place DTensors); `None` numbers parameters by their order in `osd`'s groups.
         copy: return tensors that own their memory (the default, as FSDP1 does), so that the
-            optimizer's in-place updates neither write into ``osd`` nor keep its full tensors
-            alive (PyTorch #116553). ``False`` returns views where possible, for read-only use.
+            optimizer's in-place updates neither write into `osd` nor keep its full tensors
+            alive (PyTorch #116553). `False` returns views where possible, for read-only use.
 
     Returns:
-        ``{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}``.
+        `{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}`.
 
     Raises:
         KeyError: a name that is not in the layout.
         ValueError: everything `famp.shard_optim_state` rejects, a rank outside the world,
-            an optimizer whose groups or parameter shapes disagree with ``osd``, an FSDP2
+            an optimizer whose groups or parameter shapes disagree with `osd`, an FSDP2
             DTensor parameter on a mesh of another world size, of another rank, placed other
-            than ``Shard(dim)`` with the layout's dim or of other global or local shape, an
+            than `Shard(dim)` with the layout's dim or of other global or local shape, an
             FSDP1 unit whose parameters have differing state names or values. The message names
             the parameter; nothing is built.
-        TypeError: ``layout`` is not a layout, ``rank`` is not an int, ``optimizer`` has no
-            ``param_groups`` list, or a state tensor is sparse (not ``torch.strided``).
+        TypeError: `layout` is not a layout, `rank` is not an int, `optimizer` has no
+            `param_groups` list, or a state tensor is sparse (not `torch.strided`).
 
     Examples:
         >>> import famp, torch

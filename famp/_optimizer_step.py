@@ -1,19 +1,19 @@
-"""``famp.optimizer_step``: ``GradScaler.step`` for any ``torch.optim`` optimizer, no host sync.
+"""`famp.optimizer_step`: `GradScaler.step` for any `torch.optim` optimizer, no host sync.
 
-Two paths, one result: what a ``GradScaler`` loop leaves, bit for bit.
+Two paths, one result: what a `GradScaler` loop leaves, bit for bit.
 
-- Optimizers that unscale and skip in their kernel (``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` with
-  ``fused=True``) get the scale and a ``found_inf`` that is exactly 0.0 or 1.0, as
-  ``GradScaler.step`` hands them (the kernels skip on exactly 1.0 only).
-- Every other optimizer steps on gradients unscaled in place by ``GradScaler.unscale_``'s kernel;
+- Optimizers that unscale and skip in their kernel (`Adam`, `AdamW`, `SGD`, `Adagrad` with
+  `fused=True`) get the scale and a `found_inf` that is exactly 0.0 or 1.0, as
+  `GradScaler.step` hands them (the kernels skip on exactly 1.0 only).
+- Every other optimizer steps on gradients unscaled in place by `GradScaler.unscale_`'s kernel;
   a skipped step is then undone: the parameters and every tensor of the optimizer's state are
-  copied before the step and selected back with ``torch.where(skip, before, after)``, in place.
-  Neither the step nor the undo reads ``found_inf`` on the host. The state an optimizer creates
-  lazily on its first step, and state kept as Python numbers (``SparseAdam``'s step count),
-  cannot be undone by a tensor choice: on such a step only, famp reads ``skip`` once and removes
-  (or restores) it, so a skipped first step leaves no state, as under ``GradScaler``.
+  copied before the step and selected back with `torch.where(skip, before, after)`, in place.
+  Neither the step nor the undo reads `found_inf` on the host. The state an optimizer creates
+  lazily on its first step, and state kept as Python numbers (`SparseAdam`'s step count),
+  cannot be undone by a tensor choice: on such a step only, famp reads `skip` once and removes
+  (or restores) it, so a skipped first step leaves no state, as under `GradScaler`.
 
-Deliberately not supported: optimizers whose ``step`` needs a closure (``LBFGS``).
+Deliberately not supported: optimizers whose `step` needs a closure (`LBFGS`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _check_optimizer(optimizer: object) -> None:
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, skip: Tensor) -> None:
-    """What ``GradScaler.step`` does with a fused optimizer; attributes restored in any case."""
+    """What `GradScaler.step` does with a fused optimizer; attributes restored in any case."""
     fresh = _fresh_momentum(optimizer)
     attributes = {"grad_scale": grad_scale, "found_inf": skip}
     saved = {name: getattr(optimizer, name) for name in attributes if hasattr(optimizer, name)}
@@ -123,7 +123,7 @@ def _tensor_like(new: object, old: object) -> bool:
 
 
 def _step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
-    """``optimizer.step()``, then every parameter and state tensor back where ``skip`` is true."""
+    """`optimizer.step()`, then every parameter and state tensor back where `skip` is true."""
     params = _with_grads(optimizer)
     states = optimizer.state
     with torch.no_grad():
@@ -183,53 +183,53 @@ def optimizer_step(
     found_inf: Tensor | None = None,
     group: Any = None,
 ) -> Tensor:
-    """Step any ``torch.optim`` optimizer as ``GradScaler.step`` does, without a host sync.
+    """Step any `torch.optim` optimizer as `GradScaler.step` does, without a host sync.
 
-    With ``state``, the ``.grad`` of the optimizer's parameters are the *scaled* gradients of
-    ``famp.scale(state, loss).backward()``. Without it they are already unscaled (e.g. from
-    ``famp.value_and_grad`` or ``famp.unscale_and_check``) and ``found_inf`` is required. Any
-    non-zero or NaN ``found_inf`` skips the step, as ``famp.update_scale`` reads it. Parameters,
-    optimizer state, step counts and ``.grad`` end up exactly as a ``GradScaler`` loop leaves
-    them, bit for bit (tested for every ``torch.optim`` optimizer in its for-loop, foreach and
+    With `state`, the `.grad` of the optimizer's parameters are the *scaled* gradients of
+    `famp.scale(state, loss).backward()`. Without it they are already unscaled (e.g. from
+    `famp.value_and_grad` or `famp.unscale_and_check`) and `found_inf` is required. Any
+    non-zero or NaN `found_inf` skips the step, as `famp.update_scale` reads it. Parameters,
+    optimizer state, step counts and `.grad` end up exactly as a `GradScaler` loop leaves
+    them, bit for bit (tested for every `torch.optim` optimizer in its for-loop, foreach and
     fused forms, over sequences with overflows).
 
-    - **Fused optimizers** (``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` with ``fused=True``) get the
-      scale and ``found_inf`` and unscale and skip in their kernel (``found_inf`` computed from the
-      scaled gradients in one fused pass, max-reduced across ``group``, unless given).
+    - **Fused optimizers** (`Adam`, `AdamW`, `SGD`, `Adagrad` with `fused=True`) get the
+      scale and `found_inf` and unscale and skip in their kernel (`found_inf` computed from the
+      scaled gradients in one fused pass, max-reduced across `group`, unless given).
     - **Every other optimizer** (for-loop or foreach): the gradients are unscaled in place
-      (``famp.unscale_and_check(..., donate=True)``, ``GradScaler.unscale_``'s kernel), the
-      optimizer steps, and a skipped step is undone with ``torch.where`` on copies taken before it
+      (`famp.unscale_and_check(..., donate=True)`, `GradScaler.unscale_`'s kernel), the
+      optimizer steps, and a skipped step is undone with `torch.where` on copies taken before it
       (one copy of the parameters and the optimizer state per step).
 
-    ``optimizer.step()`` is always called, so ``torch.optim.lr_scheduler`` never warns that it was
+    `optimizer.step()` is always called, so `torch.optim.lr_scheduler` never warns that it was
     skipped. No host sync, except on a step where a non-fused optimizer creates its state (its
-    first): a skipped one must leave no state, and famp reads ``found_inf`` once to remove it;
-    ``SparseAdam`` counts its steps in a Python int, so famp reads it on each of its steps. On
-    CUDA, a non-capturable optimizer keeps ``step`` on the CPU, and undoing it waits for the device
-    (pass ``capturable=True`` or ``fused=True`` to avoid that). Fused ``SGD`` with momentum leaves
+    first): a skipped one must leave no state, and famp reads `found_inf` once to remove it;
+    `SparseAdam` counts its steps in a Python int, so famp reads it on each of its steps. On
+    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
+    (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
     its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals
-    a first step (bit for bit with ``dampening=0``). Update the scale afterwards:
-    ``famp.update_scale(state, found_inf)``.
+    a first step (bit for bit with `dampening=0`). Update the scale afterwards:
+    `famp.update_scale(state, found_inf)`.
 
     Args:
-        optimizer: A ``torch.optim.Optimizer`` whose ``step()`` needs no closure.
-        state: The ``famp.ScalerState`` that scaled the loss, or ``None`` if the gradients are
+        optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.
+        state: The `famp.ScalerState` that scaled the loss, or `None` if the gradients are
             unscaled. A disabled state means unscaled gradients.
         found_inf: A float32 tensor with one element (any shape); 0.0 applies the step, anything
-            else (non-zero or NaN) skips it. Computed from the gradients when ``None`` (requires
-            ``state``).
-        group: A ``torch.distributed`` process group across which a computed ``found_inf`` is
+            else (non-zero or NaN) skips it. Computed from the gradients when `None` (requires
+            `state`).
+        group: A `torch.distributed` process group across which a computed `found_inf` is
             max-reduced (gradients that are local shards).
 
     Returns:
         A 0-d float32 tensor, 1.0 if the step was skipped, else 0.0. It stays on the device, so
-        asking ``bool(...)`` is the only host sync, and only if you ask.
+        asking `bool(...)` is the only host sync, and only if you ask.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or its ``step()`` requires a
-            closure (``LBFGS``), ``state`` is not a ``famp.ScalerState``, or ``found_inf`` is not a
+        TypeError: `optimizer` is not a `torch.optim.Optimizer` or its `step()` requires a
+            closure (`LBFGS`), `state` is not a `famp.ScalerState`, or `found_inf` is not a
             float32 tensor.
-        ValueError: Neither ``state`` nor ``found_inf`` is given, or ``found_inf`` has more than one
+        ValueError: Neither `state` nor `found_inf` is given, or `found_inf` has more than one
             element.
 
     Examples:

@@ -20,7 +20,7 @@ Kinds = dict[tuple[str, str], bool]  # (fqn, state name) -> sharded?
 
 
 def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], Sequence[Any]]:
-    """``(state, param_groups)`` of an optimizer state dict, or an error naming what is wrong."""
+    """`(state, param_groups)` of an optimizer state dict, or an error naming what is wrong."""
     if not isinstance(osd, Mapping):
         raise TypeError(f"{what} must be an optimizer state dict, got {type(osd).__name__}")
     for key in ("state", "param_groups"):
@@ -60,7 +60,7 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
 
 
 def check_dense(value: object, where: str) -> None:
-    """A TypeError naming ``where`` for a sparse (or otherwise non-strided) tensor."""
+    """A TypeError naming `where` for a sparse (or otherwise non-strided) tensor."""
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
         raise TypeError(
             f"{where} is a {value.layout} tensor; optimizer state must be dense (torch.strided) "
@@ -83,9 +83,9 @@ def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded
 def check_full(
     osd: object, layout: Layout, what: str = "full_osd", local_rank: int | None = None
 ) -> tuple[State, Groups, Kinds]:
-    """Validate a full state dict against ``layout``; return its parts and which entries shard.
+    """Validate a full state dict against `layout`; return its parts and which entries shard.
 
-    With ``local_rank``, a tensor may also be that rank's chunk already (FSDP2 only).
+    With `local_rank`, a tensor may also be that rank's chunk already (FSDP2 only).
     """
     state, groups = split_osd(osd, what)
     check_names(state, groups, layout, what)

@@ -1,11 +1,11 @@
 """Rekeying optimizer state between torch's parameter ids and parameter names (FQNs).
 
-``optimizer.state_dict()`` keys state by the position of each parameter in the concatenated
-``param_groups``; FSDP1, DCP and famp key it by the parameter's name. The map between the two is
-built as torch builds it (``torch.distributed.checkpoint.state_dict``): positions from
-``optimizer.param_groups``, names from ``model.named_parameters()``, matched by identity. A shared
-parameter takes its first name; wrapper prefixes (``_fsdp_wrapped_module.``,
-``_checkpoint_wrapped_module.``, ``_orig_mod.``, DDP's ``module.``) are dropped.
+`optimizer.state_dict()` keys state by the position of each parameter in the concatenated
+`param_groups`; FSDP1, DCP and famp key it by the parameter's name. The map between the two is
+built as torch builds it (`torch.distributed.checkpoint.state_dict`): positions from
+`optimizer.param_groups`, names from `model.named_parameters()`, matched by identity. A shared
+parameter takes its first name; wrapper prefixes (`_fsdp_wrapped_module.`,
+`_checkpoint_wrapped_module.`, `_orig_mod.`, DDP's `module.`) are dropped.
 """
 
 from __future__ import annotations
@@ -65,27 +65,27 @@ def _check_group_count(groups: Any, opt_params: list[list[torch.Tensor]], what: 
 def optim_state_by_fqn(
     osd: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """``optimizer.state_dict()`` keyed by parameter names instead of ids.
+    """`optimizer.state_dict()` keyed by parameter names instead of ids.
 
-    Parameter ``i`` is the ``i``-th parameter of the optimizer's concatenated param groups; its
-    name is its first name in ``model.named_parameters()``. Every group keeps its own
+    Parameter `i` is the `i`-th parameter of the optimizer's concatenated param groups; its
+    name is its first name in `model.named_parameters()`. Every group keeps its own
     hyperparameters; parameters without state stay without state. This is what
-    ``get_optimizer_state_dict(model, optimizer)`` returns for an unsharded model (and for FSDP2,
+    `get_optimizer_state_dict(model, optimizer)` returns for an unsharded model (and for FSDP2,
     with DTensor values).
 
     Args:
-        osd: an int-keyed ``optimizer.state_dict()``.
+        osd: an int-keyed `optimizer.state_dict()`.
         model: the module whose parameters the optimizer updates.
-        optimizer: the optimizer that produced ``osd`` (or one built the same way).
+        optimizer: the optimizer that produced `osd` (or one built the same way).
 
     Returns:
-        ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``; state entries
+        `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`; state entries
         are new dicts holding the same values.
 
     Raises:
         KeyError: a state id that is not a parameter of the optimizer.
         ValueError: param groups that disagree with the optimizer's, an optimizer parameter that
-            is not in ``model``, an FSDP1 flat parameter.
+            is not in `model`, an FSDP1 flat parameter.
 
     Examples:
         >>> import famp, torch
@@ -124,23 +124,23 @@ def optim_state_by_fqn(
 def optim_state_by_id(
     osd: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """An FQN-keyed optimizer state dict rekeyed by ``optimizer``'s parameter ids, to load it.
+    """An FQN-keyed optimizer state dict rekeyed by `optimizer`'s parameter ids, to load it.
 
     The inverse of `famp.optim_state_by_fqn`. Names are matched to parameters by identity
-    (any of a shared parameter's names works); the ``i``-th group of ``osd`` must hold exactly
-    the parameters of the optimizer's ``i``-th group, in any order, and keeps its
-    hyperparameters. Ids follow the optimizer's order, as ``optimizer.load_state_dict`` expects.
+    (any of a shared parameter's names works); the `i`-th group of `osd` must hold exactly
+    the parameters of the optimizer's `i`-th group, in any order, and keeps its
+    hyperparameters. Ids follow the optimizer's order, as `optimizer.load_state_dict` expects.
 
     Args:
-        osd: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
+        osd: `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`.
         model: the module whose parameters the optimizer updates.
         optimizer: the optimizer to load into.
 
     Returns:
-        ``{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}``.
+        `{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}`.
 
     Raises:
-        KeyError: a name that is not a parameter of ``model``.
+        KeyError: a name that is not a parameter of `model`.
         ValueError: a parameter in the wrong group or in none, a group count or size that
             differs from the optimizer's, a name for a parameter the optimizer does not update.
 

@@ -1,19 +1,19 @@
-"""Overflow forensics: ``famp.nonfinite_report``, which leaf (and rank) holds non-finite values.
+"""Overflow forensics: `famp.nonfinite_report`, which leaf (and rank) holds non-finite values.
 
-Per leaf of a tree, the number of non-finite elements (``counts``, 0-d int64) and the largest
-absolute finite value (``amax``, 0-d float32); plus ``found_inf``, equal to what
-``famp.unscale_and_check`` reports on the same tree. Everything stays a tensor: no host sync until
-``NonfiniteReport.summary()`` is asked for. With a process group, one all-gather gives every rank
+Per leaf of a tree, the number of non-finite elements (`counts`, 0-d int64) and the largest
+absolute finite value (`amax`, 0-d float32); plus `found_inf`, equal to what
+`famp.unscale_and_check` reports on the same tree. Everything stays a tensor: no host sync until
+`NonfiniteReport.summary()` is asked for. With a process group, one all-gather gives every rank
 every rank's figures.
 
 How it reads memory: compiled, each leaf is one fused read (inductor fuses the count and the
-masked max). Eagerly on the CPU, each leaf first gets a read-only ``aminmax``; only leaves whose
+masked max). Eagerly on the CPU, each leaf first gets a read-only `aminmax`; only leaves whose
 extremes are not finite get the masked passes (reading a CPU tensor is a memory read, not a device
-sync, as in ``famp._unscale_paths``). Elsewhere eagerly, every leaf takes the masked passes.
+sync, as in `famp._unscale_paths`). Elsewhere eagerly, every leaf takes the masked passes.
 
-Under ``torch.func.vmap`` the figures are per sample (the branch-free passes run).
+Under `torch.func.vmap` the figures are per sample (the branch-free passes run).
 
-Deliberately not supported: sparse layouts (pass ``t.coalesce().values()``), integer leaves.
+Deliberately not supported: sparse layouts (pass `t.coalesce().values()`), integer leaves.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NonfiniteReport:
-    """Where a tree holds non-finite values, as tensors: the result of ``famp.nonfinite_report``.
+    """Where a tree holds non-finite values, as tensors: the result of `famp.nonfinite_report`.
 
-    A pytree (optree, torch's pytree, ``torch.compile``): its leaves are the tensors of ``counts``,
-    ``amax`` and ``found_inf``; the leaf paths, dtypes and world size are static metadata.
+    A pytree (optree, torch's pytree, `torch.compile`): its leaves are the tensors of `counts`,
+    `amax` and `found_inf`; the leaf paths, dtypes and world size are static metadata.
 
     Attributes:
         counts: The input's structure, each leaf a 0-d int64 tensor: the number of non-finite
@@ -49,11 +49,11 @@ class NonfiniteReport:
             from rank r.
         amax: The input's structure, each leaf a 0-d float32 tensor: the largest absolute finite
             value (0 for an empty or all-non-finite leaf; float64 values are rounded to float32).
-            With a group, 1-d as ``counts``.
+            With a group, 1-d as `counts`.
         found_inf: 0-d float32, 1.0 iff any count (on any rank, with a group) is non-zero.
-        paths: Static: each leaf's path, as ``summary`` prints it.
+        paths: Static: each leaf's path, as `summary` prints it.
         dtypes: Static: each leaf's dtype name.
-        world_size: Static: the group's size, or ``None`` without a group.
+        world_size: Static: the group's size, or `None` without a group.
     """
 
     counts: PyTree
@@ -68,7 +68,7 @@ class NonfiniteReport:
 
         This is the report's only host sync. Non-finite leaves are named by path (and rank with
         a group), most non-finite elements first. For float16 and bfloat16 leaves, the headroom
-        is ``log2(finfo.max / amax)`` bits: how many doublings of the values (or of the loss
+        is `log2(finfo.max / amax)` bits: how many doublings of the values (or of the loss
         scale) they can take before overflowing; the lowest are listed.
 
         Args:
@@ -202,30 +202,30 @@ def _leaf_figures(xs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
 def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     """Count the non-finite elements of every leaf and find its largest finite magnitude.
 
-    For each tensor leaf: ``counts``, the number of inf and NaN elements (0-d int64), and
-    ``amax``, the largest absolute finite value (0-d float32; 0 for an empty or all-non-finite
-    leaf; a float64 value is rounded to float32). ``found_inf`` is 1.0 iff any count is non-zero:
-    the value ``famp.unscale_and_check`` returns for the same tree (and the same ``group``;
+    For each tensor leaf: `counts`, the number of inf and NaN elements (0-d int64), and
+    `amax`, the largest absolute finite value (0-d float32; 0 for an empty or all-non-finite
+    leaf; a float64 value is rounded to float32). `found_inf` is 1.0 iff any count is non-zero:
+    the value `famp.unscale_and_check` returns for the same tree (and the same `group`;
     DTensor leaves make it max-reduced over their mesh, as there). No host sync: call it every
-    step and look only when ``found_inf`` says so, with ``report.summary()``. Composes with
-    ``torch.compile(fullgraph=True)``, where each leaf is read once.
+    step and look only when `found_inf` says so, with `report.summary()`. Composes with
+    `torch.compile(fullgraph=True)`, where each leaf is read once.
 
-    With ``group``, one all-gather gives every rank every rank's figures: each leaf of
-    ``counts`` and ``amax`` is a 1-d tensor of length ``group``'s size, entry r from rank r.
-    DTensor leaves (FSDP2 gradients) report this rank's local shard. ``None`` leaves stay
-    ``None``.
+    With `group`, one all-gather gives every rank every rank's figures: each leaf of
+    `counts` and `amax` is a 1-d tensor of length `group`'s size, entry r from rank r.
+    DTensor leaves (FSDP2 gradients) report this rank's local shard. `None` leaves stay
+    `None`.
 
     Args:
         tree: A pytree of float16/bfloat16/float32/float64 tensors (DTensors included).
-        group: A ``torch.distributed`` process group to gather every rank's figures over
-            (``None``: this process only).
+        group: A `torch.distributed` process group to gather every rank's figures over
+            (`None`: this process only).
 
     Returns:
-        A ``famp.NonfiniteReport``.
+        A `famp.NonfiniteReport`.
 
     Raises:
         TypeError: A leaf is not a floating tensor, or is sparse; the message names its path.
-            ``group`` is not a process group.
+            `group` is not a process group.
 
     Examples:
         >>> import famp, torch

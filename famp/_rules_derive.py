@@ -1,22 +1,22 @@
 """Deriving torch's autocast rule of an op by running it: the reference for every rule.
 
-``apply_rule`` runs one aten overload the way torch's wrapper for a cast policy would
-(``aten/src/ATen/autocast_mode.h``: ``cached_cast``, ``prioritize``, ``set_opt_dtype``,
-``type_from_firstarg``), with autocast itself off. ``check_op`` runs an op under torch's autocast
-and under the reference for each candidate rule, on ``SAMPLES`` inputs, and keeps the rules whose
-casts, dtypes (and, on real tensors, bits) and errors are torch's. ``famp.default_rules`` uses it
+`apply_rule` runs one aten overload the way torch's wrapper for a cast policy would
+(`aten/src/ATen/autocast_mode.h`: `cached_cast`, `prioritize`, `set_opt_dtype`,
+`type_from_firstarg`), with autocast itself off. `check_op` runs an op under torch's autocast
+and under the reference for each candidate rule, on `SAMPLES` inputs, and keeps the rules whose
+casts, dtypes (and, on real tensors, bits) and errors are torch's. `famp.default_rules` uses it
 for the ops of a torch release its shipped tables do not know (fake tensors: no computation);
-``tests/test_rules.py`` and ``benchmarks/verify_rules.py`` use it to check the tables.
+`tests/test_rules.py` and `benchmarks/verify_rules.py` use it to check the tables.
 C++ argument types decide what is cast:
 
-- ``Tensor``, ``Tensor?`` and ``Tensor[]`` arguments are cast; ``Tensor?[]`` (``index_put``'s
+- `Tensor`, `Tensor?` and `Tensor[]` arguments are cast; `Tensor?[]` (`index_put`'s
   indices) never are;
-- ``promote`` picks float32 if any ``Tensor`` or ``Tensor[]`` argument is an eligible float32
-  tensor, else the autocast dtype; ``Tensor?`` arguments are cast but do not vote;
+- `promote` picks float32 if any `Tensor` or `Tensor[]` argument is an eligible float32
+  tensor, else the autocast dtype; `Tensor?` arguments are cast but do not vote;
 - eligible means: on the autocast device, floating point and not float64.
 
-``python -m famp._rules_derive`` derives the running torch's tables and writes them into
-``famp/_rules_data.py`` under its release.
+`python -m famp._rules_derive` derives the running torch's tables and writes them into
+`famp/_rules_data.py` under its release.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Bound = list[tuple[str, "int | str", Any]]
 
 
 def names(op: OpOverload) -> tuple[str, str]:
-    """(packet, overload) of an aten overload: ``("norm", "Scalar")``, ``("mm", "default")``."""
+    """(packet, overload) of an aten overload: `("norm", "Scalar")`, `("mm", "default")`."""
     s = schema(op)
     return s.name.partition("::")[2], s.overload_name or "default"
 
@@ -108,7 +108,7 @@ def apply_rule(
     device_type: str,
     lower: torch.dtype,
 ) -> Any:
-    """Run ``op`` as torch's autocast wrapper for ``rule`` would; autocast must be off."""
+    """Run `op` as torch's autocast wrapper for `rule` would; autocast must be off."""
     bound = _bound(op, args, kwargs)
     if rule == "keep":
         return op(*args, **kwargs)
@@ -516,7 +516,7 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
 
 
 def sample(name: str) -> Args:
-    """Fresh float32 CPU inputs for one overload (``"packet"`` or ``"packet.overload"``)."""
+    """Fresh float32 CPU inputs for one overload (`"packet"` or `"packet.overload"`)."""
     return SAMPLES[name](_T())
 
 
@@ -524,7 +524,7 @@ def sample(name: str) -> Args:
 
 VARIANTS = ("float32", "lower", "mixed", "float64", "given_dtype")
 """Input variants: all float32; all in the autocast dtype; the first floating input in the
-autocast dtype and the rest float32; all float64 (never cast); float32 with ``dtype=`` given."""
+autocast dtype and the rest float32; all float64 (never cast); float32 with `dtype=` given."""
 
 
 def _has_dtype_arg(op: OpOverload) -> bool:
@@ -656,9 +656,9 @@ def same_outcome(
     values: bool,
     scratch: tuple[int, ...] = (),
 ) -> bool:
-    """Same error, or same outputs (dtype, shape, device and, if ``values``, bits) and casts.
+    """Same error, or same outputs (dtype, shape, device and, if `values`, bits) and casts.
 
-    Top-level outputs at the ``scratch`` indices are compared without their values.
+    Top-level outputs at the `scratch` indices are compared without their values.
     """
     if actual[0] != expected[0] or actual[-1] != expected[-1]:
         return False
@@ -702,7 +702,7 @@ def check_op(
     """Run one overload under torch's autocast and under the reference for each rule.
 
     Real tensors (CPU, or moved to a real device) compare bits; fake tensors (any device type: their
-    ``Autocast<Device>`` kernels still run) compare dtypes, shapes and devices. Every run also
+    `Autocast<Device>` kernels still run) compare dtypes, shapes and devices. Every run also
     compares the ops dispatched below autocast (the casts and what they feed).
 
     Returns:
@@ -776,11 +776,11 @@ def derive_rules(
 ) -> tuple[dict[tuple[str, str], str], dict[str, str]]:
     """Each op's rule: the one rule whose reference agrees with torch's autocast in every run.
 
-    Every op runs on fake tensors of ``device_type`` (which reach torch's ``Autocast<Device>``
+    Every op runs on fake tensors of `device_type` (which reach torch's `Autocast<Device>`
     kernel without computing) in bfloat16 and float16, in every input variant, under torch's
-    autocast and under the reference for the ``prior`` rule (the newest shipped table's), which is
-    taken if it agrees in every run; otherwise, or if ``exhaustive``, under the reference for
-    every rule, and the one that agrees is taken (the prior one if several agree). ``exhaustive``
+    autocast and under the reference for the `prior` rule (the newest shipped table's), which is
+    taken if it agrees in every run; otherwise, or if `exhaustive`, under the reference for
+    every rule, and the one that agrees is taken (the prior one if several agree). `exhaustive`
     also runs CPU ops on real tensors, comparing bits.
 
     Returns:
@@ -841,7 +841,7 @@ def _format_tables(tables: dict[str, dict[str, dict[str, tuple[str, ...]]]]) -> 
 
 def main() -> int:
     """Derive the running torch's tables (fake tensors everywhere, real ones on CPU) and write
-    them into ``famp/_rules_data.py`` under its release; the other releases are kept."""
+    them into `famp/_rules_data.py` under its release; the other releases are kept."""
     import logging
     import pathlib
     import time

@@ -1,7 +1,7 @@
-"""The per-device op rule table of ``docs/autocast.md``: ``python -m famp._rules_table``.
+"""The per-device op rule table of `docs/autocast.md`: `python -m famp._rules_table`.
 
-The table is the installed torch's (``famp.default_rules``) and names that torch's release; the
-docs hold the one generated from the newest release famp ships tables for. ``tests/test_rules.py``
+The table is the installed torch's (`famp.default_rules`) and names that torch's release; the
+docs hold the one generated from the newest release famp ships tables for. `tests/test_rules.py`
 fails when the committed table differs from what this prints under that release.
 """
 

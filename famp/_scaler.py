@@ -1,14 +1,14 @@
-"""Loss-scaling state: ``ScalerState``, ``init_scaler`` and ``update_scale``.
+"""Loss-scaling state: `ScalerState`, `init_scaler` and `update_scale`.
 
-The dynamics are ``torch.amp.GradScaler``'s, bit for bit: an update backs off on any non-zero
-``found_inf`` and grows only when the tracker *equals* the interval, computing
-``f32(f64(scale) * factor)`` and never growing to a non-finite scale. Unlike ``GradScaler`` the
+The dynamics are `torch.amp.GradScaler`'s, bit for bit: an update backs off on any non-zero
+`found_inf` and grows only when the tracker *equals* the interval, computing
+`f32(f64(scale) * factor)` and never growing to a non-finite scale. Unlike `GradScaler` the
 state is an immutable pytree and every transition is pure and branch-free on tensor values, so a
-whole training step compiles with ``torch.compile(fullgraph=True)`` and composes with
-``torch.func``. Applying the scale to trees lives in ``_unscale.py``.
+whole training step compiles with `torch.compile(fullgraph=True)` and composes with
+`torch.func`. Applying the scale to trees lives in `_unscale.py`.
 
-Deliberately not supported: optimizer bookkeeping (``GradScaler.step``'s per-optimizer stages; skip
-an update with ``select_tree``), and ``update(new_scale=...)`` (build a new state instead).
+Deliberately not supported: optimizer bookkeeping (`GradScaler.step`'s per-optimizer stages; skip
+an update with `select_tree`), and `update(new_scale=...)` (build a new state instead).
 """
 
 from __future__ import annotations
@@ -44,33 +44,33 @@ _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other f
 class ScalerState:
     """Immutable loss-scaling state: tensor leaves plus static hyperparameters.
 
-    A pytree for ``optree`` (in every namespace, none needed), torch's pytree, ``torch.func``
-    and ``torch.compile``. Its leaves are ``scale`` (0-d float32) and ``growth_tracker``
-    (0-d int32), plus ``overflow_count`` (0-d int32) only when ``hysteresis > 1``.
+    A pytree for `optree` (in every namespace, none needed), torch's pytree, `torch.func`
+    and `torch.compile`. Its leaves are `scale` (0-d float32) and `growth_tracker`
+    (0-d int32), plus `overflow_count` (0-d int32) only when `hysteresis > 1`.
     Every other field is static metadata: changing one recompiles on purpose, and no
     flatten/unflatten round trip can drop it (flattening is derived from the dataclass fields).
-    Build one with ``famp.init_scaler`` or
-    ``famp.from_state_dict``; never mutated, every transition returns a new state.
+    Build one with `famp.init_scaler` or
+    `famp.from_state_dict`; never mutated, every transition returns a new state.
 
     Attributes:
         scale: 0-d float32 tensor, the current loss scale.
         growth_tracker: 0-d int32 tensor, finite steps since the last growth or overflow.
-        overflow_count: 0-d int32 tensor of consecutive overflows (hysteresis only), else ``None``.
+        overflow_count: 0-d int32 tensor of consecutive overflows (hysteresis only), else `None`.
         growth_factor: Multiplier applied on growth (> 1).
         backoff_factor: Multiplier applied on overflow (in (0, 1)).
         growth_interval: Number of consecutive finite steps before a growth (>= 1).
-        enabled: ``False`` makes every famp function an identity (``found_inf`` 0.0).
-        dynamic: ``False`` keeps the scale fixed: ``famp.update_scale`` returns the state unchanged.
-        min_scale: Opt-in guard: a backoff never takes the scale below it (``None``: off).
-        max_scale: Opt-in guard: a growth never takes the scale above it (``None``: off).
-        hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow on.
+        enabled: `False` makes every famp function an identity (`found_inf` 0.0).
+        dynamic: `False` keeps the scale fixed: `famp.update_scale` returns the state unchanged.
+        min_scale: Opt-in guard: a backoff never takes the scale below it (`None`: off).
+        max_scale: Opt-in guard: a growth never takes the scale above it (`None`: off).
+        hysteresis: Opt-in guard: back off only from the `hysteresis`-th consecutive overflow on.
 
     Raises:
-        TypeError: A static field has the wrong type, as ``famp.init_scaler`` refuses it.
-        ValueError: A static field is out of range, as ``famp.init_scaler`` refuses it, or
-            ``overflow_count`` is given without ``hysteresis > 1`` or missing with it. The
+        TypeError: A static field has the wrong type, as `famp.init_scaler` refuses it.
+        ValueError: A static field is out of range, as `famp.init_scaler` refuses it, or
+            `overflow_count` is given without `hysteresis > 1` or missing with it. The
             tensor leaves are not read (that would be a host sync): build states with
-            ``famp.init_scaler`` or ``famp.from_state_dict``, which check their values.
+            `famp.init_scaler` or `famp.from_state_dict`, which check their values.
 
     Examples:
         >>> import famp, optree
@@ -174,7 +174,7 @@ def _show(value: object) -> str:
 
 
 def _real(name: str, value: object) -> float:
-    """``value`` as a float: TypeError unless an int or float (not bool), ValueError if too big."""
+    """`value` as a float: TypeError unless an int or float (not bool), ValueError if too big."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"{name} must be an int or float, got {type(value).__name__} {_show(value)}"
@@ -196,7 +196,7 @@ def _int(name: str, value: object, low: int, high: int, bounds: str) -> int:
 
 
 def to_float32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (ties to even), as a Python float; pure Python."""
+    """`x` rounded to the nearest float32 (ties to even), as a Python float; pure Python."""
     if x == 0.0 or not math.isfinite(x):
         return x
     if abs(x) >= _F32_OVERFLOW:  # rounds to infinity
@@ -207,10 +207,10 @@ def to_float32(x: float) -> float:
 
 
 def check_scale(name: str, value: object, *, none_ok: bool = False) -> float:
-    """``value`` if it is a usable float32 scale: it and its float32 reciprocal finite and > 0.
+    """`value` if it is a usable float32 scale: it and its float32 reciprocal finite and > 0.
 
-    torch itself refuses a double above float32's maximum (``torch.full`` raises); below about
-    2.9e-39 the reciprocal that unscaling multiplies by (``f32(1 / f64(scale))``) is infinite,
+    torch itself refuses a double above float32's maximum (`torch.full` raises); below about
+    2.9e-39 the reciprocal that unscaling multiplies by (`f32(1 / f64(scale))`) is infinite,
     and below 2**-150 the scale is 0.0: either way every gradient becomes inf or NaN while the
     overflow check, which reads the scaled gradients, passes.
     """
@@ -301,11 +301,11 @@ def init_scaler(
     max_scale: float | None = None,
     hysteresis: int = 1,
 ) -> ScalerState:
-    """Create a loss-scaling state, the functional ``torch.amp.GradScaler(...)``.
+    """Create a loss-scaling state, the functional `torch.amp.GradScaler(...)`.
 
-    The arguments and defaults are ``GradScaler``'s; with the guards off (the default) the dynamics
-    equal ``torch._amp_update_scale_`` bit for bit. ``dynamic=False`` gives a static scale that
-    ``famp.update_scale`` never changes. Unlike ``GradScaler`` the arguments are validated
+    The arguments and defaults are `GradScaler`'s; with the guards off (the default) the dynamics
+    equal `torch._amp_update_scale_` bit for bit. `dynamic=False` gives a static scale that
+    `famp.update_scale` never changes. Unlike `GradScaler` the arguments are validated
     whether or not the state is enabled.
 
     Args:
@@ -315,25 +315,25 @@ def init_scaler(
         growth_factor: Multiplier on growth, finite and > 1.
         backoff_factor: Multiplier on overflow, in (0, 1).
         growth_interval: Consecutive finite steps before a growth, an int in [1, 2**31 - 1].
-        enabled: ``False`` makes every famp function an identity, as a disabled ``GradScaler``.
-        device: Device of the tensor leaves (``None``: torch's default device).
-        dynamic: ``False`` keeps the scale at ``init_scale`` forever.
-        min_scale: Opt-in guard: backoffs never take the scale below it. ``None`` or a number
-            valid as ``init_scale``, and ``init_scale`` must not be below it (in float32).
-        max_scale: Opt-in guard: growths never take the scale above it. ``None`` or a number
-            valid as ``init_scale``, >= ``min_scale``, and not below ``init_scale``.
-        hysteresis: Opt-in guard: back off only from the ``hysteresis``-th consecutive overflow
-            on; adds the ``overflow_count`` leaf when > 1. An int in [1, 2**31 - 1].
+        enabled: `False` makes every famp function an identity, as a disabled `GradScaler`.
+        device: Device of the tensor leaves (`None`: torch's default device).
+        dynamic: `False` keeps the scale at `init_scale` forever.
+        min_scale: Opt-in guard: backoffs never take the scale below it. `None` or a number
+            valid as `init_scale`, and `init_scale` must not be below it (in float32).
+        max_scale: Opt-in guard: growths never take the scale above it. `None` or a number
+            valid as `init_scale`, >= `min_scale`, and not below `init_scale`.
+        hysteresis: Opt-in guard: back off only from the `hysteresis`-th consecutive overflow
+            on; adds the `overflow_count` leaf when > 1. An int in [1, 2**31 - 1].
 
     Returns:
-        A new ``famp.ScalerState``.
+        A new `famp.ScalerState`.
 
     Raises:
-        TypeError: A number is not an int or float (``bool`` is neither), ``growth_interval``
-            or ``hysteresis`` is not an int, ``enabled`` or ``dynamic`` is not a bool, or
-            ``device`` is not a device, str or int; the message names it and its value.
-        ValueError: A value is out of range (ints too large for a float, ``10**400``, included),
-            or ``device`` names no device or one this torch cannot use; the message names it.
+        TypeError: A number is not an int or float (`bool` is neither), `growth_interval`
+            or `hysteresis` is not an int, `enabled` or `dynamic` is not a bool, or
+            `device` is not a device, str or int; the message names it and its value.
+        ValueError: A value is out of range (ints too large for a float, `10**400`, included),
+            or `device` names no device or one this torch cannot use; the message names it.
 
     Examples:
         >>> import famp
@@ -373,13 +373,13 @@ def make_state(
     hysteresis: object,
     in_dict: bool = False,
 ) -> ScalerState:
-    """Validate Python values and build the state: the one path of ``init_scaler`` and
-    ``from_state_dict``. With ``in_dict`` the messages name the state dict's keys.
+    """Validate Python values and build the state: the one path of `init_scaler` and
+    `from_state_dict`. With `in_dict` the messages name the state dict's keys.
 
-    Checks, in order: the hyperparameters (as ``ScalerState`` checks them); the scale (a usable
-    float32 scale, see ``check_scale``) and the guards around it, in float32; the tracker (an
+    Checks, in order: the hyperparameters (as `ScalerState` checks them); the scale (a usable
+    float32 scale, see `check_scale`) and the guards around it, in float32; the tracker (an
     int32: torch's counter wraps, so any int32 value is a state torch can reach); the overflow
-    count (``None``, or an int in ``[0, hysteresis]`` with ``hysteresis > 1``); the device.
+    count (`None`, or an int in `[0, hysteresis]` with `hysteresis > 1`); the device.
     """
     _validate_statics(
         growth_factor,
@@ -442,28 +442,28 @@ def make_state(
 
 
 def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
-    """Return the next state after a step, bit-exact with ``torch._amp_update_scale_``.
+    """Return the next state after a step, bit-exact with `torch._amp_update_scale_`.
 
-    Any non-zero ``found_inf`` (NaN, negative and 2.0 included) is an overflow: the scale becomes
-    ``f32(f64(scale) * backoff_factor)`` and the tracker 0. Otherwise the tracker counts up, and
-    when it *equals* ``growth_interval`` the scale becomes ``f32(f64(scale) * growth_factor)`` if
+    Any non-zero `found_inf` (NaN, negative and 2.0 included) is an overflow: the scale becomes
+    `f32(f64(scale) * backoff_factor)` and the tracker 0. Otherwise the tracker counts up, and
+    when it *equals* `growth_interval` the scale becomes `f32(f64(scale) * growth_factor)` if
     that is finite (else it stays) and the tracker 0. The tracker is int32 and wraps like torch's.
-    Branch-free and without host sync. Opt-in guards change this: ``min_scale`` floors backoffs,
-    ``max_scale`` caps growths, and with ``hysteresis=N`` the first ``N - 1`` consecutive
+    Branch-free and without host sync. Opt-in guards change this: `min_scale` floors backoffs,
+    `max_scale` caps growths, and with `hysteresis=N` the first `N - 1` consecutive
     overflows leave the scale unchanged (the tracker still resets). A static or disabled state is
     returned unchanged.
 
     Args:
-        state: The current ``famp.ScalerState``.
-        found_inf: A one-element tensor (the ``found_inf`` of ``famp.unscale_and_check``, or a sum
+        state: The current `famp.ScalerState`.
+        found_inf: A one-element tensor (the `found_inf` of `famp.unscale_and_check`, or a sum
             or max of several); non-zero means overflow.
 
     Returns:
-        A new ``famp.ScalerState`` with the same hyperparameters, shapes, dtypes and device.
+        A new `famp.ScalerState` with the same hyperparameters, shapes, dtypes and device.
 
     Raises:
-        TypeError: ``state`` is not a ``famp.ScalerState``, or ``found_inf`` is not a tensor.
-        ValueError: ``found_inf`` does not have exactly one element.
+        TypeError: `state` is not a `famp.ScalerState`, or `found_inf` is not a tensor.
+        ValueError: `found_inf` does not have exactly one element.
 
     Examples:
         >>> import famp, torch
@@ -508,7 +508,7 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
     )
     if torch.compiler.is_compiling():  # Dynamo rebuilds the dataclass through its constructor
         return dataclasses.replace(state, scale=new_scale, growth_tracker=new_tracker)
-    # _evolve inlined (the hot path; ~0.5 µs less): the statics were validated when ``state`` was
+    # _evolve inlined (the hot path; ~0.5 µs less): the statics were validated when `state` was
     # built, so the new state copies them without re-validating.
     new = object.__new__(ScalerState)
     fields = new.__dict__
@@ -519,19 +519,19 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
 
 
 def _evolve(state: ScalerState, **leaves: Any) -> ScalerState:
-    """``dataclasses.replace`` for new leaves only, without re-validating the static fields."""
+    """`dataclasses.replace` for new leaves only, without re-validating the static fields."""
     if torch.compiler.is_compiling():  # Dynamo rebuilds the dataclass through its constructor
         return dataclasses.replace(state, **leaves)
-    new = object.__new__(ScalerState)  # the statics were validated when ``state`` was built
+    new = object.__new__(ScalerState)  # the statics were validated when `state` was built
     new.__dict__.update(state.__dict__, **leaves)
     return new
 
 
 def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
-    """``update_scale`` as a branch-free ``torch.where`` program: guards, and vmap-able.
+    """`update_scale` as a branch-free `torch.where` program: guards, and vmap-able.
 
-    Equal to the kernel bit for bit when no guard is set (tested): ``f32(f64(scale) * factor)``,
-    ``==`` growth, the finite cap, int32 wrap, any non-zero (NaN too) is an overflow.
+    Equal to the kernel bit for bit when no guard is set (tested): `f32(f64(scale) * factor)`,
+    `==` growth, the finite cap, int32 wrap, any non-zero (NaN too) is an overflow.
     """
     scale_, tracker = state.scale, state.growth_tracker
     overflow = (found_inf != 0).reshape(scale_.shape)

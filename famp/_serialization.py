@@ -1,16 +1,16 @@
-"""``ScalerState`` as a plain dict: ``torch.amp.GradScaler.state_dict()``'s format, plus one key.
+"""`ScalerState` as a plain dict: `torch.amp.GradScaler.state_dict()`'s format, plus one key.
 
 The dict has GradScaler's five keys and Python types, so it round-trips through JSON and
-``torch.load(weights_only=True)`` and loads into ``GradScaler.load_state_dict`` (and back), after
-which both continue the same trajectory. A state with ``hysteresis > 1`` adds one key,
-``_overflow_count`` (the overflow streak, an int), so that resuming in the middle of a streak
-continues bit for bit; ``GradScaler.load_state_dict`` reads only its own five keys and ignores it.
-Loading is validated and atomic, through the same checks as ``init_scaler``: a bad dict is
-refused whole, with an error naming the key; nothing is half-loaded (``GradScaler.load_state_dict``
-applies ``scale`` before it finds a missing key).
+`torch.load(weights_only=True)` and loads into `GradScaler.load_state_dict` (and back), after
+which both continue the same trajectory. A state with `hysteresis > 1` adds one key,
+`_overflow_count` (the overflow streak, an int), so that resuming in the middle of a streak
+continues bit for bit; `GradScaler.load_state_dict` reads only its own five keys and ignores it.
+Loading is validated and atomic, through the same checks as `init_scaler`: a bad dict is
+refused whole, with an error naming the key; nothing is half-loaded (`GradScaler.load_state_dict`
+applies `scale` before it finds a missing key).
 
-Deliberately not stored: famp-only settings (``dynamic``, ``min_scale``, ``max_scale``,
-``hysteresis``), which GradScaler's format has no place for; pass them to ``from_state_dict``
+Deliberately not stored: famp-only settings (`dynamic`, `min_scale`, `max_scale`,
+`hysteresis`), which GradScaler's format has no place for; pass them to `from_state_dict`
 again.
 """
 
@@ -27,26 +27,26 @@ _OVERFLOW_KEY = "_overflow_count"
 
 
 def to_state_dict(state: ScalerState) -> dict[str, float | int]:
-    """Serialize a state as ``GradScaler.state_dict()`` does: five keys, Python floats and ints.
+    """Serialize a state as `GradScaler.state_dict()` does: five keys, Python floats and ints.
 
-    The keys are ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
-    ``_growth_tracker``, in that order; a disabled state gives ``{}``, as torch does. With
-    ``hysteresis > 1`` a sixth key, ``_overflow_count``, holds the overflow streak, so that a
-    resume in the middle of one continues bit for bit; ``GradScaler.load_state_dict`` ignores it.
-    ``_growth_tracker`` is torch's int32 counter as it stands: after 2**31 steps without a
-    growth (possible only with a tracker above ``growth_interval``) it wraps to a negative int,
+    The keys are `scale`, `growth_factor`, `backoff_factor`, `growth_interval` and
+    `_growth_tracker`, in that order; a disabled state gives `{}`, as torch does. With
+    `hysteresis > 1` a sixth key, `_overflow_count`, holds the overflow streak, so that a
+    resume in the middle of one continues bit for bit; `GradScaler.load_state_dict` ignores it.
+    `_growth_tracker` is torch's int32 counter as it stands: after 2**31 steps without a
+    growth (possible only with a tracker above `growth_interval`) it wraps to a negative int,
     in famp as in torch, and that dict loads and continues like any other. Reads the leaves off
     their device (a host sync: call it when checkpointing, not inside a compiled step). famp-only
-    settings (static scale, guards) are not stored; see ``famp.from_state_dict``.
+    settings (static scale, guards) are not stored; see `famp.from_state_dict`.
 
     Args:
-        state: A ``famp.ScalerState``.
+        state: A `famp.ScalerState`.
 
     Returns:
-        A new plain dict, or ``{}`` when ``state.enabled`` is ``False``.
+        A new plain dict, or `{}` when `state.enabled` is `False`.
 
     Raises:
-        TypeError: ``state`` is not a ``famp.ScalerState``.
+        TypeError: `state` is not a `famp.ScalerState`.
 
     Examples:
         >>> import famp
@@ -94,39 +94,39 @@ def from_state_dict(
     max_scale: float | None = None,
     hysteresis: int = 1,
 ) -> ScalerState:
-    """Rebuild a state from ``famp.to_state_dict`` or ``torch.amp.GradScaler().state_dict()``.
+    """Rebuild a state from `famp.to_state_dict` or `torch.amp.GradScaler().state_dict()`.
 
-    The whole dict is validated before anything is built, by the checks ``famp.init_scaler``
-    applies to its arguments: exactly the five keys, plus ``_overflow_count`` when it was saved
-    with ``hysteresis > 1``; ``scale`` a number whose float32 value and float32 reciprocal are
+    The whole dict is validated before anything is built, by the checks `famp.init_scaler`
+    applies to its arguments: exactly the five keys, plus `_overflow_count` when it was saved
+    with `hysteresis > 1`; `scale` a number whose float32 value and float32 reciprocal are
     finite and > 0 (a smaller scale makes unscaling return inf for finite gradients without
-    reporting an overflow), within ``min_scale`` and ``max_scale`` when given; ``growth_factor``
-    finite and > 1; ``backoff_factor`` in (0, 1); ``growth_interval`` an int in [1, 2**31 - 1];
-    ``_growth_tracker`` any int32 (torch's counter wraps negative after 2**31 steps without
-    growth; it continues from there as torch does); ``_overflow_count`` an int in
-    ``[0, hysteresis]``, only with ``hysteresis > 1``. ``bool`` is neither an int nor a float.
-    ``{}`` (what a disabled state or a disabled ``GradScaler`` saves) gives a disabled state,
-    where ``GradScaler.load_state_dict`` raises. famp-only settings are passed again here.
+    reporting an overflow), within `min_scale` and `max_scale` when given; `growth_factor`
+    finite and > 1; `backoff_factor` in (0, 1); `growth_interval` an int in [1, 2**31 - 1];
+    `_growth_tracker` any int32 (torch's counter wraps negative after 2**31 steps without
+    growth; it continues from there as torch does); `_overflow_count` an int in
+    `[0, hysteresis]`, only with `hysteresis > 1`. `bool` is neither an int nor a float.
+    `{}` (what a disabled state or a disabled `GradScaler` saves) gives a disabled state,
+    where `GradScaler.load_state_dict` raises. famp-only settings are passed again here.
 
     Args:
         d: The plain dict.
-        device: Device of the tensor leaves (``None``: torch's default device).
-        dynamic: ``False`` for a static scale.
-        min_scale: Opt-in guard, as in ``famp.init_scaler``.
-        max_scale: Opt-in guard, as in ``famp.init_scaler``.
-        hysteresis: Opt-in guard, as in ``famp.init_scaler``; the overflow count is the dict's
-            ``_overflow_count``, or 0 for a dict without one (a ``GradScaler``'s).
+        device: Device of the tensor leaves (`None`: torch's default device).
+        dynamic: `False` for a static scale.
+        min_scale: Opt-in guard, as in `famp.init_scaler`.
+        max_scale: Opt-in guard, as in `famp.init_scaler`.
+        hysteresis: Opt-in guard, as in `famp.init_scaler`; the overflow count is the dict's
+            `_overflow_count`, or 0 for a dict without one (a `GradScaler`'s).
 
     Returns:
-        A new ``famp.ScalerState`` that continues the saved trajectory bit for bit.
+        A new `famp.ScalerState` that continues the saved trajectory bit for bit.
 
     Raises:
-        TypeError: ``d`` is not a dict, a value has the wrong type (the message names the key),
-            or a keyword argument has the wrong type, as in ``famp.init_scaler``.
+        TypeError: `d` is not a dict, a value has the wrong type (the message names the key),
+            or a keyword argument has the wrong type, as in `famp.init_scaler`.
         KeyError: Keys are missing or unknown; the message names them.
         ValueError: A value is out of range (the message names the key and the value),
-            ``_overflow_count`` is present with ``hysteresis=1``, or a keyword argument is out
-            of range, as in ``famp.init_scaler``.
+            `_overflow_count` is present with `hysteresis=1`, or a keyword argument is out
+            of range, as in `famp.init_scaler`.
 
     Examples:
         >>> import famp, torch

@@ -1,10 +1,10 @@
-"""Training steps: the scaler composed with ``torch.func``.
+"""Training steps: the scaler composed with `torch.func`.
 
-``value_and_grad`` is flax's ``DynamicScale.value_and_grad`` with torch's numbers: scale the loss,
-differentiate with ``torch.func.grad``, unscale and check in one pass, update the scale. A step
-built from it is pure, branch-free and compiles with ``torch.compile(fullgraph=True)``.
-``skip_on_overflow`` drops an update after an overflow without a host sync. ``optimizer_step``
-(``_optimizer_step.py``) does the same for ``torch.optim`` optimizers.
+`value_and_grad` is flax's `DynamicScale.value_and_grad` with torch's numbers: scale the loss,
+differentiate with `torch.func.grad`, unscale and check in one pass, update the scale. A step
+built from it is pure, branch-free and compiles with `torch.compile(fullgraph=True)`.
+`skip_on_overflow` drops an update after an overflow without a host sync. `optimizer_step`
+(`_optimizer_step.py`) does the same for `torch.optim` optimizers.
 """
 
 from __future__ import annotations
@@ -40,37 +40,37 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, Any, Tensor, ScalerState]]:
     """Transform a loss function into one that returns its value, unscaled grads and a new scale.
 
-    The returned function takes a ``famp.ScalerState`` first, then ``fn``'s arguments, and does
-    what ``GradScaler`` does around ``loss.backward()``, as pure functions: the loss is multiplied
-    by the scale (``famp.scale``), differentiated with ``torch.func.grad`` with respect to the
-    arguments ``argnums``, unscaled and checked (``famp.unscale_and_check``), and the scale is
-    updated (``famp.update_scale``): torch's growth timing, bit for bit. ``value`` is the loss as
-    ``fn`` returned it, never scaled. The gradients are returned even after an overflow (they then
-    hold inf or NaN): skip the update with ``famp.skip_on_overflow``. Composes with
-    ``torch.compile(fullgraph=True)`` and ``torch.func.vmap``.
+    The returned function takes a `famp.ScalerState` first, then `fn`'s arguments, and does
+    what `GradScaler` does around `loss.backward()`, as pure functions: the loss is multiplied
+    by the scale (`famp.scale`), differentiated with `torch.func.grad` with respect to the
+    arguments `argnums`, unscaled and checked (`famp.unscale_and_check`), and the scale is
+    updated (`famp.update_scale`): torch's growth timing, bit for bit. `value` is the loss as
+    `fn` returned it, never scaled. The gradients are returned even after an overflow (they then
+    hold inf or NaN): skip the update with `famp.skip_on_overflow`. Composes with
+    `torch.compile(fullgraph=True)` and `torch.func.vmap`.
 
     Args:
-        fn: The loss function. Returns a floating tensor with one element (any shape: ``()``,
-            ``(1,)``, ...), or ``(loss, aux)`` when ``has_aux`` (``aux`` any pytree, returned
+        fn: The loss function. Returns a floating tensor with one element (any shape: `()`,
+            `(1,)`, ...), or `(loss, aux)` when `has_aux` (`aux` any pytree, returned
             detached).
-        argnums: Which positional arguments of ``fn`` to differentiate (an int or a tuple of ints),
-            as in ``torch.func.grad``.
-        has_aux: ``fn`` returns ``(loss, aux)``.
-        group: A ``torch.distributed`` process group across which ``found_inf`` is max-reduced
-            (gradients that are local shards); ``None``: no communication.
+        argnums: Which positional arguments of `fn` to differentiate (an int or a tuple of ints),
+            as in `torch.func.grad`.
+        has_aux: `fn` returns `(loss, aux)`.
+        group: A `torch.distributed` process group across which `found_inf` is max-reduced
+            (gradients that are local shards); `None`: no communication.
 
     Returns:
-        A function ``(state, *args, **kwargs) -> (value, grads, found_inf, new_state)``: ``value``
-        is the loss (``(loss, aux)`` when ``has_aux``); ``grads`` has the structure of the
-        ``argnums`` arguments (a tuple of them for a tuple ``argnums``); ``found_inf`` is a 0-d
-        float32 tensor, 1.0 iff any gradient element is non-finite; ``new_state`` is the updated
-        ``famp.ScalerState``.
+        A function `(state, *args, **kwargs) -> (value, grads, found_inf, new_state)`: `value`
+        is the loss (`(loss, aux)` when `has_aux`); `grads` has the structure of the
+        `argnums` arguments (a tuple of them for a tuple `argnums`); `found_inf` is a 0-d
+        float32 tensor, 1.0 iff any gradient element is non-finite; `new_state` is the updated
+        `famp.ScalerState`.
 
     Raises:
-        TypeError: ``fn`` is not callable, ``argnums`` is not an int or a non-empty tuple of
-            ints, ``has_aux`` is not a bool; when called: ``state`` is not a
-            ``famp.ScalerState``, the loss is not a floating tensor with one element, or ``fn``
-            does not return a pair with ``has_aux``.
+        TypeError: `fn` is not callable, `argnums` is not an int or a non-empty tuple of
+            ints, `has_aux` is not a bool; when called: `state` is not a
+            `famp.ScalerState`, the loss is not a floating tensor with one element, or `fn`
+            does not return a pair with `has_aux`.
 
     Examples:
         >>> import famp, torch
@@ -128,29 +128,29 @@ def value_and_grad(
 
 
 def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT:
-    """Keep ``current`` instead of ``updated`` after an overflow, without a host sync.
+    """Keep `current` instead of `updated` after an overflow, without a host sync.
 
-    Every leaf becomes ``torch.where(found_inf == 0, updated_leaf, current_leaf)``, so a non-zero
-    (or NaN) ``found_inf`` rolls the whole tree back: pass parameters *and* optimizer state
-    together, ``(new_params, new_opt_state)`` and ``(params, opt_state)``. A step counter kept in
-    the optimizer state is rolled back too, like ``torch.optim``'s fused optimizers and optax's
-    ``apply_if_finite`` do, so a learning-rate schedule computed from it does not advance on a
+    Every leaf becomes `torch.where(found_inf == 0, updated_leaf, current_leaf)`, so a non-zero
+    (or NaN) `found_inf` rolls the whole tree back: pass parameters *and* optimizer state
+    together, `(new_params, new_opt_state)` and `(params, opt_state)`. A step counter kept in
+    the optimizer state is rolled back too, like `torch.optim`'s fused optimizers and optax's
+    `apply_if_finite` do, so a learning-rate schedule computed from it does not advance on a
     skipped step; a schedule computed from your own iteration counter does (as a
-    ``torch.optim.lr_scheduler`` stepped every iteration does under ``GradScaler``). Counters must
-    be tensors; use ``famp.select_tree`` with your own predicate for anything else.
+    `torch.optim.lr_scheduler` stepped every iteration does under `GradScaler`). Counters must
+    be tensors; use `famp.select_tree` with your own predicate for anything else.
 
     Args:
-        found_inf: A one-element tensor, ``found_inf`` of ``famp.value_and_grad`` or
-            ``famp.unscale_and_check``; non-zero or NaN means overflow.
+        found_inf: A one-element tensor, `found_inf` of `famp.value_and_grad` or
+            `famp.unscale_and_check`; non-zero or NaN means overflow.
         updated: The tree after the update.
         current: The tree before it, with the same structure, dtypes and shapes.
 
     Returns:
-        ``updated`` if ``found_inf`` is 0, else ``current``, leaf by leaf.
+        `updated` if `found_inf` is 0, else `current`, leaf by leaf.
 
     Raises:
-        TypeError: ``found_inf`` is not a tensor, or a leaf is not a tensor or differs in dtype.
-        ValueError: ``found_inf`` has more than one element, or the trees differ in structure or
+        TypeError: `found_inf` is not a tensor, or a leaf is not a tensor or differs in dtype.
+        ValueError: `found_inf` has more than one element, or the trees differ in structure or
             shape.
 
     Examples:

@@ -1,12 +1,12 @@
 """Applying a loss scale to pytrees: scale, unscale_and_check, all_finite, select_tree.
 
-``unscale_and_check`` is ``GradScaler.unscale_`` out of place, bit for bit: what torch's fused
-``_amp_foreach_non_finite_check_and_unscale`` kernel computes per (device, dtype) group,
-multiplying by ``f32(1/f64(scale))``, with about one pass over memory (``famp._unscale_paths``).
-``found_inf`` is one 0-d float32 tensor, exactly 0.0 or 1.0.
+`unscale_and_check` is `GradScaler.unscale_` out of place, bit for bit: what torch's fused
+`_amp_foreach_non_finite_check_and_unscale` kernel computes per (device, dtype) group,
+multiplying by `f32(1/f64(scale))`, with about one pass over memory (`famp._unscale_paths`).
+`found_inf` is one 0-d float32 tensor, exactly 0.0 or 1.0.
 
 Deliberately not supported: sparse layouts other than COO; float16 is accepted (torch refuses it
-in ``GradScaler.unscale_``, see docs/loss-scaling.md).
+in `GradScaler.unscale_`, see docs/loss-scaling.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSp
 
 
 def _check_state(fn: str, state: object, other: str, value: object) -> None:
-    """A TypeError in public terms when ``state`` is not a ``ScalerState`` (swapped, or None)."""
+    """A TypeError in public terms when `state` is not a `ScalerState` (swapped, or None)."""
     if isinstance(state, ScalerState):
         return
     if isinstance(value, ScalerState):
@@ -58,23 +58,23 @@ def _check_state(fn: str, state: object, other: str, value: object) -> None:
 
 
 def scale(state: ScalerState, tree: TreeT) -> TreeT:
-    """Multiply every tensor of a pytree by the loss scale, as ``GradScaler.scale``.
+    """Multiply every tensor of a pytree by the loss scale, as `GradScaler.scale`.
 
-    Each leaf becomes ``leaf * state.scale`` (the scale moved to the leaf's device), so the dtypes
+    Each leaf becomes `leaf * state.scale` (the scale moved to the leaf's device), so the dtypes
     are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
-    Lists, tuples, dicts and namedtuples keep their type; ``None`` leaves pass through. A disabled
-    state returns ``tree`` itself.
+    Lists, tuples, dicts and namedtuples keep their type; `None` leaves pass through. A disabled
+    state returns `tree` itself.
 
     Args:
-        state: The current ``famp.ScalerState``.
+        state: The current `famp.ScalerState`.
         tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
 
     Returns:
         A tree of the same structure with every tensor scaled.
 
     Raises:
-        TypeError: ``state`` is not a ``famp.ScalerState`` (e.g. the arguments swapped, as in
-            ``scaler.scale(loss)``: the state comes first), or a leaf is not a tensor; the message
+        TypeError: `state` is not a `famp.ScalerState` (e.g. the arguments swapped, as in
+            `scaler.scale(loss)`: the state comes first), or a leaf is not a tensor; the message
             names its path.
 
     Examples:
@@ -99,46 +99,46 @@ def unscale_and_check(
 ) -> tuple[TreeT, Tensor]:
     """Unscale gradients and report whether any element is non-finite, in one pass.
 
-    Every tensor is multiplied by ``f32(1/f64(scale))`` in float32 (float64 for float64 grads)
+    Every tensor is multiplied by `f32(1/f64(scale))` in float32 (float64 for float64 grads)
     and cast back to its dtype, exactly as torch's fused
-    ``_amp_foreach_non_finite_check_and_unscale`` kernel does, grouped by device and dtype like
-    ``GradScaler.unscale_``. Inf and NaN pass through and every gradient is unscaled even after
-    one. Unlike ``GradScaler``, float16 gradients are accepted. Sparse COO gradients have their
-    values unscaled (float16 ones are coalesced first, as torch does); ``None`` leaves pass
-    through. DTensor gradients (FSDP2) are unscaled shard by shard and ``found_inf`` is
-    max-reduced over their mesh's non-replicated dimensions, as ``GradScaler`` does through
-    DTensor dispatch. Under ``torch.func.vmap`` the kernel's arithmetic runs as separate ops
-    (bit-equal), and ``found_inf`` is per sample. Under ``torch.compile`` the results are the
-    same with static shapes, ``dynamic=True``, ``mark_dynamic`` and after a recompile.
+    `_amp_foreach_non_finite_check_and_unscale` kernel does, grouped by device and dtype like
+    `GradScaler.unscale_`. Inf and NaN pass through and every gradient is unscaled even after
+    one. Unlike `GradScaler`, float16 gradients are accepted. Sparse COO gradients have their
+    values unscaled (float16 ones are coalesced first, as torch does); `None` leaves pass
+    through. DTensor gradients (FSDP2) are unscaled shard by shard and `found_inf` is
+    max-reduced over their mesh's non-replicated dimensions, as `GradScaler` does through
+    DTensor dispatch. Under `torch.func.vmap` the kernel's arithmetic runs as separate ops
+    (bit-equal), and `found_inf` is per sample. Under `torch.compile` the results are the
+    same with static shapes, `dynamic=True`, `mark_dynamic` and after a recompile.
 
-    Gradients that require grad (from ``torch.autograd.grad(..., create_graph=True)``, or inside
-    an outer ``torch.func.grad``) are unscaled differentiably: the values are the kernel's and the
-    backward is that of torch's gradient-penalty recipe, ``g * (1.0 / scaler.get_scale())``: the
-    incoming gradient times ``1 / scale`` (in float32 for float32 and narrower grads).
+    Gradients that require grad (from `torch.autograd.grad(..., create_graph=True)`, or inside
+    an outer `torch.func.grad`) are unscaled differentiably: the values are the kernel's and the
+    backward is that of torch's gradient-penalty recipe, `g * (1.0 / scaler.get_scale())`: the
+    incoming gradient times `1 / scale` (in float32 for float32 and narrower grads).
 
     Args:
-        state: The ``famp.ScalerState`` whose scale produced the gradients.
+        state: The `famp.ScalerState` whose scale produced the gradients.
         grads: A pytree of float16/bfloat16/float32/float64 tensors, dense or sparse COO.
-        group: A ``torch.distributed`` process group; ``found_inf`` is max-reduced across it so
-            every rank agrees (``None``: no communication).
-        donate: ``True`` consumes the inputs: their buffers are unscaled in place and returned, the
-            speed of ``GradScaler.unscale_``. Do not use the inputs afterwards. Leaves that share
+        group: A `torch.distributed` process group; `found_inf` is max-reduced across it so
+            every rank agrees (`None`: no communication).
+        donate: `True` consumes the inputs: their buffers are unscaled in place and returned, the
+            speed of `GradScaler.unscale_`. Do not use the inputs afterwards. Leaves that share
             memory (the same tensor twice, as tied weights give; overlapping views) are unscaled
             once: each holds its own contents unscaled, eagerly and compiled. Eagerly, views of
             one buffer with different dtypes, and expanded tensors, are refused (compiled, their
             memory cannot be seen: do not donate them).
 
     Returns:
-        ``(unscaled_grads, found_inf)``: the same tree structure, and a 0-d float32 tensor on the
+        `(unscaled_grads, found_inf)`: the same tree structure, and a 0-d float32 tensor on the
         scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
-        returns ``(grads, 0.0)``.
+        returns `(grads, 0.0)`.
 
     Raises:
-        TypeError: ``state`` is not a ``famp.ScalerState`` (the message says when the arguments
-            are swapped), ``donate`` is not a bool, or a leaf is not a floating tensor, is a
+        TypeError: `state` is not a `famp.ScalerState` (the message says when the arguments
+            are swapped), `donate` is not a bool, or a leaf is not a floating tensor, is a
             nested tensor or has an unsupported layout; the message names its path.
         ValueError: A leaf is on the meta device while the scale is not; or, with
-            ``donate=True``, leaves share memory with different dtypes, a leaf overlaps itself,
+            `donate=True`, leaves share memory with different dtypes, a leaf overlaps itself,
             or a leaf requires grad; the message names the paths.
 
     Examples:
@@ -297,15 +297,15 @@ def _sparse_like(src: Tensor, values: Tensor) -> Tensor:
 
 
 def all_finite(tree: PyTree) -> Tensor:
-    """Return a 0-d bool tensor: ``True`` iff every element of every tensor in ``tree`` is finite.
+    """Return a 0-d bool tensor: `True` iff every element of every tensor in `tree` is finite.
 
-    No host sync. An empty tree gives ``True``. Sparse tensors are checked through their values.
+    No host sync. An empty tree gives `True`. Sparse tensors are checked through their values.
 
     Args:
-        tree: A pytree of tensors (``None`` leaves are skipped).
+        tree: A pytree of tensors (`None` leaves are skipped).
 
     Returns:
-        A 0-d ``torch.bool`` tensor on the first leaf's device (CPU for an empty tree).
+        A 0-d `torch.bool` tensor on the first leaf's device (CPU for an empty tree).
 
     Raises:
         TypeError: A leaf is not a tensor; the message names its path.
@@ -326,22 +326,22 @@ def all_finite(tree: PyTree) -> Tensor:
 def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
 
-    Each leaf becomes ``torch.where(pred, a, b)``; use it to skip an update after an overflow:
-    ``params = famp.select_tree(famp.all_finite(grads), new_params, params)``. Both trees must have
-    the same structure, and paired leaves the same dtype and shape. ``None`` leaves pass through.
+    Each leaf becomes `torch.where(pred, a, b)`; use it to skip an update after an overflow:
+    `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
+    the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
 
     Args:
-        pred: A 0-d (or one-element) ``torch.bool`` tensor.
-        on_true: The tree chosen where ``pred`` is ``True``.
-        on_false: The tree chosen where ``pred`` is ``False``.
+        pred: A 0-d (or one-element) `torch.bool` tensor.
+        on_true: The tree chosen where `pred` is `True`.
+        on_false: The tree chosen where `pred` is `False`.
 
     Returns:
-        A tree with ``on_true``'s structure.
+        A tree with `on_true`'s structure.
 
     Raises:
-        TypeError: ``pred`` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
+        TypeError: `pred` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
             in dtype; the message names the path.
-        ValueError: The structures differ, ``pred`` has more than one element, or paired leaves
+        ValueError: The structures differ, `pred` has more than one element, or paired leaves
             differ in shape.
 
     Examples:

@@ -1,11 +1,11 @@
-"""How ``famp.unscale_and_check`` unscales one (device, dtype) group: the kernel's exact results.
+"""How `famp.unscale_and_check` unscales one (device, dtype) group: the kernel's exact results.
 
-torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel is the reference. Out of place
+torch's fused `_amp_foreach_non_finite_check_and_unscale_` kernel is the reference. Out of place
 there are three ways to its results, chosen per call: runs of the kernel's functional variant, a
 min/max and a multiply for big CPU tensors, and the kernel's arithmetic as plain ops
-(``where_program``), which ``torch.func`` transforms and inductor need. Each is tested against
-``GradScaler`` bit for bit, NaN bit patterns included. ``differentiable_unscale`` gives the same
-results with the backward of torch's gradient-penalty recipe; ``shared_memory`` finds donated
+(`where_program`), which `torch.func` transforms and inductor need. Each is tested against
+`GradScaler` bit for bit, NaN bit patterns included. `differentiable_unscale` gives the same
+results with the backward of torch's gradient-penalty recipe; `shared_memory` finds donated
 leaves that must not be unscaled in place.
 """
 
@@ -23,16 +23,16 @@ from famp._compat import functorch_transforms_active as are_functorch_transforms
 def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
     """The fused kernel's results, out of place, with about one pass over memory.
 
-    The kernel computes ``cast(inv == 1 ? opmath(x) : opmath(x) * inv)`` (at exactly 1 it skips
+    The kernel computes `cast(inv == 1 ? opmath(x) : opmath(x) * inv)` (at exactly 1 it skips
     the multiply, which keeps NaN payloads) and flags any non-finite input. Its functional
     variant clones every tensor and then makes a second pass over the whole copy. On the CPU,
-    eagerly, famp runs small tensors through it in runs of about ``_CHUNK_BYTES`` (which stay in
+    eagerly, famp runs small tensors through it in runs of about `_CHUNK_BYTES` (which stay in
     cache between the two passes), and gives each big tensor a read-only min/max (min and max
     propagate NaN and show infs) followed by one multiply, which finds the tensor still in
     cache; at a scale of exactly 1 every tensor takes the kernel. Reading the CPU scale is a
     memory read, not a device sync. Other devices take the functional variant whole. Compiled,
     big float32 and float64 tensors get the kernel's arithmetic as plain ops, which inductor
-    fuses into one pass per tensor (``_compiled``). Results equal the kernel's bit for
+    fuses into one pass per tensor (`_compiled`). Results equal the kernel's bit for
     bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
@@ -65,12 +65,12 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
 
 
 def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """What ``torch.compile`` traces: big float32/float64 tensors as plain ops, the rest the kernel.
+    """What `torch.compile` traces: big float32/float64 tensors as plain ops, the rest the kernel.
 
     Inductor fuses the kernel's arithmetic as plain ops into one read and one write per tensor,
     where the kernel's functional variant makes two passes; but each tensor so traced adds about
-    0.18 s of compile time (measured: ``unscale_and_check`` of 200 tensors compiles in 10 s with
-    the kernel, 46 s as plain ops), so only tensors over ``_CHUNK_BYTES`` take it. Half dtypes
+    0.18 s of compile time (measured: `unscale_and_check` of 200 tensors compiles in 10 s with
+    the kernel, 46 s as plain ops), so only tensors over `_CHUNK_BYTES` take it. Half dtypes
     keep the kernel, whose NaN bit patterns inductor does not keep.
     """
     kernel: list[int] = []
@@ -87,10 +87,10 @@ def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[T
 
 
 def _fuses(x: Tensor) -> bool:
-    """Whether compiled unscale traces ``x`` as plain ops: always a Python bool, never a symbol.
+    """Whether compiled unscale traces `x` as plain ops: always a Python bool, never a symbol.
 
-    Under dynamic shapes (``dynamic=True``, ``mark_dynamic``, a recompile after a shape change)
-    ``x.numel()`` is a symbolic int and a size test a symbolic bool, which no identity check or
+    Under dynamic shapes (`dynamic=True`, `mark_dynamic`, a recompile after a shape change)
+    `x.numel()` is a symbolic int and a size test a symbolic bool, which no identity check or
     branch may read; such tensors take the kernel, whose bits are the same, without a guard.
     """
     if x.dtype in _NAN_BITS:
@@ -119,9 +119,9 @@ _CHUNK_BYTES = 1 << 20  # 1 MiB: what the second read of a tensor or run still f
 
 
 def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The fused kernel's arithmetic as plain ops: ``cast(opmath(x) * inv)``, any non-finite.
+    """The fused kernel's arithmetic as plain ops: `cast(opmath(x) * inv)`, any non-finite.
 
-    At ``inv == 1`` the kernel skips the multiply, and so does this (NaN payloads are kept).
+    At `inv == 1` the kernel skips the multiply, and so does this (NaN payloads are kept).
     """
     out = []
     for x in tensors:
@@ -153,9 +153,9 @@ def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
 
     Compares the byte span each tensor's elements lie in (from its first to its last element);
     spans that intersect count as shared. That is exact for the same tensor twice and for
-    overlapping views, and conservative for interleaved ones (``x[:, 0]`` and ``x[:, 1]``), which
+    overlapping views, and conservative for interleaved ones (`x[:, 0]` and `x[:, 1]`), which
     are then handled as shared, correctly but without the in-place speed. A tensor whose span
-    holds fewer elements than it has (a stride 0, from ``expand``) overlaps itself.
+    holds fewer elements than it has (a stride 0, from `expand`) overlaps itself.
     """
     self_overlapping = []
     readable = [type(x) is torch.Tensor and not x.is_meta for x in tensors]  # pointers to read
@@ -196,10 +196,10 @@ def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
 class _Unscale(torch.autograd.Function):
     """The kernel's results, differentiable: the backward of torch's gradient-penalty recipe.
 
-    torch's recipe unscales with ``g * (1.0 / scaler.get_scale())``, a Python float; the backward
-    of that multiply is ``grad * (1.0 / scale)`` with the same scalar arithmetic, which a 0-d
-    float64 reciprocal reproduces (float32 and narrower grads compute with ``f32(1/f64(scale))``,
-    float64 ones with ``1/f64(scale)``). The forward is the kernel's (``out_of_place``), whose
+    torch's recipe unscales with `g * (1.0 / scaler.get_scale())`, a Python float; the backward
+    of that multiply is `grad * (1.0 / scale)` with the same scalar arithmetic, which a 0-d
+    float64 reciprocal reproduces (float32 and narrower grads compute with `f32(1/f64(scale))`,
+    float64 ones with `1/f64(scale)`). The forward is the kernel's (`out_of_place`), whose
     results differ from the recipe's multiply only at a scale of 1 (NaN payloads) and, for
     float64 grads, at scales that are not powers of two.
     """
@@ -229,6 +229,6 @@ class _Unscale(torch.autograd.Function):
 def differentiable_unscale(
     tensors: list[Tensor], found: Tensor, inv64: Tensor
 ) -> tuple[list[Tensor], Tensor]:
-    """The kernel's results through ``_Unscale``, for grads that carry a graph."""
+    """The kernel's results through `_Unscale`, for grads that carry a graph."""
     *new, found = cast(tuple[Tensor, ...], _Unscale.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
     return new, found

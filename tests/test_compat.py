@@ -40,7 +40,7 @@ def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize(
     "path",
-    sorted(p for p in FAMP.glob("*.py") if p.name != "_compat.py"),
+    sorted(p for p in FAMP.rglob("*.py") if p.name != "_compat.py"),
     ids=lambda p: p.name,
 )
 def test_no_private_torch_name_outside_the_compat_module(path: pathlib.Path) -> None:
