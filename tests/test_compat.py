@@ -41,7 +41,7 @@ def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize(
     "path",
     sorted(p for p in FAMP.rglob("*.py") if p.name != "_compat.py"),
-    ids=lambda p: p.name,
+    ids=lambda p: str(p.relative_to(FAMP)),
 )
 def test_no_private_torch_name_outside_the_compat_module(path: pathlib.Path) -> None:
     found = [f"{path.name}:{n}: {code}" for n, code in _code_lines(path) if _PRIVATE.search(code)]
