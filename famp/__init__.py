@@ -6,11 +6,16 @@ FSDP's optimizer-state loading) as pure functions over pytrees with explicit, im
 
 from __future__ import annotations
 
-# --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
+import types as _types
+
+# --- loss scaling: famp/_scaling/ ----------------------------------------------------------------
 # isort: split
-from famp._scaler import ScalerState, init_scaler, update_scale
-from famp._serialization import from_state_dict, to_state_dict
-from famp._unscale import all_finite, scale, select_tree, unscale_and_check
+from famp._scaling.build import init_scaler
+from famp._scaling.state import ScalerState
+from famp._scaling.state_dict import from_state_dict, to_state_dict
+from famp._scaling.trees import all_finite, scale, select_tree
+from famp._scaling.unscale import unscale_and_check
+from famp._scaling.update import update_scale
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
@@ -30,15 +35,15 @@ from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layo
 from famp._fsdp_load import optim_state_dict_to_load
 from famp._rekey import optim_state_by_fqn, optim_state_by_id
 
-# --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
+# --- training steps: famp/_scaling/ ---------------------------------------------------------------
 # isort: split
-from famp._optimizer_step import optimizer_step
-from famp._step import skip_on_overflow, value_and_grad
+from famp._scaling.optimizer_step import optimizer_step
+from famp._scaling.step import skip_on_overflow, value_and_grad
 
-# --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
+# --- overflow forensics and autocast explain: famp/_scaling/report.py, _explain.py --------------
 # isort: split
 from famp._explain import OpRecord, Trace, explain
-from famp._report import NonfiniteReport, nonfinite_report
+from famp._scaling.report import NonfiniteReport, nonfinite_report
 
 __version__ = "0.1.0"
 
@@ -92,3 +97,17 @@ __all__: list[str] = [
     "explain",
     "nonfinite_report",
 ]
+
+# Every public function and class reports its public path (`famp.scale`, not the private module
+# it lives in), as do a public class's own methods: reprs, tracebacks and the API docs read
+# `famp.…`, and doctest collects their examples from this module. The one place it is set.
+for _name in __all__:
+    _obj = globals()[_name]
+    if not (isinstance(_obj, type) or callable(_obj)):
+        continue
+    _home, _obj.__module__ = _obj.__module__, "famp"
+    for _member in vars(_obj).values() if isinstance(_obj, type) else ():
+        _member = getattr(_member, "__func__", getattr(_member, "fget", _member))
+        if isinstance(_member, _types.FunctionType) and _member.__module__ == _home:
+            _member.__module__ = "famp"
+del _name, _obj, _home, _member

@@ -96,7 +96,7 @@ def test_plain_import_loads_only_famp_and_optree_beyond_torch_and_every_public_n
     ]
     assert others == []  # no torch submodule, no third-party package other than optree
     assert "famp._autocast" in out["new"]
-    assert "famp._scaler" in out["new"]
+    assert "famp._scaling.state" in out["new"]
     assert out["all"] == famp.__all__
     assert out["missing"] == []
     assert out["heavy_after_names"] == []

@@ -1,8 +1,8 @@
-"""Applying a loss scale to pytrees: scale, unscale_and_check, all_finite, select_tree.
+"""Unscaling gradients and checking them for overflow: `famp.unscale_and_check`.
 
 `unscale_and_check` is `GradScaler.unscale_` out of place, bit for bit: what torch's fused
 `_amp_foreach_non_finite_check_and_unscale` kernel computes per (device, dtype) group,
-multiplying by `f32(1/f64(scale))`, with about one pass over memory (`famp._unscale_paths`).
+multiplying by `f32(1/f64(scale))`, with about one pass over memory (`kernels.py`).
 `found_inf` is one 0-d float32 tensor, exactly 0.0 or 1.0.
 
 Deliberately not supported: sparse layouts other than COO; float16 is accepted (torch refuses it
@@ -20,78 +20,16 @@ import torch
 from famp import _collectives
 from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
-from famp._scaler import ScalerState
-from famp._typing import PyTree, Tensor, TreeT
-from famp._unscale_paths import (
+from famp._scaling.checks import FLOAT_DTYPES
+from famp._scaling.kernels import (
     differentiable_unscale,
     out_of_place,
     shared_memory,
     where_program,
 )
-
-
-def _keystr(path: Sequence[Any]) -> str:
-    return "tree" + "".join(f"[{k!r}]" for k in path)
-
-
-def _tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"famp.{fn}: the leaf at {_keystr(path)} must be a Tensor or None, "
-                f"got {type(leaf).__name__} {leaf!r}"
-            )
-    return leaves, spec
-
-
-def _check_state(fn: str, state: object, other: str, value: object) -> None:
-    """A TypeError in public terms when `state` is not a `ScalerState` (swapped, or None)."""
-    if isinstance(state, ScalerState):
-        return
-    if isinstance(value, ScalerState):
-        raise TypeError(
-            f"famp.{fn} takes the state first: famp.{fn}(state, {other}); got "
-            f"{type(state).__name__} as state and a famp.ScalerState as {other}"
-        )
-    raise TypeError(f"famp.{fn}: state must be a famp.ScalerState, got {type(state).__name__}")
-
-
-def scale(state: ScalerState, tree: TreeT) -> TreeT:
-    """Multiply every tensor of a pytree by the loss scale, as `GradScaler.scale`.
-
-    Each leaf becomes `leaf * state.scale` (the scale moved to the leaf's device), so the dtypes
-    are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
-    Lists, tuples, dicts and namedtuples keep their type; `None` leaves pass through. A disabled
-    state returns `tree` itself.
-
-    Args:
-        state: The current `famp.ScalerState`.
-        tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
-
-    Returns:
-        A tree of the same structure with every tensor scaled.
-
-    Raises:
-        TypeError: `state` is not a `famp.ScalerState` (e.g. the arguments swapped, as in
-            `scaler.scale(loss)`: the state comes first), or a leaf is not a tensor; the message
-            names its path.
-
-    Examples:
-        >>> import famp, torch
-        >>> state = famp.init_scaler(1024.0)
-        >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
-        {'loss': tensor(512.)}
-    """
-    _check_state("scale", state, "loss", tree)
-    if not state.enabled:
-        return tree
-    leaves, spec = _tensor_leaves("scale", tree)
-    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
-    return cast(TreeT, optree.tree_unflatten(spec, out))
-
-
-_UNSCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from famp._scaling.state import ScalerState
+from famp._scaling.trees import check_state_first, keystr
+from famp._typing import PyTree, Tensor, TreeT
 
 
 def unscale_and_check(
@@ -150,7 +88,7 @@ def unscale_and_check(
         >>> found_inf
         tensor(1.)
     """
-    _check_state("unscale_and_check", state, "grads", grads)
+    check_state_first("unscale_and_check", state, "grads", grads)
     if not isinstance(donate, bool):
         raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
     found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
@@ -165,7 +103,7 @@ def unscale_and_check(
     special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
     for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
-            if leaf.dtype not in _UNSCALE_DTYPES or leaf.is_nested or leaf.is_meta:
+            if leaf.dtype not in FLOAT_DTYPES or leaf.is_nested or leaf.is_meta:
                 _check_leaf(path, leaf, scale_device)
             dense.append(leaf)
             continue
@@ -184,7 +122,7 @@ def unscale_and_check(
         path = next(p for p, x in zip(paths, dense, strict=True) if x.requires_grad)
         raise ValueError(
             f"famp.unscale_and_check: donate=True cannot unscale in place the leaf at "
-            f"{_keystr(path)}, which requires grad (create_graph=True); pass donate=False"
+            f"{keystr(path)}, which requires grad (create_graph=True); pass donate=False"
         )
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, x in enumerate(dense):
@@ -205,14 +143,14 @@ def unscale_and_check(
             if len({dense[i].dtype for i in cluster}) > 1:
                 raise ValueError(
                     f"famp.unscale_and_check: with donate=True, the leaves at "
-                    f"{', '.join(_keystr(paths[i]) for i in cluster)} share memory with different "
+                    f"{', '.join(keystr(paths[i]) for i in cluster)} share memory with different "
                     f"dtypes ({', '.join(str(dense[i].dtype) for i in cluster)}); pass donate=False"
                 )
             shared.update(cluster)
         if self_overlapping:
             raise ValueError(
                 f"famp.unscale_and_check: with donate=True, the leaf at "
-                f"{_keystr(paths[self_overlapping[0]])} has elements that share memory (an "
+                f"{keystr(paths[self_overlapping[0]])} has elements that share memory (an "
                 f"expanded tensor), which in place would be unscaled more than once; pass "
                 f"donate=False"
             )
@@ -261,26 +199,26 @@ def unscale_and_check(
 
 
 def _check_leaf(path: Sequence[Any], leaf: object, scale_device: torch.device) -> None:
-    if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _UNSCALE_DTYPES:
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype not in FLOAT_DTYPES:
         what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {_keystr(path)} must be a "
+            f"famp.unscale_and_check: the leaf at {keystr(path)} must be a "
             f"float16/bfloat16/float32/float64 tensor or None, got {what}"
         )
     if leaf.is_nested:
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {_keystr(path)} is a nested tensor "
+            f"famp.unscale_and_check: the leaf at {keystr(path)} is a nested tensor "
             f"(layout {leaf.layout}); only strided and sparse_coo tensors are supported, as in "
             f"GradScaler"
         )
     if leaf.layout not in (torch.strided, torch.sparse_coo):
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {_keystr(path)} has layout "
+            f"famp.unscale_and_check: the leaf at {keystr(path)} has layout "
             f"{leaf.layout}; only strided and sparse_coo are supported"
         )
     if leaf.is_meta and scale_device.type != "meta":
         raise ValueError(
-            f"famp.unscale_and_check: the leaf at {_keystr(path)} is on the meta device (no "
+            f"famp.unscale_and_check: the leaf at {keystr(path)} is on the meta device (no "
             f"data), so found_inf on {scale_device} cannot be computed from it; meta gradients "
             f"need a meta scale: famp.init_scaler(..., device='meta')"
         )
@@ -294,88 +232,3 @@ def _sparse_like(src: Tensor, values: Tensor) -> Tensor:
         is_coalesced=src.is_coalesced(),
         check_invariants=False,  # indices and size come from a valid tensor
     )
-
-
-def all_finite(tree: PyTree) -> Tensor:
-    """Return a 0-d bool tensor: `True` iff every element of every tensor in `tree` is finite.
-
-    No host sync. An empty tree gives `True`. Sparse tensors are checked through their values.
-
-    Args:
-        tree: A pytree of tensors (`None` leaves are skipped).
-
-    Returns:
-        A 0-d `torch.bool` tensor on the first leaf's device (CPU for an empty tree).
-
-    Raises:
-        TypeError: A leaf is not a tensor; the message names its path.
-
-    Examples:
-        >>> import famp, torch
-        >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
-        tensor(False)
-    """
-    leaves, _ = _tensor_leaves("all_finite", tree)
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    device = leaves[0].device
-    checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
-    return torch.stack(checks).all()
-
-
-def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
-    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
-
-    Each leaf becomes `torch.where(pred, a, b)`; use it to skip an update after an overflow:
-    `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
-    the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
-
-    Args:
-        pred: A 0-d (or one-element) `torch.bool` tensor.
-        on_true: The tree chosen where `pred` is `True`.
-        on_false: The tree chosen where `pred` is `False`.
-
-    Returns:
-        A tree with `on_true`'s structure.
-
-    Raises:
-        TypeError: `pred` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
-            in dtype; the message names the path.
-        ValueError: The structures differ, `pred` has more than one element, or paired leaves
-            differ in shape.
-
-    Examples:
-        >>> import famp, torch
-        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
-        {'w': tensor([0., 0.])}
-    """
-    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
-        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
-        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
-    if pred.numel() != 1:
-        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
-    true_leaves, spec = _tensor_leaves("select_tree", on_true)
-    false_leaves, false_spec = _tensor_leaves("select_tree", on_false)
-    if spec != false_spec:
-        raise ValueError(
-            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
-        )
-    paths = spec.paths()
-    out = []
-    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
-        if a.dtype != b.dtype:
-            raise TypeError(
-                f"famp.select_tree: the leaves at {_keystr(path)} differ in dtype: "
-                f"{a.dtype} and {b.dtype}"
-            )
-        if a.shape != b.shape:
-            raise ValueError(
-                f"famp.select_tree: the leaves at {_keystr(path)} differ in shape: "
-                f"{tuple(a.shape)} and {tuple(b.shape)}"
-            )
-        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
-    return cast(TreeT, optree.tree_unflatten(spec, out))
-
-
-for _public in (scale, unscale_and_check, all_finite, select_tree):
-    _public.__module__ = "famp"

@@ -12,7 +12,7 @@ import torch
 import famp
 from tests.conftest import compiled
 from tests.helpers import assert_bitwise_equal
-from tests.test_scaler import torch_unscale
+from tests.scaling.test_scaler import torch_unscale
 
 
 def _donate(state: famp.ScalerState, grads: Any) -> Any:

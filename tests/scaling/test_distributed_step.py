@@ -1,7 +1,7 @@
 """Distributed steps on 2 real gloo ranks: overflow on one rank, FSDP1 and FSDP2, DCP resume.
 
-One torchrun job (tests/step_worker.py) records both ranks; the tests compare the records, and
-resume the job's DCP checkpoint at world size 1 in this process.
+One torchrun job (tests/scaling/step_worker.py) records both ranks; the tests compare the
+records, and resume the job's DCP checkpoint at world size 1 in this process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.helpers import assert_bitwise_equal, rank_files, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("step_worker.py")
 
 
@@ -55,7 +55,7 @@ def test_value_and_grad_group_gives_every_rank_the_same_found_inf_and_scale(job:
 
 
 def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) -> None:
-    from tests.step_worker import FSDP1_BAD_STEP, FSDP1_STEPS
+    from tests.scaling.step_worker import FSDP1_BAD_STEP, FSDP1_STEPS
 
     _, ranks, _ = job
     expected_found = torch.tensor([float(s == FSDP1_BAD_STEP) for s in range(FSDP1_STEPS)])
@@ -73,7 +73,7 @@ def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) 
 def test_fsdp1_torch_scalers_that_let_the_ranks_diverge(job: Any) -> None:
     """Plain GradScaler under FSDP1 checks only the local shard, and so does ShardedGradScaler
     with a fused optimizer (its fused path skips the all-reduce): rank 0 never backs off."""
-    from tests.step_worker import FSDP1_BAD_STEP
+    from tests.scaling.step_worker import FSDP1_BAD_STEP
 
     _, ranks, _ = job
     for name in ["gradscaler", "sharded_fused"]:
@@ -83,7 +83,7 @@ def test_fsdp1_torch_scalers_that_let_the_ranks_diverge(job: Any) -> None:
 
 
 def test_fsdp2_dtensor_grads_equal_gradscaler_with_fused_adamw(job: Any) -> None:
-    from tests.step_worker import FSDP2_BAD_STEPS, FSDP2_STEPS
+    from tests.scaling.step_worker import FSDP2_BAD_STEPS, FSDP2_STEPS
 
     _, ranks, _ = job
     expected_found = torch.tensor([float(s in FSDP2_BAD_STEPS) for s in range(FSDP2_STEPS)])
@@ -109,7 +109,7 @@ def test_fsdp2_dtensor_grads_equal_gradscaler_with_fused_adamw(job: Any) -> None
 
 
 def test_dcp_resume_at_the_same_world_size_is_bitwise_exact(job: Any) -> None:
-    from tests.step_worker import CHECKPOINT_STEP
+    from tests.scaling.step_worker import CHECKPOINT_STEP
 
     _, ranks, _ = job
     for record in ranks:
@@ -125,7 +125,7 @@ def test_dcp_resume_at_the_same_world_size_is_bitwise_exact(job: Any) -> None:
 
 def test_dcp_checkpoint_resumes_at_world_size_one(job: Any) -> None:
     """famp reads the W=2 optimizer state offline; W=1 continues with the same scale trajectory."""
-    from tests.step_worker import CHECKPOINT_STEP, FSDP2_BAD_STEPS, FSDP2_STEPS
+    from tests.scaling.step_worker import CHECKPOINT_STEP, FSDP2_BAD_STEPS, FSDP2_STEPS
 
     out, ranks, _ = job
     ex = load_example()

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from famp import _compat
-from famp._scaler import ScalerState
+from famp._scaling.checks import FLOAT_DTYPES
+from famp._scaling.state import ScalerState
+from famp._scaling.unscale import unscale_and_check
 from famp._typing import Tensor
-from famp._unscale import unscale_and_check
 
 
 def _with_grads(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -51,9 +52,6 @@ def _fresh_momentum(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter
     ]
 
 
-_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
     """found_inf of the scaled grads: one fused pass with a unit scale, no unscaling (the
     optimizer's kernel unscales), as GradScaler._check_inf_per_device does."""
@@ -62,7 +60,7 @@ def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
         type(g) is torch.Tensor
         and g.layout == torch.strided
         and g.device == device
-        and g.dtype in _CHECK_DTYPES
+        and g.dtype in FLOAT_DTYPES
         for g in grads
     ):
         # The common case without unscale_and_check's generality (DTensors, sparse, devices).
@@ -288,6 +286,3 @@ def optimizer_step(
     skip = found_inf.reshape(()) != 0
     _step_and_undo_if(optimizer, skip)
     return skip.float()
-
-
-optimizer_step.__module__ = "famp"

@@ -1,4 +1,4 @@
-"""One rank of tests/test_report.py's gloo runs: famp.nonfinite_report(group=) on every case.
+"""One rank of tests/scaling/test_report.py's gloo runs: famp.nonfinite_report(group=), each case.
 
 Each case puts non-finite values (and a huge finite value) on one rank only; every rank puts what
 it received on the queue, and the test judges the ranks by what they report.

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from famp._scaler import ScalerState, make_state
+from famp._scaling.build import make_state
+from famp._scaling.checks import DICT_KEYS as _KEYS
+from famp._scaling.state import ScalerState
 from famp._typing import DeviceLike
 
-_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _OVERFLOW_KEY = "_overflow_count"
 
 
@@ -165,7 +166,3 @@ def from_state_dict(
         hysteresis=hysteresis,
         in_dict=True,
     )
-
-
-for _public in (to_state_dict, from_state_dict):
-    _public.__module__ = "famp"

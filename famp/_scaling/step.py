@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from famp._scaler import ScalerState, update_scale
+from famp._scaling.state import ScalerState
+from famp._scaling.trees import scale, select_tree
+from famp._scaling.unscale import unscale_and_check
+from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT
-from famp._unscale import scale, select_tree, unscale_and_check
 
 
 def _check_argnums(argnums: object) -> None:
@@ -165,7 +167,3 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
             f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
         )
     return select_tree(found_inf.reshape(()) == 0, updated, current)
-
-
-for _public in (value_and_grad, skip_on_overflow):
-    _public.__module__ = "famp"

@@ -17,8 +17,8 @@ from hypothesis import given
 
 import famp
 from tests.helpers import assert_bitwise_equal
-from tests.test_scaler import torch_unscale
-from tests.test_scaler_unscale import random_bits
+from tests.scaling.test_scaler import torch_unscale
+from tests.scaling.test_scaler_unscale import random_bits
 
 X = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randn(16, 1, generator=torch.Generator().manual_seed(2))

@@ -17,7 +17,7 @@ import famp
 from famp._compat import torch_pytree
 from tests.conftest import compiled
 from tests.helpers import assert_bitwise_equal
-from tests.report_worker import case_tree
+from tests.scaling.report_worker import case_tree
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -217,7 +217,7 @@ def _free_port() -> int:
 
 
 def _launch(world_size: int) -> list[tuple[Any, ...]]:
-    from tests.report_worker import worker
+    from tests.scaling.report_worker import worker
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

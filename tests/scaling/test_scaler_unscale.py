@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import famp
 from tests.helpers import assert_bitwise_equal
-from tests.test_scaler import torch_unscale
+from tests.scaling.test_scaler import torch_unscale
 
 
 def sparse(
@@ -198,8 +198,8 @@ def test_chunked_check_sees_every_tensor(
     monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, bad_at: int | None
 ) -> None:
     # Out of place, small grads are unscaled in runs of about _CHUNK_BYTES, and each bigger one
-    # on its own (famp._unscale_paths.out_of_place).
-    monkeypatch.setattr("famp._unscale_paths._CHUNK_BYTES", chunk_bytes)
+    # on its own (famp._scaling.kernels.out_of_place).
+    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", chunk_bytes)
     grads = [torch.full((n,), 6.0) for n in (3, 0, 5, 1, 0, 4)]
     grads.append(torch.full((2, 3), 6.0).t())  # not contiguous: never sliced
     if bad_at is not None:
@@ -262,7 +262,7 @@ def test_unscale_of_random_bit_patterns_equals_gradscaler(
     state = famp.init_scaler(scale_value)
     # Every tensor is "big" at _CHUNK_BYTES = 0: the min/max path eagerly, the fused plain ops
     # compiled (for float32/float64).
-    with mock.patch("famp._unscale_paths._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0):
+    with mock.patch("famp._scaling.kernels._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0):
         if path == "compiled":
             out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
         else:

@@ -22,8 +22,8 @@ from torch._inductor.compile_fx import compile_fx
 
 import famp
 from tests.helpers import assert_bitwise_equal
-from tests.test_scaler import torch_unscale, torch_update
-from tests.test_scaler_unscale import _INT_OF, random_bits
+from tests.scaling.test_scaler import torch_unscale, torch_update
+from tests.scaling.test_scaler_unscale import _INT_OF, random_bits
 
 MODES = ["static", "dynamic", "mark_dynamic", "recompile"]
 # float16 takes bfloat16's paths (the kernel, compiled or not); each leaf adds compile time.

@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed_step.py, started by torchrun on 2 gloo ranks.
+"""One rank of tests/scaling/test_distributed_step.py, started by torchrun on 2 gloo ranks.
 
 Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import famp  # noqa: E402

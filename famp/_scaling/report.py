@@ -9,7 +9,7 @@ every rank's figures.
 How it reads memory: compiled, each leaf is one fused read (inductor fuses the count and the
 masked max). Eagerly on the CPU, each leaf first gets a read-only `aminmax`; only leaves whose
 extremes are not finite get the masked passes (reading a CPU tensor is a memory read, not a device
-sync, as in `famp._unscale_paths`). Elsewhere eagerly, every leaf takes the masked passes.
+sync, as in `kernels.py`). Elsewhere eagerly, every leaf takes the masked passes.
 
 Under `torch.func.vmap` the figures are per sample (the branch-free passes run).
 
@@ -28,9 +28,9 @@ import torch
 
 from famp import _collectives
 from famp._compat import OPTREE_GLOBAL_NAMESPACE, functorch_transforms_active, torch_pytree
+from famp._scaling.checks import FLOAT_DTYPES
 from famp._typing import PyTree, Tensor
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _NAMES[torch.float64] = "float64"
 _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
@@ -241,7 +241,7 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     local: list[Tensor] = []
     dtensors = []
     for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _FLOATS:
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in FLOAT_DTYPES:
             what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise TypeError(
                 f"famp.nonfinite_report: the leaf at {_path_str(path)!r} must be a "
@@ -278,10 +278,3 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         tuple(_NAMES[x.dtype] for x in local),
         world_size,
     )
-
-
-for _public in (NonfiniteReport, nonfinite_report):
-    _public.__module__ = "famp"
-
-# doctest skips members whose __module__ is "famp" when it collects this module: list them.
-__test__ = {"NonfiniteReport.summary": NonfiniteReport.summary}

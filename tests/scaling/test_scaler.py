@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 
 import famp
-from famp import _scaler
-from famp import _unscale_paths as unscale_module
+from famp._scaling import kernels as unscale_module
+from famp._scaling import update as update_module
 from tests.helpers import assert_bitwise_equal
 
 Transform = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -70,7 +70,7 @@ def _update(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerStat
 
 def _update_where(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerState:
     """The torch.where formulation famp uses with guards and under torch.func transforms."""
-    return _scaler._update_where(state, found_inf)
+    return update_module._update_where(state, found_inf)
 
 
 UPDATES = [pytest.param(_update, id="kernel"), pytest.param(_update_where, id="where")]

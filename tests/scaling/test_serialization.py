@@ -270,7 +270,7 @@ def test_accepted_scales_never_unscale_finite_grads_to_non_finite(entry: str, va
 
 @given(value=st.floats(allow_nan=False, allow_infinity=False, width=64))
 def test_float32_rounding_equals_torchs(value: float) -> None:
-    from famp._scaler import to_float32
+    from famp._scaling.checks import to_float32
 
     expected = torch.tensor(value, dtype=torch.float64).float().double().item()
     assert to_float32(value) == expected or (math.isinf(to_float32(value)) and math.isinf(expected))

@@ -1,0 +1,160 @@
+"""Tree-wide operations of loss scaling: `famp.scale`, `famp.all_finite`, `famp.select_tree`.
+
+Each flattens its trees with optree (`None` leaves pass through) and names the path of a bad
+leaf in its error; the helpers here do the same for `unscale.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import optree
+import torch
+
+from famp._scaling.state import ScalerState
+from famp._typing import PyTree, Tensor, TreeT
+
+
+def keystr(path: Sequence[Any]) -> str:
+    """A leaf's path as error messages print it: `tree['w'][0]`."""
+    return "tree" + "".join(f"[{k!r}]" for k in path)
+
+
+def tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
+    """`tree`'s leaves and structure; a TypeError naming `famp.<fn>` and a non-tensor's path."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"famp.{fn}: the leaf at {keystr(path)} must be a Tensor or None, "
+                f"got {type(leaf).__name__} {leaf!r}"
+            )
+    return leaves, spec
+
+
+def check_state_first(fn: str, state: object, other: str, value: object) -> None:
+    """A TypeError in public terms when `state` is not a `ScalerState` (swapped, or None)."""
+    if isinstance(state, ScalerState):
+        return
+    if isinstance(value, ScalerState):
+        raise TypeError(
+            f"famp.{fn} takes the state first: famp.{fn}(state, {other}); got "
+            f"{type(state).__name__} as state and a famp.ScalerState as {other}"
+        )
+    raise TypeError(f"famp.{fn}: state must be a famp.ScalerState, got {type(state).__name__}")
+
+
+def scale(state: ScalerState, tree: TreeT) -> TreeT:
+    """Multiply every tensor of a pytree by the loss scale, as `GradScaler.scale`.
+
+    Each leaf becomes `leaf * state.scale` (the scale moved to the leaf's device), so the dtypes
+    are torch's: a 0-d float16/bfloat16 loss gives float32, an n-d float16 tensor stays float16.
+    Lists, tuples, dicts and namedtuples keep their type; `None` leaves pass through. A disabled
+    state returns `tree` itself.
+
+    Args:
+        state: The current `famp.ScalerState`.
+        tree: A tensor or any pytree of tensors (one loss, several losses, a dict of them).
+
+    Returns:
+        A tree of the same structure with every tensor scaled.
+
+    Raises:
+        TypeError: `state` is not a `famp.ScalerState` (e.g. the arguments swapped, as in
+            `scaler.scale(loss)`: the state comes first), or a leaf is not a tensor; the message
+            names its path.
+
+    Examples:
+        >>> import famp, torch
+        >>> state = famp.init_scaler(1024.0)
+        >>> famp.scale(state, {"loss": torch.tensor(0.5, dtype=torch.bfloat16)})
+        {'loss': tensor(512.)}
+    """
+    check_state_first("scale", state, "loss", tree)
+    if not state.enabled:
+        return tree
+    leaves, spec = tensor_leaves("scale", tree)
+    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
+    return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+def all_finite(tree: PyTree) -> Tensor:
+    """Return a 0-d bool tensor: `True` iff every element of every tensor in `tree` is finite.
+
+    No host sync. An empty tree gives `True`. Sparse tensors are checked through their values.
+
+    Args:
+        tree: A pytree of tensors (`None` leaves are skipped).
+
+    Returns:
+        A 0-d `torch.bool` tensor on the first leaf's device (CPU for an empty tree).
+
+    Raises:
+        TypeError: A leaf is not a tensor; the message names its path.
+
+    Examples:
+        >>> import famp, torch
+        >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
+        tensor(False)
+    """
+    leaves, _ = tensor_leaves("all_finite", tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
+    return torch.stack(checks).all()
+
+
+def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
+    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
+
+    Each leaf becomes `torch.where(pred, a, b)`; use it to skip an update after an overflow:
+    `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
+    the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
+
+    Args:
+        pred: A 0-d (or one-element) `torch.bool` tensor.
+        on_true: The tree chosen where `pred` is `True`.
+        on_false: The tree chosen where `pred` is `False`.
+
+    Returns:
+        A tree with `on_true`'s structure.
+
+    Raises:
+        TypeError: `pred` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
+            in dtype; the message names the path.
+        ValueError: The structures differ, `pred` has more than one element, or paired leaves
+            differ in shape.
+
+    Examples:
+        >>> import famp, torch
+        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+        {'w': tensor([0., 0.])}
+    """
+    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
+        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
+    if pred.numel() != 1:
+        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
+    true_leaves, spec = tensor_leaves("select_tree", on_true)
+    false_leaves, false_spec = tensor_leaves("select_tree", on_false)
+    if spec != false_spec:
+        raise ValueError(
+            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+        )
+    paths = spec.paths()
+    out = []
+    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"famp.select_tree: the leaves at {keystr(path)} differ in dtype: "
+                f"{a.dtype} and {b.dtype}"
+            )
+        if a.shape != b.shape:
+            raise ValueError(
+                f"famp.select_tree: the leaves at {keystr(path)} differ in shape: "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
+    return cast(TreeT, optree.tree_unflatten(spec, out))
