@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from famp._scaling.build import make_state
+from famp._scaling.build import init_scaler, make_state
 from famp._scaling.checks import DICT_KEYS as _KEYS
 from famp._scaling.state import ScalerState
 from famp._typing import DeviceLike
@@ -135,22 +135,10 @@ def from_state_dict(
         >>> famp.from_state_dict(scaler.state_dict()).scale
         tensor(512.)
     """
-    if isinstance(d, Mapping) and len(d) == 0:
-        return make_state(
-            1.0,
-            0,
-            None,
-            2.0,
-            0.5,
-            2000,
-            enabled=False,
-            device=device,
-            dynamic=dynamic,
-            min_scale=None,
-            max_scale=None,
-            hysteresis=1,
-        )
+    if isinstance(d, Mapping) and len(d) == 0:  # a disabled state's (or GradScaler's) dict
+        return init_scaler(1.0, enabled=False, device=device, dynamic=dynamic)
     _validate_keys(d)
+    famp_only = {"min_scale": min_scale, "max_scale": max_scale, "hysteresis": hysteresis}
     return make_state(
         d["scale"],
         d["_growth_tracker"],
@@ -161,8 +149,6 @@ def from_state_dict(
         enabled=True,
         device=device,
         dynamic=dynamic,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
         in_dict=True,
+        **famp_only,
     )
