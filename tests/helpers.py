@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import socket
 import subprocess
 import sys
+import types
 
 import torch
 
@@ -62,3 +64,16 @@ def rank_files(
     files = [out / f"rank{r}.pt" for r in range(nproc)]
     assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
     return files
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> types.ModuleType:
+    """Import `examples/<name>.py` as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"famp_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
-import types
 from typing import Any
 
 import optree
 import pytest
 import torch
 
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, load_example
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def load_example(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"famp_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_script(*args: str | pathlib.Path, timeout: float = 240) -> str:

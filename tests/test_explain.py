@@ -186,7 +186,7 @@ def test_compile_true_is_refused_and_errors_leave_nothing_behind() -> None:
 def test_digits_demo_explain_and_report_options(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.test_examples import load_example
+    from tests.helpers import load_example
 
     digits = load_example("train_digits")
     argv = ["--steps", "2", "--batch-size", "8", "--out", str(tmp_path), "--no-progress"]

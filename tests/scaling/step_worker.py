@@ -17,7 +17,6 @@ Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import math
 import pathlib
 import sys
@@ -32,19 +31,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import famp  # noqa: E402
+from tests.helpers import load_example  # noqa: E402
 
 FSDP1_STEPS, FSDP1_BAD_STEP = 5, 2
 FSDP2_STEPS, CHECKPOINT_STEP, FSDP2_BAD_STEPS = 6, 3, frozenset({2, 4})
-
-
-def load_example() -> Any:
-    path = ROOT / "examples" / "fsdp_train.py"
-    spec = importlib.util.spec_from_file_location("famp_example_fsdp_train", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fsdp1(ex: Any, rank: int) -> dict[str, Any]:
@@ -218,7 +208,7 @@ def main() -> None:
     out_dir = pathlib.Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    ex = load_example()
+    ex = load_example("fsdp_train")
     try:
         record = {
             "value_and_grad": value_and_grad_group(rank),

@@ -6,7 +6,6 @@ records, and resume the job's DCP checkpoint at world size 1 in this process.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import pathlib
 import re
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import famp
-from tests.helpers import assert_bitwise_equal, rank_files, torchrun
+from tests.helpers import assert_bitwise_equal, load_example, rank_files, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,16 +29,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[di
     proc = torchrun(WORKER, out)
     ranks = [torch.load(f, weights_only=False) for f in rank_files(out, proc)]
     return out, ranks, proc.stdout
-
-
-def load_example() -> Any:
-    path = ROOT / "examples" / "fsdp_train.py"
-    spec = importlib.util.spec_from_file_location("famp_example_fsdp_train", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_value_and_grad_group_gives_every_rank_the_same_found_inf_and_scale(job: Any) -> None:
@@ -128,7 +117,7 @@ def test_dcp_checkpoint_resumes_at_world_size_one(job: Any) -> None:
     from tests.scaling.step_worker import CHECKPOINT_STEP, FSDP2_BAD_STEPS, FSDP2_STEPS
 
     out, ranks, _ = job
-    ex = load_example()
+    ex = load_example("fsdp_train")
     model = ex.build_model()
     optimizer = ex.make_optimizer(model)
     state, step = ex.load_checkpoint(
@@ -174,7 +163,7 @@ def test_fsdp_train_example_runs_at_two_ranks_and_resumes_at_one(
     )
     assert len(lines) == 2, stdout
     assert lines[0] == lines[1]  # both ranks skipped the same steps and hold the same scale
-    ex = load_example()
+    ex = load_example("fsdp_train")
     state = ex.main(
         ["--steps", "4", "--resume", str(out / "cli" / "step-2"), "--out", str(tmp_path)]
     )

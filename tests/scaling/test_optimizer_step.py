@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import hypothesis.strategies as st
@@ -121,6 +121,35 @@ def assert_models_equal(actual: torch.nn.Module, expected: torch.nn.Module) -> N
             assert_bitwise_equal(p.grad, q.grad)
 
 
+Pair = tuple[torch.nn.Module, torch.optim.Optimizer]
+
+
+def side_by_side(
+    torch_side: Pair, famp_side: Pair, pattern: list[float | None], init_scale: float
+) -> Iterator[tuple[float | None, torch.Tensor, famp.ScalerState, torch.amp.GradScaler]]:
+    """One GradScaler loop and one famp loop over the same losses, overflows injected per step.
+
+    Yields after each step `(bad, found_inf, state, scaler)`: what was injected (`None`: no
+    overflow), famp's found_inf, and both scalers as they stand.
+    """
+    (model, opt), (famp_model, famp_opt) = torch_side, famp_side
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    state = famp.init_scaler(init_scale, growth_interval=2)
+    for step, bad in enumerate(pattern):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        inject(model, bad)
+        scaler.step(opt)
+        scaler.update()
+
+        famp_opt.zero_grad()
+        famp.scale(state, loss_of(famp_model, step)).backward()
+        inject(famp_model, bad)
+        found_inf = famp.optimizer_step(famp_opt, state)
+        state = famp.update_scale(state, found_inf)
+        yield bad, found_inf, state, scaler
+
+
 overflows = st.lists(st.sampled_from([None, None, math.inf, -math.inf, math.nan]), max_size=6)
 
 
@@ -137,21 +166,9 @@ def test_optimizer_step_equals_a_gradscaler_loop_for_every_optimizer(
         pattern = [None, *pattern[1:]]
     model, famp_model = make_model(), make_model()
     opt, famp_opt = make(name, impl, model.parameters()), make(name, impl, famp_model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
-    state = famp.init_scaler(init_scale, growth_interval=2)
-    for step, bad in enumerate([*pattern, None]):
-        opt.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        inject(model, bad)
-        scaler.step(opt)
-        scaler.update()
-
-        famp_opt.zero_grad()
-        famp.scale(state, loss_of(famp_model, step)).backward()
-        inject(famp_model, bad)
-        found_inf = famp.optimizer_step(famp_opt, state)
-        state = famp.update_scale(state, found_inf)
-
+    for bad, found_inf, state, scaler in side_by_side(
+        (model, opt), (famp_model, famp_opt), [*pattern, None], init_scale
+    ):
         assert found_inf.dtype == torch.float32
         assert found_inf.shape == ()
         assert found_inf.item() == float(bad is not None)
@@ -305,20 +322,8 @@ def test_optimizer_step_param_groups_and_a_parameter_without_grad_equal_gradscal
         return model, torch.optim.AdamW(groups, **IMPLEMENTATIONS[impl])
 
     (model, opt), (famp_model, famp_opt) = build(), build()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    state = famp.init_scaler(2.0**10, growth_interval=2)
-    for step, bad in enumerate([math.inf, None, math.nan, None, None]):
-        opt.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        inject(model, bad)
-        scaler.step(opt)
-        scaler.update()
-
-        famp_opt.zero_grad()
-        famp.scale(state, loss_of(famp_model, step)).backward()
-        inject(famp_model, bad)
-        state = famp.update_scale(state, famp.optimizer_step(famp_opt, state))
-
+    pattern = [math.inf, None, math.nan, None, None]
+    for _, _, state, scaler in side_by_side((model, opt), (famp_model, famp_opt), pattern, 2.0**10):
         assert famp_model[2].bias.grad is None
         assert_models_equal(famp_model, model)
         assert_optimizer_states_equal(famp_opt, opt)

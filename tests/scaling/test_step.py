@@ -530,30 +530,26 @@ def famp_loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tens
     return functional.cross_entropy(logits, y)
 
 
-def whole_step(
-    params: dict[str, torch.Tensor],
-    opt_state: dict[str, Any],
-    state: famp.ScalerState,
-    x: torch.Tensor,
-    y: torch.Tensor,
-) -> tuple[Any, ...]:
-    loss, grads, found_inf, state = famp.value_and_grad(famp_loss_fn)(state, params, x, y)
-    new = adam_update(params, grads, opt_state, schedule(opt_state["count"]))
-    params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
-    return params, opt_state, state, loss, found_inf
+def make_whole_step(loss: Callable[..., torch.Tensor]) -> Callable[..., tuple[Any, ...]]:
+    """A whole functional AMP step (value_and_grad, Adam, skip_on_overflow) around `loss`."""
+
+    def whole_step(
+        params: dict[str, torch.Tensor],
+        opt_state: dict[str, Any],
+        state: famp.ScalerState,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> tuple[Any, ...]:
+        loss_value, grads, found_inf, state = famp.value_and_grad(loss)(state, params, x, y)
+        new = adam_update(params, grads, opt_state, schedule(opt_state["count"]))
+        params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
+        return params, opt_state, state, loss_value, found_inf
+
+    return whole_step
 
 
-def whole_step_torch_autocast(
-    params: dict[str, torch.Tensor],
-    opt_state: dict[str, Any],
-    state: famp.ScalerState,
-    x: torch.Tensor,
-    y: torch.Tensor,
-) -> tuple[Any, ...]:
-    loss, grads, found_inf, state = famp.value_and_grad(loss_fn)(state, params, x, y)
-    new = adam_update(params, grads, opt_state, schedule(opt_state["count"]))
-    params, opt_state = famp.skip_on_overflow(found_inf, new, (params, opt_state))
-    return params, opt_state, state, loss, found_inf
+whole_step = make_whole_step(famp_loss_fn)
+whole_step_torch_autocast = make_whole_step(loss_fn)
 
 
 @pytest.mark.slow
