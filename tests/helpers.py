@@ -77,3 +77,18 @@ def load_example(name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo process group on 127.0.0.1:`port` as `rank` (a 60 s timeout: never hang)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )

@@ -6,7 +6,6 @@ it received on the queue, and the test judges the ranks by what they report.
 
 from __future__ import annotations
 
-import datetime
 import math
 from typing import Any
 
@@ -36,14 +35,9 @@ def worker(rank: int, world_size: int, port: int, cases: list[int], results: Any
     import torch.distributed as dist
 
     import famp
+    from tests.helpers import init_gloo
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world_size, port)
     try:
         pair = dist.new_group([0, 1])
         for group, size in ((dist.group.WORLD, world_size), (pair, 2)):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import math
 import socket
 from typing import Any
@@ -26,14 +25,9 @@ def _worker(rank: int, port: int, results: Any) -> None:
     import torch.distributed as dist
 
     import famp
+    from tests.helpers import init_gloo
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, WORLD_SIZE, port)
     try:
         state = famp.init_scaler(4.0)
         subgroup = dist.new_group([0, 1])
