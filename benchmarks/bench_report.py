@@ -11,27 +11,16 @@ Run: python benchmarks/bench_report.py [--elements 75_000_000] [--tensors 50] [-
 
 from __future__ import annotations
 
-import argparse
 import math
-import platform
 
 import torch
-from bench_scaler import make_grads, median_times
+from bench_scaler import gradient_args, make_grads, median_times
 
 import famp
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--elements", type=int, default=75_000_000)
-    parser.add_argument("--tensors", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=21)
-    args = parser.parse_args()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
-        f"{args.tensors} tensors, {args.rounds} interleaved rounds"
-    )
+    args = gradient_args(__doc__.splitlines()[0])
     grads = make_grads(args.elements, args.tensors)
     bad = [g.clone() if i == 7 else g for i, g in enumerate(grads)]
     bad[7][12345] = math.inf

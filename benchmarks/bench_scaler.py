@@ -177,8 +177,9 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gradient_args(description: str) -> argparse.Namespace:
+    """The command line of the gradient benchmarks (sizes, rounds), printed with the machine."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--elements", type=int, default=75_000_000)
     parser.add_argument("--tensors", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=21)
@@ -188,6 +189,11 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {args.elements:,} float32 elements in "
         f"{args.tensors} tensors, {args.rounds} interleaved rounds"
     )
+    return args
+
+
+def main() -> None:
+    args = gradient_args(__doc__.splitlines()[0])
     rows = []
     for mode, setup in (("fresh pages", fresh_pages), ("reused memory", reused_memory)):
         print(f"unscale, {mode}:")
