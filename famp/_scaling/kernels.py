@@ -1,9 +1,10 @@
 """How `famp.unscale_and_check` unscales one (device, dtype) group: the kernel's exact results.
 
 torch's fused `_amp_foreach_non_finite_check_and_unscale_` kernel is the reference. Out of place
-there are three ways to its results, chosen per call: runs of the kernel's functional variant, a
-min/max and a multiply for big CPU tensors, and the kernel's arithmetic as plain ops
-(`where_program`), which `torch.func` transforms and inductor need. Each is tested against
+there are four ways to its results, chosen per call: runs of the kernel's functional variant,
+the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), a min/max and a
+multiply (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`),
+which `torch.func` transforms and inductor need. Each is tested against
 `GradScaler` bit for bit, NaN bit patterns included. `differentiable_unscale` gives the same
 results with the backward of torch's gradient-penalty recipe; `shared_memory` finds donated
 leaves that must not be unscaled in place.
@@ -16,7 +17,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from famp._compat import amp_foreach_non_finite_check_and_unscale
+from famp._compat import (
+    amp_foreach_non_finite_check_and_unscale,
+    amp_foreach_non_finite_check_and_unscale_,
+)
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 
 
@@ -26,31 +30,36 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     The kernel computes `cast(inv == 1 ? opmath(x) : opmath(x) * inv)` (at exactly 1 it skips
     the multiply, which keeps NaN payloads) and flags any non-finite input. Its functional
     variant clones every tensor and then makes a second pass over the whole copy. On the CPU,
-    eagerly, famp runs small tensors through it in runs of about `_CHUNK_BYTES` (which stay in
-    cache between the two passes), and gives each big tensor a read-only min/max (min and max
-    propagate NaN and show infs) followed by one multiply, which finds the tensor still in
-    cache; at a scale of exactly 1 every tensor takes the kernel. Reading the CPU scale is a
-    memory read, not a device sync. Other devices take the functional variant whole. Compiled,
-    big float32 and float64 tensors get the kernel's arithmetic as plain ops, which inductor
-    fuses into one pass per tensor (`_compiled`). Results equal the kernel's bit for
-    bit (tested on random bit patterns).
+    eagerly, famp keeps that second pass in cache: small tensors go through the functional
+    variant in runs of about `_CHUNK_BYTES`; each big dense float32/float64 tensor is copied
+    chunk by chunk into a new tensor, the in-place kernel running on each chunk of the copy
+    while it is still in cache (the kernel's own results); each other big tensor gets a
+    read-only min/max (min and max propagate NaN and show infs) followed by one multiply, which
+    finds it still in cache (at a scale of exactly 1, the kernel: it skips the multiply). Other
+    devices take the functional variant whole. Compiled, big float32 and float64 tensors get
+    the kernel's arithmetic as plain ops, which inductor fuses into one pass per tensor
+    (`_compiled`). Results equal the kernel's bit for bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
         return _compiled(tensors, found, inv)
     on_cpu = inv.device.type == "cpu" and type(inv) is torch.Tensor  # not a fake or meta scale
-    if not on_cpu or inv.item() == 1.0:
+    if not on_cpu:
         return _kernel(tensors, found, inv)
+    at_one = inv.item() == 1.0  # a memory read on the CPU, not a device sync
     out: list[Tensor] = []
     extremes: list[Tensor] = []
     run: list[Tensor] = []
     size = 0
     for x in tensors:
         nbytes = x.numel() * x.element_size()
-        if nbytes > _CHUNK_BYTES and x.dim() > 0:
+        if nbytes > _CHUNK_BYTES and x.dim() > 0 and (_chunks(x) or not at_one):
             found = _unscale_run(run, out, found, inv)
             run, size = [], 0
+            if _chunks(x):
+                out.append(_chunked(x, found, inv))
+                continue
             extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
-            out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32 (or 64)
+            out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32
             continue
         if size + nbytes > _CHUNK_BYTES:
             found = _unscale_run(run, out, found, inv)
@@ -62,6 +71,38 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
         bad = torch.isfinite(torch.stack(extremes)).all().logical_not()
         found = torch.maximum(found, bad.to(torch.float32))
     return out, found
+
+
+def _chunks(x: Tensor) -> bool:
+    """Whether a big CPU tensor is unscaled chunk by chunk (`_chunked`).
+
+    float32 and float64 only: the kernel's vectorized loop and its scalar tail give the same
+    bits for them, so where a chunk ends does not matter; for float16/bfloat16 they write
+    different NaN bits, and the tails of chunks would not be the tails of torch's loop.
+    Dense layouts only, whose elements fill their storage in the order `empty_like` keeps.
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        return False
+    last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    return x.is_contiguous() or last
+
+
+def _chunked(x: Tensor, found: Tensor, inv: Tensor) -> Tensor:
+    """The kernel's result for a big dense CPU tensor: copied and unscaled a chunk at a time.
+
+    Each chunk of the copy is unscaled in place right after it is written, while it is still in
+    cache, so memory is read once and written once (the functional variant reads and writes the
+    copy a second time). `found` is updated in place, as the kernel does.
+    """
+    new = torch.empty_like(x)  # the same strides as `x` (dense), so storage order matches
+    source = x.as_strided((x.numel(),), (1,), x.storage_offset())
+    target = new.as_strided((new.numel(),), (1,), new.storage_offset())
+    step = max(_CHUNK_BYTES // x.element_size(), 1)
+    for start in range(0, x.numel(), step):
+        chunk = target[start : start + step]
+        chunk.copy_(source[start : start + step])
+        amp_foreach_non_finite_check_and_unscale_([chunk], found, inv)
+    return new
 
 
 def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -115,7 +156,7 @@ def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tenso
     return found
 
 
-_CHUNK_BYTES = 1 << 20  # 1 MiB: what the second read of a tensor or run still finds in cache
+_CHUNK_BYTES = 1 << 20  # 1 MiB: what the second pass over a chunk or run still finds in cache
 
 
 def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:

@@ -212,6 +212,39 @@ def test_chunked_check_sees_every_tensor(
     assert found.item() == float(bad_at is not None)
 
 
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "channels_last", "transposed", "offset view", "expanded"]
+)
+def test_big_grads_in_any_layout_equal_gradscaler_and_keep_their_strides(
+    monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, dtype: torch.dtype, layout: str
+) -> None:
+    # Eagerly, big dense float32/float64 grads are copied and unscaled chunk by chunk (the chunks
+    # are views of the storage, so the layout must be one empty_like keeps); others take another
+    # path. Every one must give GradScaler's bits and strides and leave the input as it was.
+    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", chunk_bytes)
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(2, 6, 5, 7, generator=gen) * 1e3).to(dtype)
+    base.view(-1)[[3, 100, 400]] = torch.tensor([math.inf, math.nan, -math.inf]).to(dtype)
+    grad = {
+        "contiguous": base,
+        "channels_last": base.to(memory_format=torch.channels_last),
+        "transposed": base.transpose(1, 3),
+        "offset view": base.view(-1)[5:].view(415, 1),
+        "expanded": base[0, 0, 0].expand(60, 7),
+    }[layout]
+    before = grad.clone()
+    expected, expected_found = torch_unscale(1024.0, [grad.clone()])
+    (out,), found = famp.unscale_and_check(famp.init_scaler(1024.0), [grad])
+    assert out.dtype == dtype
+    assert_bitwise_equal(out, expected[0])
+    assert out.stride() == torch.empty_like(grad).stride()
+    assert_bitwise_equal(found, expected_found)
+    assert found.item() == 1.0
+    assert_bitwise_equal(grad, before)
+
+
 # Random bit patterns, so every NaN payload and sign, infinity, subnormal and signed zero can turn
 # up, in tensors long enough for vectorized loops and their tails. Eagerly famp has two CPU paths
 # (the kernel on runs of small tensors; a min/max and a multiply for big ones); compiled, big
@@ -260,8 +293,9 @@ def test_unscale_of_random_bit_patterns_equals_gradscaler(
         keep_plain = torch.rand(shape, generator=gen) < finite_share
         grads.append(torch.where(keep_plain, plain, random_bits(shape, dtype, gen)))
     state = famp.init_scaler(scale_value)
-    # Every tensor is "big" at _CHUNK_BYTES = 0: the min/max path eagerly, the fused plain ops
-    # compiled (for float32/float64).
+    # Every tensor is "big" at _CHUNK_BYTES = 0: eagerly, float32/float64 take the kernel one
+    # element at a time (its scalar loop) and halves the min/max path; compiled, the fused plain
+    # ops (for float32/float64).
     with mock.patch("famp._scaling.kernels._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0):
         if path == "compiled":
             out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
