@@ -31,12 +31,14 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     the multiply, which keeps NaN payloads) and flags any non-finite input. Its functional
     variant clones every tensor and then makes a second pass over the whole copy. On the CPU,
     eagerly, famp keeps that second pass in cache: small tensors go through the functional
-    variant in runs of about `_CHUNK_BYTES`; each big dense float32/float64 tensor is copied
+    variant in runs of about `_CHUNK_BYTES`. Each big dense float32/float64 tensor is copied
     chunk by chunk into a new tensor, the in-place kernel running on each chunk of the copy
-    while it is still in cache (the kernel's own results); each other big tensor gets a
-    read-only min/max (min and max propagate NaN and show infs) followed by one multiply, which
-    finds it still in cache (at a scale of exactly 1, the kernel: it skips the multiply). Other
-    devices take the functional variant whole. Compiled, big float32 and float64 tensors get
+    while it is still in cache (the kernel's own results: for these dtypes its vectorized loop
+    and scalar tail agree, so where chunks end does not matter). Each big dense float16/bfloat16
+    tensor gets a read-only min/max (min and max propagate NaN and show infs) followed by one
+    multiply, which finds it still in cache and loops over it as the kernel does (at a scale of
+    exactly 1, the kernel: it skips the multiply). Tensors that are not dense take the
+    functional variant, as on other devices. Compiled, big float32 and float64 tensors get
     the kernel's arithmetic as plain ops, which inductor fuses into one pass per tensor
     (`_compiled`). Results equal the kernel's bit for bit (tested on random bit patterns).
     """
@@ -52,10 +54,11 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     size = 0
     for x in tensors:
         nbytes = x.numel() * x.element_size()
-        if nbytes > _CHUNK_BYTES and x.dim() > 0 and (_chunks(x) or not at_one):
+        wide = x.dtype in (torch.float32, torch.float64)
+        if nbytes > _CHUNK_BYTES and x.dim() > 0 and (wide or not at_one) and _dense(x):
             found = _unscale_run(run, out, found, inv)
             run, size = [], 0
-            if _chunks(x):
+            if wide:
                 out.append(_chunked(x, found, inv))
                 continue
             extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
@@ -73,18 +76,19 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     return out, found
 
 
-def _chunks(x: Tensor) -> bool:
-    """Whether a big CPU tensor is unscaled chunk by chunk (`_chunked`).
+def _dense(x: Tensor) -> bool:
+    """Whether `x` is non-overlapping and dense: a permutation of a contiguous tensor.
 
-    float32 and float64 only: the kernel's vectorized loop and its scalar tail give the same
-    bits for them, so where a chunk ends does not matter; for float16/bfloat16 they write
-    different NaN bits, and the tails of chunks would not be the tails of torch's loop.
-    Dense layouts only, whose elements fill their storage in the order `empty_like` keeps.
+    Such a tensor fills its storage from its offset on, `empty_like` and `clone` keep its
+    strides, and elementwise loops visit it in storage order, as they visit its clone.
     """
-    if x.dtype not in (torch.float32, torch.float64):
-        return False
-    last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-    return x.is_contiguous() or last
+    span = 1  # the strides, sorted, must be the running products of the sizes
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1:
+            if stride != span:
+                return False
+            span *= size
+    return True
 
 
 def _chunked(x: Tensor, found: Tensor, inv: Tensor) -> Tensor:

@@ -215,7 +215,8 @@ def test_chunked_check_sees_every_tensor(
 @pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(
-    "layout", ["contiguous", "channels_last", "transposed", "offset view", "expanded"]
+    "layout",
+    ["contiguous", "channels_last", "transposed", "offset view", "gapped slice", "expanded"],
 )
 def test_big_grads_in_any_layout_equal_gradscaler_and_keep_their_strides(
     monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, dtype: torch.dtype, layout: str
@@ -232,6 +233,7 @@ def test_big_grads_in_any_layout_equal_gradscaler_and_keep_their_strides(
         "channels_last": base.to(memory_format=torch.channels_last),
         "transposed": base.transpose(1, 3),
         "offset view": base.view(-1)[5:].view(415, 1),
+        "gapped slice": base[:, 1:, :, ::2],
         "expanded": base[0, 0, 0].expand(60, 7),
     }[layout]
     before = grad.clone()
