@@ -1,10 +1,11 @@
 """Training steps: the scaler composed with `torch.func`.
 
 `value_and_grad` is flax's `DynamicScale.value_and_grad` with torch's numbers: scale the loss,
-differentiate with `torch.func.grad`, unscale and check in one pass, update the scale. A step
+differentiate with `torch.func.grad` (eagerly outside transforms, its results through plain
+autograd: `grad.py`), unscale and check in one pass, update the scale. A step
 built from it is pure, branch-free and compiles with `torch.compile(fullgraph=True)`.
 `skip_on_overflow` drops an update after an overflow without a host sync. `optimizer_step`
-(`_optimizer_step.py`) does the same for `torch.optim` optimizers.
+(`optimizer_step.py`) does the same for `torch.optim` optimizers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 
+from famp._compat import torch_pytree
+from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import scale, select_tree
 from famp._scaling.unscale import unscale_and_check
@@ -53,8 +56,8 @@ def value_and_grad(
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,
-            `(1,)`, ...), or `(loss, aux)` when `has_aux` (`aux` any pytree, returned
-            detached).
+            `(1,)`, ...), or `(loss, aux)` when `has_aux` (`aux` a pytree of tensors, as
+            `torch.func.grad` requires; returned detached).
         argnums: Which positional arguments of `fn` to differentiate (an int or a tuple of ints),
             as in `torch.func.grad`.
         has_aux: `fn` returns `(loss, aux)`.
@@ -72,7 +75,7 @@ def value_and_grad(
         TypeError: `fn` is not callable, `argnums` is not an int or a non-empty tuple of
             ints, `has_aux` is not a bool; when called: `state` is not a
             `famp.ScalerState`, the loss is not a floating tensor with one element, or `fn`
-            does not return a pair with `has_aux`.
+            does not return a pair with `has_aux`, or the aux holds a non-tensor leaf.
 
     Examples:
         >>> import famp, torch
@@ -100,6 +103,13 @@ def value_and_grad(
                     f"{type(out).__name__}"
                 )
             loss, aux = out
+            leaves = torch_pytree.tree_leaves(aux)  # torch.func.grad's pytree and requirement
+            if not all(isinstance(x, torch.Tensor) for x in leaves):
+                bad = next(x for x in leaves if not isinstance(x, torch.Tensor))
+                raise TypeError(
+                    f"with has_aux=True, aux must be a pytree of tensors (as torch.func.grad "
+                    f"requires), got a {type(bad).__name__} leaf: {bad!r}"
+                )
         else:
             loss, aux = out, ()
         if not (isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1):
@@ -118,10 +128,11 @@ def value_and_grad(
             raise TypeError(
                 f"the first argument must be a famp.ScalerState, got {type(state).__name__}"
             )
-        differentiate = torch.func.grad(
-            functools.partial(scaled, state), argnums=argnums, has_aux=True
-        )
-        grads, (loss, aux) = differentiate(*args, **kwargs)
+        loss_fn = functools.partial(scaled, state)
+        result = eager_grad(loss_fn, argnums, args, kwargs)  # torch.func.grad's, faster eagerly
+        if result is None:
+            result = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(*args, **kwargs)
+        grads, (loss, aux) = result
         grads, found_inf = unscale_and_check(state, grads, group=group)
         value = (loss, aux) if has_aux else loss
         return value, grads, found_inf, update_scale(state, found_inf)

@@ -1,0 +1,95 @@
+"""`torch.func.grad`'s results through `torch.autograd`, for eager calls outside any transform.
+
+`famp.value_and_grad` differentiates with `torch.func.grad`, which wraps every tensor of the
+forward and backward for its own autograd level: that is what lets a step compose with
+`vmap`, nested `grad` and `torch.compile`, and it costs a third to a half of an eager step of a
+small model. Eagerly, outside any transform, the same gradients come from plain autograd:
+the differentiated inputs are detached into fresh leaves, the function runs once, and
+`torch.autograd.grad` differentiates the loss with respect to those leaves (unused inputs get
+zeros, as `torch.func.grad` gives them). The arithmetic is the same autograd formulas, so the
+values are the same bits (tested on models with autocast, against `torch.func.grad` itself).
+
+What `torch.func.grad` adds beyond the values is kept too. Tensors that require grad outside the
+call (a closure's parameters, other arguments) are recorded by torch's ordinary autograd under
+`torch.func.grad` as well: when the loss's graph reaches any such tensor, the gradients are
+computed with `create_graph=True` and the loss and aux are returned with their graphs, so a
+second-order use (MAML-style) differentiates through them as it would through
+`torch.func.grad`'s. Differentiated inputs that themselves require grad take `torch.func.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from famp._compat import functorch_transforms_active, torch_pytree
+
+
+def eager_grad(
+    fn: Callable[..., tuple[torch.Tensor, Any]],
+    argnums: int | tuple[int, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any] | None:
+    """`torch.func.grad(fn, argnums, has_aux=True)(*args, **kwargs)`, or `None` where it must run.
+
+    `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
+    active, in inference mode, for an `argnums` out of range, and when a differentiated leaf is
+    not a floating tensor or already requires grad: `torch.func.grad` then gives its own
+    results or errors. Runs `fn` once in every other case. The pytree is torch's, as
+    `torch.func.grad` flattens the arguments and the aux with it.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or functorch_transforms_active()
+        or torch.is_inference_mode_enabled()
+    ):
+        return None
+    picked = (argnums,) if isinstance(argnums, int) else argnums
+    if not all(-len(args) <= i < len(args) for i in picked):
+        return None
+    chosen = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+    leaves, spec = torch_pytree.tree_flatten(chosen)
+    if not all(
+        isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad
+        for x in leaves
+    ):
+        return None
+    fresh = [x.detach().requires_grad_() for x in leaves]
+    new_args = list(args)
+    inputs = torch_pytree.tree_unflatten(fresh, spec)
+    for i, value in zip(picked, (inputs,) if isinstance(argnums, int) else inputs, strict=True):
+        new_args[i] = value
+    with torch.enable_grad():
+        output, aux = fn(*new_args, **kwargs)
+        outer = _reaches_other_leaves(output, fresh)
+        if output.requires_grad:
+            grads = torch.autograd.grad(
+                output, fresh, allow_unused=True, materialize_grads=True, create_graph=outer
+            )
+        else:  # the loss does not depend on the inputs: zero gradients, as torch.func.grad gives
+            grads = tuple(torch.zeros_like(x) for x in fresh)
+    if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
+        aux = torch_pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
+    return torch_pytree.tree_unflatten(list(grads), spec), aux
+
+
+def _reaches_other_leaves(output: torch.Tensor, fresh: list[torch.Tensor]) -> bool:
+    """Whether `output`'s autograd graph reaches a leaf tensor other than the `fresh` ones."""
+    if output.grad_fn is None:
+        return output.requires_grad and all(output is not x for x in fresh)
+    mine = {id(x) for x in fresh}
+    seen: set[Any] = set()
+    stack: list[Any] = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in mine:
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False

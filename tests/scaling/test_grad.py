@@ -1,0 +1,226 @@
+"""`famp.value_and_grad` eagerly, outside transforms: torch.func.grad's results, through autograd.
+
+The oracle is `torch.func.grad` itself, around the same scaled loss: values, gradients and
+found_inf bit for bit, and what torch.func.grad gives beyond values (graphs kept for tensors
+that require grad outside the call, zeros for unused inputs, one forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch.func import functional_call
+from torch.nn import functional
+
+import famp
+from famp._compat import functorch_transforms_active
+from tests.helpers import assert_bitwise_equal
+
+POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
+
+
+def oracle(
+    fn: Callable[..., Any],
+    state: famp.ScalerState,
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[Any, Any, torch.Tensor]:
+    """value, grads, found_inf: torch.func.grad around the scaled loss, then famp's unscale."""
+
+    def scaled(*a: Any, **k: Any) -> tuple[torch.Tensor, Any]:
+        out = fn(*a, **k)
+        loss, aux = out if has_aux else (out, ())
+        return famp.scale(state, loss).reshape(()), (loss, aux)
+
+    grads, (loss, aux) = torch.func.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+    grads, found_inf = famp.unscale_and_check(state, grads)
+    return ((loss, aux) if has_aux else loss), grads, found_inf
+
+
+def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
+    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert a_spec == e_spec
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert_bitwise_equal(a, e)
+            assert a.requires_grad == e.requires_grad
+        else:
+            assert a == e
+
+
+def cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
+
+
+def transformer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 5, 10),
+    )
+
+
+CASES = {
+    "cnn": (cnn, lambda: torch.randn(6, 1, 8, 8)),
+    "transformer": (transformer, lambda: torch.randn(6, 5, 16)),
+}
+
+
+@pytest.mark.parametrize("model_name", list(CASES))
+@pytest.mark.parametrize("argnums", [0, (0, 1)])
+@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_eager_value_and_grad_equals_torch_func_grad_bitwise(
+    model_name: str, argnums: int | tuple[int, ...], has_aux: bool, overflow: bool
+) -> None:
+    build, make_x = CASES[model_name]
+    model = build()
+    forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), POLICY)
+    transformed: list[bool] = []
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, *, y: torch.Tensor) -> Any:
+        transformed.append(functorch_transforms_active())
+        logits = forward(params, x)
+        loss = functional.cross_entropy(logits, y)
+        return (loss, {"logits": logits, "n": [y]}) if has_aux else loss
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x, y = make_x(), torch.randint(0, 10, (6,))
+    if overflow:
+        x.view(-1)[7] = torch.inf
+    state = famp.init_scaler(2.0**16)
+    value, grads, found_inf, new_state = famp.value_and_grad(loss_fn, argnums, has_aux)(
+        state, params, x, y=y
+    )
+    assert transformed == [False]  # the eager path ran, once, outside any transform
+    expected_value, expected_grads, expected_found = oracle(
+        loss_fn, state, argnums, has_aux, params, x, y=y
+    )
+    assert_trees_bitwise_equal(value, expected_value)
+    assert_trees_bitwise_equal(grads, expected_grads)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.item() == float(overflow)
+    assert_bitwise_equal(new_state.scale, famp.update_scale(state, expected_found).scale)
+    assert all(g.dtype == torch.float32 for g in optree.tree_leaves(grads))
+
+
+def test_unused_inputs_and_a_loss_independent_of_them_get_zeros_as_torch_func_grad() -> None:
+    state = famp.init_scaler(8.0)
+
+    def uses_only_b(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (b * b).sum()
+
+    def constant(a: torch.Tensor) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32)
+
+    a, b = torch.randn(3), torch.randn(2)
+    for fn, args, argnums in ((uses_only_b, (a, b), (0, 1)), (constant, (a,), 0)):
+        value, grads, found_inf, _ = famp.value_and_grad(fn, argnums)(state, *args)
+        expected_value, expected_grads, expected_found = oracle(fn, state, argnums, False, *args)
+        assert_trees_bitwise_equal(value, expected_value)
+        assert_trees_bitwise_equal(grads, expected_grads)
+        assert_bitwise_equal(found_inf, expected_found)
+
+
+def test_a_closure_that_requires_grad_keeps_torch_func_grads_graphs() -> None:
+    # MAML-style: the outer parameter w is a closure of the loss; torch.func.grad's gradients,
+    # loss and aux carry graphs to w, and second-order gradients flow through them.
+    state = famp.init_scaler(4.0)
+    x = torch.randn(5)
+
+    def run(use_famp: bool) -> tuple[Any, ...]:
+        w = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
+
+        def loss_fn(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = ((v * w).sin() * x).sum()
+            return loss, loss * 2
+
+        if use_famp:
+            (loss, aux), grads, _, _ = famp.value_and_grad(loss_fn, has_aux=True)(state, x)
+        else:
+            (loss, aux), grads, _ = oracle(loss_fn, state, 0, True, x)
+        (outer,) = torch.autograd.grad((grads**2).sum() + loss + aux, w)
+        return loss, aux, grads, outer
+
+    for actual, expected in zip(run(True), run(False), strict=True):
+        assert actual.requires_grad == expected.requires_grad
+        assert_bitwise_equal(actual.detach(), expected.detach())
+
+
+def test_an_input_that_requires_grad_gets_torch_func_grads_results() -> None:
+    state = famp.init_scaler(4.0)
+    w = torch.nn.Parameter(torch.randn(4))
+
+    def loss_fn(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (v * v).sum(), v.sum()
+
+    (loss, aux), grads, _, _ = famp.value_and_grad(loss_fn, has_aux=True)(state, w)
+    (e_loss, e_aux), e_grads, _ = oracle(loss_fn, state, 0, True, w)
+    for actual, expected in ((loss, e_loss), (aux, e_aux), (grads, e_grads)):
+        assert actual.requires_grad == expected.requires_grad
+        assert_bitwise_equal(actual.detach(), expected.detach())
+
+
+def test_dropout_runs_the_forward_once_with_torch_func_grads_random_numbers() -> None:
+    state = famp.init_scaler(2.0**10)
+
+    def loss_fn(v: torch.Tensor) -> torch.Tensor:
+        return functional.dropout(v, 0.5, training=True).square().sum()
+
+    v = torch.randn(64)
+    torch.manual_seed(3)
+    value, grads, _, _ = famp.value_and_grad(loss_fn)(state, v)
+    after = torch.rand(())
+    torch.manual_seed(3)
+    e_value, e_grads, _ = oracle(loss_fn, state, 0, False, v)
+    assert_bitwise_equal(torch.rand(()), after)  # the same random numbers were drawn
+    assert_bitwise_equal(value, e_value)
+    assert_bitwise_equal(grads, e_grads)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "enable_grad"])
+def test_grad_modes_give_torch_func_grads_results(context: str) -> None:
+    state = famp.init_scaler(2.0**10)
+    v = torch.randn(4)
+
+    def loss_fn(p: torch.Tensor) -> torch.Tensor:
+        return (p.exp() * p).sum()
+
+    mode = {
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "enable_grad": torch.enable_grad,
+    }[context]
+    with mode():
+        value, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, v)
+        e_value, e_grads, e_found = oracle(loss_fn, state, 0, False, v)
+    assert_bitwise_equal(value, e_value)
+    assert_bitwise_equal(grads, e_grads)
+    assert_bitwise_equal(found_inf, e_found)
+
+
+def test_an_aux_with_a_non_tensor_leaf_is_refused_on_every_path() -> None:
+    # torch.func.grad refuses it; the eager path must not accept what compiled steps refuse.
+    def loss_fn(v: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return v.sum(), {"n": 3}
+
+    step = famp.value_and_grad(loss_fn, has_aux=True)
+    with pytest.raises(TypeError, match=r"aux must be a pytree of tensors.*int leaf: 3"):
+        step(famp.init_scaler(), torch.ones(2))
+    with pytest.raises(TypeError, match="aux must be a pytree of tensors"):
+        torch.func.vmap(step, in_dims=(None, 0))(famp.init_scaler(), torch.ones(3, 2))
