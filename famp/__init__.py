@@ -14,12 +14,12 @@ from famp._unscale import all_finite, scale, select_tree, unscale_and_check
 
 # --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
 # isort: split
-from famp._autocast import AutocastWarning, autocast
-from famp._custom_fwd import custom_bwd, custom_fwd
-from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
+from famp._autocast.custom_fwd import custom_bwd, custom_fwd
+from famp._autocast.policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
+from famp._autocast.transform import AutocastWarning, autocast
 
 # isort: split
-from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
+from famp._autocast.rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 # isort: split
@@ -37,7 +37,7 @@ from famp._step import skip_on_overflow, value_and_grad
 
 # --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
 # isort: split
-from famp._explain import OpRecord, Trace, explain
+from famp._autocast.explain import OpRecord, Trace, explain
 from famp._report import NonfiniteReport, nonfinite_report
 
 __version__ = "0.1.0"

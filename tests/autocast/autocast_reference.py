@@ -1,12 +1,12 @@
 """The reference for torch's Autocast<Device> kernels, and sample inputs for every op they cover.
 
-Both live in ``famp/_rules_derive.py``, which ``famp.default_rules`` also uses to derive the rules
-of ops that its shipped tables do not know; this module re-exports them for the tests.
+Both live in ``famp/_autocast/rules_derive.py``, which ``famp.default_rules`` also uses to derive
+the rules of ops that its shipped tables do not know; this module re-exports them for the tests.
 """
 
 from __future__ import annotations
 
-from famp._rules_derive import (
+from famp._autocast.rules_derive import (
     SAMPLES,
     SCRATCH_OUTPUTS,
     VARIANTS,

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from famp._autocast import current_state
-from famp._autocast_mode import eligible, promote_dtype
-from famp._autocast_region import region
+from famp._autocast.mode import eligible, promote_dtype
+from famp._autocast.region import region
+from famp._autocast.transform import current_state
 
 __all__ = ["custom_bwd", "custom_fwd"]
 

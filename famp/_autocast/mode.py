@@ -27,7 +27,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from famp._autocast_recompute import bracket_outputs, observe
+from famp._autocast.op_calls import call, calls, copies, op_name
+from famp._autocast.recompute import bracket_outputs, observe
+from famp._autocast.rules import OpRules, banned_message, default_rules
 from famp._compat import (
     OpOverload,
     assume_constant_result,
@@ -36,8 +38,6 @@ from famp._compat import (
     saved_tensors_hooks_top,
     tensor_version,
 )
-from famp._op_calls import call, calls, copies, op_name
-from famp._rules import OpRules, banned_message, default_rules
 
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
 

@@ -3,8 +3,8 @@
 The transform runs `fn` inside torch's own autocast state for the device, entered with the
 policy's explicit compute dtype (never the ambient one, which `torch.compile` would freeze), so
 that with the default rules every op is cast by torch's C++ kernels exactly as under
-`torch.autocast(device_type, dtype=policy.compute_dtype)`. `famp._autocast_mode.FampMode` adds op
-overrides, module rules and fresh weight casts; `famp._autocast_region` enters autocast states;
+`torch.autocast(device_type, dtype=policy.compute_dtype)`. `famp._autocast.mode.FampMode` adds op
+overrides, module rules and fresh weight casts; `famp._autocast.region` enters autocast states;
 this module owns the call records, the module hooks, device inference and compilation.
 """
 
@@ -25,15 +25,18 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from famp._autocast_mode import CastCache as _CastCache
-from famp._autocast_mode import FampMode, apply_rule, overrides_for
-from famp._autocast_recompute import (
+from famp._autocast.mode import CastCache as _CastCache
+from famp._autocast.mode import FampMode, apply_rule, overrides_for
+from famp._autocast.op_calls import call, op_name, writes_first_arg
+from famp._autocast.policy import Policy, get_policy
+from famp._autocast.recompute import (
     calls,
     drop_abandoned_replays,
     end_of_outermost_call,
     observe,
 )
-from famp._autocast_region import policy_state, region
+from famp._autocast.region import policy_state, region
+from famp._autocast.rules import OpRules
 from famp._compat import (
     assume_constant_result,
     functorch_transforms_active,
@@ -46,9 +49,6 @@ from famp._compat import (
     traced_module_hooks,
     tree_leaves,
 )
-from famp._op_calls import call, op_name, writes_first_arg
-from famp._policy import Policy, get_policy
-from famp._rules import OpRules
 
 __all__ = ["AutocastWarning", "autocast"]
 
@@ -142,7 +142,7 @@ class _Call:
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (self.intercepts and self.track)
 
-    # Activation checkpointing (famp._autocast_recompute): a record made again for a recomputation.
+    # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
 
     def frozen(self) -> Callable[[], _Call]:
         """A factory of this call's record as it is now, with a fresh cast cache."""

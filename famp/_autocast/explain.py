@@ -47,9 +47,9 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from famp._autocast.policy import Policy, get_policy
+from famp._autocast.rules import OpRules, default_rules
 from famp._compat import TorchDispatchMode, torch_pytree
-from famp._policy import Policy, get_policy
-from famp._rules import OpRules, default_rules
 
 _LOWER = (torch.float16, torch.bfloat16)
 _SHORT = {
@@ -410,8 +410,8 @@ def explain(
     `torch.autocast` (the casts autocast inserts are `aten._to_copy` ops; composite ops
     appear as their pieces). An op's rule is that of the torch function called from Python that
     encloses it (the `addmm` inside `F.linear` runs under `linear`'s rule); the module
-    docstring of `famp._explain` spells out the cases. Explain always runs eagerly: a compiled
-    graph has no per-op dispatch to watch.
+    docstring of `famp._autocast.explain` spells out the cases. Explain always runs eagerly: a
+    compiled graph has no per-op dispatch to watch.
 
     Args:
         fn: The function (or module) to run.

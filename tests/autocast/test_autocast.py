@@ -15,7 +15,7 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 import famp
-import famp._autocast as famp_autocast
+import famp._autocast.transform as famp_autocast
 from tests.helpers import assert_bitwise_equal
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -1071,7 +1071,7 @@ def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: 
         assert _autocast_state() == CLEAN
 
 
-# --- the copies of torch's Python functions (famp/_op_calls.py) ---------------------------------
+# --- the copies of torch's Python functions (famp/_autocast/op_calls.py) -------------------------
 
 
 def _code_names(code: Any) -> set[str]:
@@ -1087,7 +1087,7 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
     # False. On the installed torch, each copy must be the original in everything else: the same
     # code, defaults, closure, and every global its code names bound to the same object as in the
     # original's module now (so a global torch sets or changes after famp's import is no risk).
-    from famp._op_calls import _CHECKS, copies
+    from famp._autocast.op_calls import _CHECKS, copies
 
     assert len(copies()) > 100  # F.*, torch.functional.*, Python Tensor methods
     for original, copy in copies().items():

@@ -313,7 +313,7 @@ def test_checkpoint_mode_block_ending_in_a_custom_function(mode: str, kind: str)
 def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: str) -> None:
     import torch.nn.modules.module as torch_module
 
-    import famp._autocast as famp_autocast
+    import famp._autocast.transform as famp_autocast
 
     lin, runs = nn.Linear(4, 4), [0]
 

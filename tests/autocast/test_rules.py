@@ -17,10 +17,10 @@ import torch
 from hypothesis import given
 
 import famp
-import famp._rules as famp_rules
+import famp._autocast.rules as famp_rules
+from famp._autocast.rules_data import TABLES
 from famp._compat import torch_pytree
-from famp._rules_data import TABLES
-from tests.autocast_reference import SAMPLES, check_op
+from tests.autocast.autocast_reference import SAMPLES, check_op
 from tests.helpers import assert_bitwise_equal
 
 DEVICES = ("cpu", "cuda", "xpu", "mps")
@@ -158,7 +158,8 @@ def test_default_rules_cast_as_torch_autocast_does(
     """For every op: same casts below autocast, same output dtypes (and bits on CPU), same errors.
 
     Each op runs in five input variants (float32; autocast dtype; mixed; float64; dtype= given)
-    under torch's autocast and under the reference for famp's rule (tests/autocast_reference.py).
+    under torch's autocast and under the reference for famp's rule
+    (tests/autocast/autocast_reference.py).
     """
     rules = famp.default_rules(device)
     wrong, unverified = [], []
@@ -272,14 +273,14 @@ def test_ops_that_cannot_be_classified_are_named_in_one_error(
 def test_banned_binary_cross_entropy_keeps_torch_message() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tests.autocast_reference import Autocast
+    from tests.autocast.autocast_reference import Autocast
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(3, device="cuda")
         with Autocast("cuda", torch.float16), pytest.raises(RuntimeError) as info:
             torch.nn.functional.binary_cross_entropy(x, x)
     assert famp.default_rules("cuda")["binary_cross_entropy"] == "banned"
-    assert str(info.value) == famp._rules.banned_message("binary_cross_entropy", "cuda")
+    assert str(info.value) == famp._autocast.rules.banned_message("binary_cross_entropy", "cuda")
     assert "binary_cross_entropy_with_logits" in str(info.value)
 
 
@@ -514,18 +515,18 @@ def test_dtype_rules_only_apply_to_ops_with_a_dtype_argument(
 
 
 def test_docs_rule_table_is_the_generated_one_and_names_its_torch() -> None:
-    from famp._rules_table import END, GENERATED_FROM, START, markdown_table
+    from famp._autocast.rules_table import END, GENERATED_FROM, START, markdown_table
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
-    assert START in text, "run python -m famp._rules_table into docs/autocast.md"
-    assert END in text, "run python -m famp._rules_table into docs/autocast.md"
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "autocast.md").read_text()
+    assert START in text, "run python -m famp._autocast.rules_table into docs/autocast.md"
+    assert END in text, "run python -m famp._autocast.rules_table into docs/autocast.md"
     committed = text.split(START, 1)[1].split(END, 1)[0].strip()
     # The docs hold the newest shipped release's table; under that release it is regenerated.
     newest = max(TABLES, key=famp_rules._release_key)
     assert committed.splitlines()[0] == GENERATED_FROM.format(release=newest)
     if famp_rules.torch_release() == newest:
         assert committed == markdown_table(), (
-            "docs/autocast.md is stale: python -m famp._rules_table"
+            "docs/autocast.md is stale: python -m famp._autocast.rules_table"
         )
     else:
         assert markdown_table().splitlines()[0] == GENERATED_FROM.format(
@@ -625,9 +626,9 @@ def test_gru_lstm_under_famp_autocast_equal_torch_autocast_bitwise(
 
 @pytest.mark.slow
 def test_gru_lstm_equal_torch_on_a_cpu_without_avx512_bf16() -> None:
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     code = (
-        "import torch, tests.test_rules as t\n"
+        "import torch, tests.autocast.test_rules as t\n"
         "assert not torch.backends.mkldnn.is_available() or not "
         "torch.ops.mkldnn._is_mkldnn_bf16_supported()\n"
         "print(sum((t.rnn_mismatches(k, d) for k, d in t.RNN_CASES), []))\n"

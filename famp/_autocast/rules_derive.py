@@ -6,7 +6,7 @@
 and under the reference for each candidate rule, on `SAMPLES` inputs, and keeps the rules whose
 casts, dtypes (and, on real tensors, bits) and errors are torch's. `famp.default_rules` uses it
 for the ops of a torch release its shipped tables do not know (fake tensors: no computation);
-`tests/test_rules.py` and `benchmarks/verify_rules.py` use it to check the tables.
+`tests/autocast/test_rules.py` and `benchmarks/verify_rules.py` use it to check the tables.
 C++ argument types decide what is cast:
 
 - `Tensor`, `Tensor?` and `Tensor[]` arguments are cast; `Tensor?[]` (`index_put`'s
@@ -15,8 +15,8 @@ C++ argument types decide what is cast:
   tensor, else the autocast dtype; `Tensor?` arguments are cast but do not vote;
 - eligible means: on the autocast device, floating point and not float64.
 
-`python -m famp._rules_derive` derives the running torch's tables and writes them into
-`famp/_rules_data.py` under its release.
+`python -m famp._autocast.rules_derive` derives the running torch's tables and writes them into
+`famp/_autocast/rules_data.py` under its release.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from famp._autocast.rules import APPEND_DTYPE_OVERLOADS, banned_message
 from famp._compat import OpOverload, TorchDispatchMode, fake_tensor_mode, torch_pytree
 from famp._compat import op_schema as schema
-from famp._rules import APPEND_DTYPE_OVERLOADS, banned_message
 
 Args = tuple[tuple[Any, ...], dict[str, Any]]
 Bound = list[tuple[str, "int | str", Any]]
@@ -786,7 +786,7 @@ def derive_rules(
     Returns:
         (packet, overload) → rule for the classified ops, and op name → why for the others.
     """
-    from famp._rules import RULE_NAMES
+    from famp._autocast.rules import RULE_NAMES
 
     derived: dict[tuple[str, str], str] = {}
     unclassified: dict[str, str] = {}
@@ -841,40 +841,40 @@ def _format_tables(tables: dict[str, dict[str, dict[str, tuple[str, ...]]]]) -> 
 
 def main() -> int:
     """Derive the running torch's tables (fake tensors everywhere, real ones on CPU) and write
-    them into `famp/_rules_data.py` under its release; the other releases are kept."""
+    them into `famp/_autocast/rules_data.py` under its release; the other releases are kept."""
     import logging
     import pathlib
     import time
 
-    from famp import _rules, _rules_data
+    from famp._autocast import rules, rules_data
 
     logging.disable(logging.CRITICAL)  # fake tensors log the errors they re-raise
-    release = _rules.torch_release()
-    tables = {r: t for r, t in _rules_data.TABLES.items() if r != release}
-    prior_release = max(tables, key=_rules._release_key) if tables else None
+    release = rules.torch_release()
+    tables = {r: t for r, t in rules_data.TABLES.items() if r != release}
+    prior_release = max(tables, key=rules._release_key) if tables else None
     new: dict[str, dict[str, tuple[str, ...]]] = {}
     failed = False
-    for device in _rules.DEVICE_TYPES:
+    for device in rules.DEVICE_TYPES:
         start = time.perf_counter()
-        prior = _rules.expand(tables[prior_release][device]) if prior_release else {}
-        wrappers = _rules.WRAPPER_RULES.get(device, {})
-        ops = sorted(_rules.registered_ops(device) - wrappers.keys())
+        prior = rules.expand(tables[prior_release][device]) if prior_release else {}
+        wrappers = rules.WRAPPER_RULES.get(device, {})
+        ops = sorted(rules.registered_ops(device) - wrappers.keys())
         derived, unclassified = derive_rules(device, ops, prior, exhaustive=True)
-        derived.update((op, r) for op, r in wrappers.items() if op in _rules.registered_ops(device))
+        derived.update((op, r) for op, r in wrappers.items() if op in rules.registered_ops(device))
         for name, why in sorted(unclassified.items()):
             print(f"    {device}: cannot classify {name}: {why}")
             failed = True
-        keys = _rules.rule_keys(derived)
+        keys = rules.rule_keys(derived)
         by_rule: dict[str, list[str]] = {}
         for key, rule in keys.items():
             if rule != "keep":
                 by_rule.setdefault(rule, []).append(key)
-        new[device] = {r: tuple(by_rule[r]) for r in _rules.RULE_NAMES if r in by_rule}
+        new[device] = {r: tuple(by_rule[r]) for r in rules.RULE_NAMES if r in by_rule}
         print(f"{device}: {len(ops)} ops, {len(keys)} keys, {time.perf_counter() - start:.1f} s")
     if failed:
         return 1
     tables[release] = new
-    path = pathlib.Path(_rules_data.__file__)
+    path = pathlib.Path(rules_data.__file__)
     text = path.read_text()
     head = text[: text.index("TABLES: dict[")]
     path.write_text(head + _format_tables(tables) + "\n")
