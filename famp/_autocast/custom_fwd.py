@@ -19,8 +19,6 @@ from famp._autocast.mode import eligible, promote_dtype
 from famp._autocast.region import region
 from famp._autocast.transform import current_state
 
-__all__ = ["custom_bwd", "custom_fwd"]
-
 F = TypeVar("F", bound=Callable[..., Any])
 _RULES = ("keep", "lower", "float32", "promote")
 
@@ -182,7 +180,3 @@ def custom_bwd(backward: F) -> F:
             return backward(ctx, *args, **kwargs)
 
     return decorated  # type: ignore[return-value]
-
-
-for _obj in (custom_fwd, custom_bwd):
-    _obj.__module__ = "famp"

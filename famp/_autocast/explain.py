@@ -473,10 +473,3 @@ def explain(
         return out, Trace(recorder.records(rules or default_rules(dev)))
 
     return explained
-
-
-for _public in (explain, OpRecord, Trace):
-    _public.__module__ = "famp"
-
-# doctest skips members whose __module__ is "famp" when it collects this module: list them.
-__test__ = {f"Trace.{name}": getattr(Trace, name) for name in ("table", "counts", "summary")}

@@ -16,8 +16,6 @@ import torch
 from famp._compat import torch_pytree as pytree
 from famp._typing import DTypeLike, TreeT
 
-__all__ = ["Policy", "cast_to_compute", "cast_to_output", "cast_to_param", "get_policy"]
-
 # Names accepted by `get_policy` and `Policy(...)`; the first name of each dtype is canonical.
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -254,7 +252,3 @@ def cast_to_output(policy: Policy | str, tree: TreeT) -> TreeT:
         torch.float32
     """
     return get_policy(policy).cast_to_output(tree)
-
-
-for _obj in (Policy, get_policy, cast_to_param, cast_to_compute, cast_to_output):
-    _obj.__module__ = "famp"

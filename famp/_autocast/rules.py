@@ -29,8 +29,6 @@ import torch
 from famp._compat import kernel_registrations
 from famp._compat import op_schema as schema
 
-__all__ = ["RULE_NAMES", "OpRules", "Rule", "default_rules"]
-
 Rule = Literal[
     "lower",
     "float32",
@@ -575,13 +573,3 @@ def default_rules(device_type: str) -> OpRules:
             f"accepted: {', '.join(map(repr, DEVICE_TYPES))}"
         )
     return _default_rules(device_type)
-
-
-for _obj in (OpRules, default_rules):
-    _obj.__module__ = "famp"
-
-# doctest skips members whose __module__ is "famp" when it collects this module: list them.
-__test__ = {
-    f"OpRules.{name}": getattr(OpRules, name)
-    for name in ("lookup", "override", "to_dict", "from_dict", "table")
-}

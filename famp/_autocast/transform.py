@@ -50,8 +50,6 @@ from famp._compat import (
     tree_leaves,
 )
 
-__all__ = ["AutocastWarning", "autocast"]
-
 
 class AutocastWarning(UserWarning):
     """Warned by a `famp.autocast` call whose rules may not do what they say.
@@ -63,8 +61,6 @@ class AutocastWarning(UserWarning):
     `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
-
-AutocastWarning.__module__ = "famp"
 
 _FAST_PATH_MODULES = (
     torch.nn.MultiheadAttention,
@@ -687,6 +683,3 @@ def autocast(
         transformed = own_code(transformed)
     functools.update_wrapper(transformed, fn, updated=())
     return transformed  # type: ignore[return-value]
-
-
-autocast.__module__ = "famp"
