@@ -21,8 +21,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 import famp
-from famp._autocast.rules import DEVICE_TYPES, WRAPPER_RULES, registered_ops
+from famp._autocast.defaults import WRAPPER_RULES
 from famp._autocast.rules_derive import check_op
+from famp._autocast.tables import DEVICE_TYPES, registered_ops
 
 
 def registered(device: str) -> list[tuple[str, str]]:

@@ -19,7 +19,8 @@ from famp._autocast.policy import Policy, cast_to_compute, cast_to_output, cast_
 from famp._autocast.transform import AutocastWarning, autocast
 
 # isort: split
-from famp._autocast.rules import RULE_NAMES, OpRules, Rule, default_rules
+from famp._autocast.defaults import default_rules
+from famp._autocast.rules import RULE_NAMES, OpRules, Rule
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 # isort: split

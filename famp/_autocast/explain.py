@@ -47,8 +47,9 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from famp._autocast.defaults import default_rules
 from famp._autocast.policy import Policy, get_policy
-from famp._autocast.rules import OpRules, default_rules
+from famp._autocast.rules import OpRules
 from famp._compat import TorchDispatchMode, torch_pytree
 
 _LOWER = (torch.float16, torch.bfloat16)

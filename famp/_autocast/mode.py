@@ -27,9 +27,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from famp._autocast.defaults import default_rules
 from famp._autocast.op_calls import call, calls, copies, op_name
+from famp._autocast.ops import banned_message, functional_overloads
 from famp._autocast.recompute import bracket_outputs, observe
-from famp._autocast.rules import OpRules, banned_message, default_rules
+from famp._autocast.rules import OpRules
 from famp._compat import (
     OpOverload,
     assume_constant_result,
@@ -42,14 +44,6 @@ from famp._compat import (
 # --- overrides: the ops whose rule differs from the device's default table -----------------------
 
 
-def _functional_overloads(packet: str) -> tuple[str, ...]:
-    try:
-        ops = getattr(torch.ops.aten, packet)
-    except (AttributeError, RuntimeError):
-        return ()
-    return tuple(o for o in ops.overloads() if not op_schema(getattr(ops, o)).is_mutable)
-
-
 class Overrides:
     """The ops whose rule in `rules` differs from `default_rules(rules.device_type)`."""
 
@@ -60,7 +54,7 @@ class Overrides:
         self.uniform: dict[str, str] = {}
         self.per_overload: dict[str, dict[str, str | None]] = {}
         for packet in sorted(packets):
-            overloads = _functional_overloads(packet)
+            overloads = functional_overloads(packet)
             pairs = {o: (rules.lookup(packet, o), defaults.lookup(packet, o)) for o in overloads}
             changed: dict[str, str | None] = {
                 o: (r if r != d else None) for o, (r, d) in pairs.items()
@@ -133,7 +127,7 @@ def _fits(type_name: str, value: object) -> bool:
 def resolve_overload(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The first functional overload of `aten::<packet>` whose schema the call's arguments fit."""
     ops = getattr(torch.ops.aten, packet)
-    for overload in _functional_overloads(packet):
+    for overload in functional_overloads(packet):
         schema = op_schema(getattr(ops, overload))
         params = list(schema.arguments)
         positional = [p for p in params if not p.kwarg_only]

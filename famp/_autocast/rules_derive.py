@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from famp._autocast.rules import APPEND_DTYPE_OVERLOADS, banned_message
+from famp._autocast.ops import APPEND_DTYPE_OVERLOADS, banned_message
 from famp._compat import OpOverload, TorchDispatchMode, fake_tensor_mode, torch_pytree
 from famp._compat import op_schema as schema
 
@@ -820,25 +820,6 @@ def derive_rules(
     return derived, unclassified
 
 
-def _format_tables(tables: dict[str, dict[str, dict[str, tuple[str, ...]]]]) -> str:
-    lines = ["TABLES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {"]
-    for release in sorted(tables, key=lambda r: tuple(int(p) for p in r.split("."))):
-        lines.append(f'    "{release}": {{')
-        for device, by_rule in tables[release].items():
-            lines.append(f'        "{device}": {{')
-            for rule, keys in by_rule.items():
-                if len(keys) == 1:  # as ruff format writes it
-                    lines.append(f'            "{rule}": ("{keys[0]}",),')
-                    continue
-                lines.append(f'            "{rule}": (')
-                lines.extend(f'                "{key}",' for key in keys)
-                lines.append("            ),")
-            lines.append("        },")
-        lines.append("    },")
-    lines.append("}")
-    return "\n".join(lines)
-
-
 def main() -> int:
     """Derive the running torch's tables (fake tensors everywhere, real ones on CPU) and write
     them into `famp/_autocast/rules_data.py` under its release; the other releases are kept."""
@@ -846,38 +827,36 @@ def main() -> int:
     import pathlib
     import time
 
-    from famp._autocast import rules, rules_data
+    from famp._autocast import rules_data, tables
+    from famp._autocast.defaults import WRAPPER_RULES
 
     logging.disable(logging.CRITICAL)  # fake tensors log the errors they re-raise
-    release = rules.torch_release()
-    tables = {r: t for r, t in rules_data.TABLES.items() if r != release}
-    prior_release = max(tables, key=rules._release_key) if tables else None
-    new: dict[str, dict[str, tuple[str, ...]]] = {}
+    release = tables.torch_release()
+    shipped = {r: t for r, t in tables.shipped_tables().items() if r != release}
+    prior_release = max(shipped, key=tables.release_key) if shipped else None
+    new: dict[str, tables.Table] = {}
     failed = False
-    for device in rules.DEVICE_TYPES:
+    for device in tables.DEVICE_TYPES:
         start = time.perf_counter()
-        prior = rules.expand(tables[prior_release][device]) if prior_release else {}
-        wrappers = rules.WRAPPER_RULES.get(device, {})
-        ops = sorted(rules.registered_ops(device) - wrappers.keys())
+        prior = tables.expand(shipped[prior_release][device]) if prior_release else {}
+        wrappers = WRAPPER_RULES.get(device, {})
+        registered = tables.registered_ops(device)
+        ops = sorted(registered - wrappers.keys())
         derived, unclassified = derive_rules(device, ops, prior, exhaustive=True)
-        derived.update((op, r) for op, r in wrappers.items() if op in rules.registered_ops(device))
+        derived.update((op, r) for op, r in wrappers.items() if op in registered)
         for name, why in sorted(unclassified.items()):
             print(f"    {device}: cannot classify {name}: {why}")
             failed = True
-        keys = rules.rule_keys(derived)
-        by_rule: dict[str, list[str]] = {}
-        for key, rule in keys.items():
-            if rule != "keep":
-                by_rule.setdefault(rule, []).append(key)
-        new[device] = {r: tuple(by_rule[r]) for r in rules.RULE_NAMES if r in by_rule}
+        keys = tables.rule_keys(derived)
+        new[device] = tables.by_rule(keys)
         print(f"{device}: {len(ops)} ops, {len(keys)} keys, {time.perf_counter() - start:.1f} s")
     if failed:
         return 1
-    tables[release] = new
+    shipped[release] = new
     path = pathlib.Path(rules_data.__file__)
     text = path.read_text()
-    head = text[: text.index("TABLES: dict[")]
-    path.write_text(head + _format_tables(tables) + "\n")
+    head = text[: text.index("BASE_RELEASE = ")]
+    path.write_text(head + tables.store(shipped))
     print(f"wrote torch {release}'s tables into {path}")
     return 0
 
