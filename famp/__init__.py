@@ -12,11 +12,12 @@ from famp._scaler import ScalerState, init_scaler, update_scale
 from famp._serialization import from_state_dict, to_state_dict
 from famp._unscale import all_finite, scale, select_tree, unscale_and_check
 
-# --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+# --- policies, op rules and autocast: _autocast/ ------------------------------------------------
 # isort: split
+from famp._autocast.call import AutocastWarning
 from famp._autocast.custom_fwd import custom_bwd, custom_fwd
 from famp._autocast.policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
-from famp._autocast.transform import AutocastWarning, autocast
+from famp._autocast.transform import autocast
 
 # isort: split
 from famp._autocast.defaults import default_rules

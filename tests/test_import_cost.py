@@ -268,7 +268,7 @@ def test_famp_marks_constant_functions_exactly_as_torch_compiler_does() -> None:
     assert torch.compiler.assume_constant_result(by_torch) is by_torch  # type: ignore[no-untyped-call]
     assert _compat.assume_constant_result(by_famp) is by_famp
     assert vars(by_famp) == vars(by_torch) == {"_dynamo_marked_constant": True}
-    from famp._autocast import mode, transform
+    from famp._autocast import call, overrides
 
-    for fn in (transform._match, mode._constant_key):
+    for fn in (call._match, overrides._constant_key):
         assert vars(fn) == vars(by_torch)

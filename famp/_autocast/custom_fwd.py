@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from famp._autocast.mode import eligible, promote_dtype
+from famp._autocast.call import current_state
+from famp._autocast.casts import eligible, promote_dtype
 from famp._autocast.region import region
-from famp._autocast.transform import current_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 _RULES = ("keep", "lower", "float32", "promote")

@@ -15,7 +15,8 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 import famp
-import famp._autocast.transform as famp_autocast
+from famp._autocast import hooks, recompute
+from famp._autocast.region import region as autocast_region
 from tests.helpers import assert_bitwise_equal
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -30,9 +31,9 @@ def _autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_cache_enabled(),
         nesting,
         torch._C._len_torch_function_stack(),
-        famp_autocast._pre_hook in torch_module._global_forward_pre_hooks.values(),
-        famp_autocast._post_hook in torch_module._global_forward_hooks.values(),
-        len(famp_autocast._calls()),
+        hooks.pre_hook in torch_module._global_forward_pre_hooks.values(),
+        hooks.post_hook in torch_module._global_forward_hooks.values(),
+        len(recompute.calls()),
     )
 
 
@@ -806,7 +807,7 @@ def test_default_cuda_rules_match_torch_cuda_autocast_on_fake_tensors() -> None:
             torch.ones(8, device="cuda"),
         )
         famp_dtypes = famp.autocast(_cuda_ops, "c=f16", compile=False)(x, w, g)
-        region = famp_autocast.region("cuda", True, F16)
+        region = autocast_region("cuda", True, F16)
         with region:
             torch_dtypes = _cuda_ops(x, w, g)
         overridden = famp.autocast(
