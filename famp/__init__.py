@@ -39,7 +39,8 @@ from famp._step import skip_on_overflow, value_and_grad
 
 # --- overflow forensics and autocast explain: _report.py, _explain.py ---------------------------
 # isort: split
-from famp._autocast.explain import OpRecord, Trace, explain
+from famp._autocast.explain import explain
+from famp._autocast.trace import OpRecord, Trace
 from famp._report import NonfiniteReport, nonfinite_report
 
 __version__ = "0.1.0"
