@@ -3,7 +3,7 @@
 Not a benchmark: the full version of the check in tests/autocast/test_rules.py. For each device
 type and each overload with an ``Autocast<Device>`` kernel in the installed torch it runs the op
 under torch's autocast (real and fake CPU tensors; fake CUDA/XPU/MPS tensors) in bfloat16 and
-float16, next to the reference for *every* rule (famp/_autocast/rules_derive.py), and reports which
+float16, next to the reference for *every* rule (famp/_autocast/reference.py), and reports which
 rules agree with torch in every run. A rule is derived when exactly one agrees.
 
 Run from the repository root: ``python benchmarks/verify_rules.py [cpu,cuda,xpu,mps]``.
@@ -21,8 +21,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 import famp
+from famp._autocast.compare import check_op
 from famp._autocast.defaults import WRAPPER_RULES
-from famp._autocast.rules_derive import check_op
 from famp._autocast.tables import DEVICE_TYPES, registered_ops
 
 

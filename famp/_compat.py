@@ -155,7 +155,7 @@ def is_compiled_module(module: object) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-# --- autocast op rules: _autocast/rules.py, _autocast/rules_derive.py ----------------------------
+# --- autocast op rules: _autocast/tables.py, _autocast/compare.py ---------------------------------
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
