@@ -104,12 +104,10 @@ def apply_rule(
     if rule == "banned":
         raise RuntimeError(banned_message(packet, device_type))
     if rule in ("lower", "float32", "promote"):
-        if rule == "lower":
-            target = lower
-        elif rule == "float32":
-            target = torch.float32
-        else:
+        if rule == "promote":
             target = promote_dtype(lower, (*args, *kwargs.values()), device_type)
+        else:
+            target = lower if rule == "lower" else torch.float32
         args, kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)

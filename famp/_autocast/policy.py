@@ -202,10 +202,11 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
 
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the parameters, any pytree; only float16, bfloat16 and float32 tensor leaves
+            change.
 
     Returns:
-        A tree of the same structure.
+        A tree of the same structure, those leaves in `param_dtype`.
 
     Examples:
         >>> import torch, famp
@@ -218,12 +219,15 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
 def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
     """Cast a pytree's float16/bfloat16/float32 tensors to the policy's `compute_dtype`.
 
+    `famp.autocast` casts the positional inputs of a module that a module rule matches so.
+
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the inputs, any pytree (containers registered with torch's pytree included);
+            only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure.
+        A tree of the same structure, those leaves in `compute_dtype`.
 
     Examples:
         >>> import torch, famp
@@ -238,12 +242,14 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
 def cast_to_output(policy: Policy | str, tree: TreeT) -> TreeT:
     """Cast a pytree's float16/bfloat16/float32 tensors to the policy's `output_dtype`.
 
+    `famp.autocast` casts the outputs of the transformed function (and of a matched module) so.
+
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the outputs, any pytree; only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure.
+        The tree, those leaves in `output_dtype`.
 
     Examples:
         >>> import torch, famp

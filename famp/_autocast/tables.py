@@ -154,21 +154,22 @@ def shipped_tables() -> dict[str, dict[str, Table]]:
     }
 
 
-DERIVED_FROM: dict[str, str] = {"xpu": "cuda"}
-"""Device types stored as changes to another's base table: XPU's kernels are CUDA's but cuDNN's."""
-
-
 def store(tables: Mapping[str, Mapping[str, Table]]) -> str:
     """The Python source of `rules_data.py`'s tables for full tables (release → device → table):
-    the oldest release's in full, every other release's changes to it."""
+    the oldest release's in full (a device type's as changes to an earlier device type's, where
+    those are fewer than half its keys), every other release's changes to it."""
     releases = sorted(tables, key=release_key)
     rules = {r: {d: by_key(t) for d, t in tables[r].items()} for r in releases}
     base = rules[releases[0]]
-    derived = {
-        device: (origin, changes_between(base[origin], base[device]))
-        for device, origin in DERIVED_FROM.items()
-        if device in base and origin in base
-    }
+    derived: dict[str, tuple[str, Changes]] = {}
+    full: list[str] = []  # the device types stored in full, in order
+    for device in base:
+        diffs = [(changes_between(base[origin], base[device]), origin) for origin in full]
+        diff, origin = min(diffs, key=lambda d: len(d[0]), default=({}, ""))
+        if origin and 2 * len(diff) < len(base[device]):
+            derived[device] = (origin, diff)
+        else:
+            full.append(device)
     changes = {
         release: {
             device: diff
