@@ -50,6 +50,7 @@ from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recorder import LOWER, Recorder
 from famp._autocast.rules import OpRules
 from famp._autocast.trace import Trace
+from famp._autocast.transform import autocast
 from famp._compat import tree_leaves
 
 
@@ -106,9 +107,7 @@ def explain(
         raise ValueError(
             f"compile must be False or None: explain watches eager ops; got {compile_!r}"
         )
-    import famp  # famp.autocast, through its public name (its modules are free to move)
-
-    transformed = famp.autocast(fn, policy, compile=False, **autocast_kwargs)
+    transformed = autocast(fn, policy, compile=False, **autocast_kwargs)
     policy = get_policy(policy)
     base = (policy.compute_dtype in LOWER, policy.compute_dtype)
     rules: OpRules | None = autocast_kwargs.get("rules")
