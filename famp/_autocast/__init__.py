@@ -1,10 +1,16 @@
 """Autocast: precision policies, op rules and their data, the `famp.autocast` transform, explain.
 
-`policy` holds `famp.Policy` and the casts of a pytree; `rules` holds `famp.OpRules` and
-`famp.default_rules`, read from the shipped tables of `rules_data` or derived by `rules_derive`
-(which runs each op next to a reference of every rule); `transform` is `famp.autocast`, which
-enters torch's autocast state through `region` and, for op overrides and module rules, runs the
-mode of `mode` over the calls that `op_calls` names; `recompute` replays a call's state for
-activation checkpointing; `custom_fwd` and `explain` build on the transform. Data flows one way:
-policy and rules → transform → custom_fwd and explain.
+- Policies: `policy` (`famp.Policy`, the casts of a pytree).
+- Op rules: `ops` (aten op names), `rules` (`famp.OpRules`), `defaults` (`famp.default_rules`),
+  read from `tables` (which assembles the shipped data of `rules_data`) or derived by
+  `rules_derive`, which runs each op on its `samples` next to the `reference` of every rule
+  (`compare`); `rules_table` prints the docs' table.
+- The transform: `transform` (`famp.autocast`) runs each call under a record (`call`) inside
+  torch's autocast state (`region`); for overrides and module rules, `mode` hands each op call
+  (`op_calls`) to the record, which casts it per its rule (`overrides`, `casts`), keeps weight
+  casts fresh (`weights`) and enters module scopes through global `hooks`; `recompute` restores
+  the record while torch recomputes a checkpointed block.
+- On top of the transform: `custom_fwd` and `explain` (with its `recorder` and `trace`).
+
+Data flows one way: policy and rules → transform → custom_fwd and explain.
 """
