@@ -42,7 +42,7 @@ class FampMode(TorchFunctionMode):
 
     def __init__(self, owner: Any) -> None:
         super().__init__()
-        self.owner = owner  # the _Call record of the famp.autocast call this mode serves
+        self.owner = owner  # the CallRecord of the famp.autocast call this mode serves
         self.inside: set[Callable[..., Any]] = set()
 
     def __torch_function__(
