@@ -2,14 +2,8 @@
 
 `famp.default_rules(device_type)` (`defaults.py`) is the installed torch's `Autocast<Device>`
 table as an `OpRules`. `OpRules.override` derives new tables and never mutates. The rules are
-only data: `famp.autocast` applies them.
-
-Keys are aten op names without the `aten::` prefix. A packet key (`"linear"`) covers every
-*functional* overload of the packet that takes a tensor (torch never autocasts `out=` or in-place
-overloads, nor scalar-only ones such as `pow.int`); a `"packet.overload"` key covers that one
-overload and wins over the packet key. Unlisted ops are `"keep"`.
-
-`python -m famp._autocast.rules_table` prints the per-device table that `docs/autocast.md` holds.
+only data: `famp.autocast` applies them. Keys are aten op names without the `aten::` prefix
+(`ops.py` says which overloads a packet key covers).
 """
 
 from __future__ import annotations
