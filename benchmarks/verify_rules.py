@@ -1,10 +1,10 @@
 """Derive torch's autocast rule of every op by running it, and compare with famp.default_rules.
 
-Not a benchmark: the full version of the check in tests/test_rules.py. For each device type and
-each overload with an ``Autocast<Device>`` kernel in the installed torch it runs the op under
-torch's autocast (real and fake CPU tensors; fake CUDA/XPU/MPS tensors) in bfloat16 and float16,
-next to the reference for *every* rule (famp/_rules_derive.py), and reports which rules agree with
-torch in every run. A rule is derived when exactly one agrees.
+Not a benchmark: the full version of the check in tests/autocast/test_rules.py. For each device
+type and each overload with an ``Autocast<Device>`` kernel in the installed torch it runs the op
+under torch's autocast (real and fake CPU tensors; fake CUDA/XPU/MPS tensors) in bfloat16 and
+float16, next to the reference for *every* rule (famp/_autocast/reference.py), and reports which
+rules agree with torch in every run. A rule is derived when exactly one agrees.
 
 Run from the repository root: ``python benchmarks/verify_rules.py [cpu,cuda,xpu,mps]``.
 """
@@ -21,8 +21,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 import famp
-from famp._rules import DEVICE_TYPES, WRAPPER_RULES, registered_ops
-from famp._rules_derive import check_op
+from famp._autocast.compare import check_op
+from famp._autocast.defaults import WRAPPER_RULES
+from famp._autocast.tables import DEVICE_TYPES, registered_ops
 
 
 def registered(device: str) -> list[tuple[str, str]]:

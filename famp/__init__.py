@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types as _types
 
-# --- loss scaling: famp/_scaling/ ----------------------------------------------------------------
+# --- loss scaling: _scaling/ --------------------------------------------------------------------
 # isort: split
 from famp._scaling.build import init_scaler
 from famp._scaling.state import ScalerState
@@ -17,14 +17,16 @@ from famp._scaling.trees import all_finite, scale, select_tree
 from famp._scaling.unscale import unscale_and_check
 from famp._scaling.update import update_scale
 
-# --- policies, op rules and autocast: _policy.py, _rules.py, _autocast.py ----------------------
+# --- policies, op rules and autocast: _autocast/ ------------------------------------------------
 # isort: split
-from famp._autocast import AutocastWarning, autocast
-from famp._custom_fwd import custom_bwd, custom_fwd
-from famp._policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
+from famp._autocast.call import AutocastWarning
+from famp._autocast.custom_fwd import custom_bwd, custom_fwd
+from famp._autocast.policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
+from famp._autocast.transform import autocast
 
 # isort: split
-from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
+from famp._autocast.defaults import default_rules
+from famp._autocast.rules import RULE_NAMES, OpRules, Rule
 
 # --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
 # isort: split
@@ -35,14 +37,15 @@ from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layo
 from famp._fsdp_load import optim_state_dict_to_load
 from famp._rekey import optim_state_by_fqn, optim_state_by_id
 
-# --- training steps: famp/_scaling/ ---------------------------------------------------------------
+# --- training steps: _scaling/ ------------------------------------------------------------------
 # isort: split
 from famp._scaling.optimizer_step import optimizer_step
 from famp._scaling.step import skip_on_overflow, value_and_grad
 
-# --- overflow forensics and autocast explain: famp/_scaling/report.py, _explain.py --------------
+# --- overflow forensics and autocast explain: _scaling/report.py, _autocast/explain.py ---------
 # isort: split
-from famp._explain import OpRecord, Trace, explain
+from famp._autocast.explain import explain
+from famp._autocast.trace import OpRecord, Trace
 from famp._scaling.report import NonfiniteReport, nonfinite_report
 
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as torch_pytree_module
 from torch.utils import _python_dispatch
 
-# --- autocast (famp/_autocast*.py) ----------------------------------------------------------------
+# --- autocast (famp/_autocast/) -------------------------------------------------------------------
 
 
 # `saved_tensors_hooks_top()`: the innermost active `torch.autograd.graph.saved_tensors_hooks`
@@ -107,7 +107,7 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-# --- import cost (famp/__init__.py, famp/_autocast*.py) ------------------------------------------
+# --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -155,7 +155,7 @@ def is_compiled_module(module: object) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-# --- autocast op rules: _rules.py, _rules_derive.py ----------------------------------------------
+# --- autocast op rules: _autocast/tables.py, _autocast/compare.py ---------------------------------
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
@@ -204,7 +204,7 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
     return list(flat._fqns), shapes, handle._fwd_bwd_param_dtype, bool(handle._use_orig_params)
 
 
-# --- explain (famp/_explain.py) ------------------------------------------------------------
+# --- explain (famp/_autocast/explain.py) ----------------------------------------------------------
 
 # The public base class of dispatch modes lives in a private module; explain records every aten op
 # (and its dtypes) with one. Needed at import (a base class); `import torch` loads it already.

@@ -34,3 +34,21 @@ def test_public_name_has_docstring_and_public_module(name: str) -> None:
 def test_public_name_appears_in_docs(name: str) -> None:
     docs = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     assert f"famp.{name}" in docs, f"famp.{name} is not in docs/"
+
+
+def test_every_example_of_a_public_name_and_its_methods_is_collected() -> None:
+    """pytest's doctest collection (`--doctest-modules`) runs famp/__init__.py's DocTestFinder,
+    which keeps only objects whose `__module__` is "famp": every method with an example must be
+    among them, or its example would silently never run."""
+    import doctest
+
+    finder = doctest.DocTestFinder()
+    collected = {t.name for t in finder.find(famp) if t.examples}
+    with_examples = set()
+    for name in PUBLIC:
+        obj = getattr(famp, name)
+        if isinstance(obj, type) or callable(obj):
+            found = finder.find(obj, f"famp.{name}", module=False, globs={})
+            with_examples |= {t.name for t in found if t.examples}
+    assert with_examples, "no examples found at all"
+    assert with_examples <= collected, sorted(with_examples - collected)

@@ -17,8 +17,8 @@ from torch.func import functional_call
 from torch.nn import functional
 
 import famp
-from famp._rules import WRAPPER_RULES
-from tests.autocast_reference import check_op
+from famp._autocast.defaults import WRAPPER_RULES
+from tests.autocast.autocast_reference import check_op
 from tests.helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
@@ -89,7 +89,7 @@ def test_cuda_rules_cast_as_torch_cuda_autocast_on_real_tensors(dtype: torch.dty
     """Every op of the CUDA table on real CUDA tensors: same casts, dtypes, errors and bits."""
     rules = famp.default_rules(CUDA)
     wrong = []
-    for packet, overload in sorted(famp._rules.registered_ops(CUDA)):
+    for packet, overload in sorted(famp._autocast.tables.registered_ops(CUDA)):
         if (packet, overload) in WRAPPER_RULES[CUDA]:
             continue
         name = packet if overload == "default" else f"{packet}.{overload}"

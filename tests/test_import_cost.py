@@ -95,7 +95,7 @@ def test_plain_import_loads_only_famp_and_optree_beyond_torch_and_every_public_n
         if m.partition(".")[0] not in ("famp", "optree") and m.partition(".")[0] not in stdlib
     ]
     assert others == []  # no torch submodule, no third-party package other than optree
-    assert "famp._autocast" in out["new"]
+    assert "famp._autocast.transform" in out["new"]
     assert "famp._scaling.state" in out["new"]
     assert out["all"] == famp.__all__
     assert out["missing"] == []
@@ -268,7 +268,7 @@ def test_famp_marks_constant_functions_exactly_as_torch_compiler_does() -> None:
     assert torch.compiler.assume_constant_result(by_torch) is by_torch  # type: ignore[no-untyped-call]
     assert _compat.assume_constant_result(by_famp) is by_famp
     assert vars(by_famp) == vars(by_torch) == {"_dynamo_marked_constant": True}
-    from famp import _autocast, _autocast_mode
+    from famp._autocast import call, overrides
 
-    for fn in (_autocast._match, _autocast_mode._constant_key):
+    for fn in (call._match, overrides._constant_key):
         assert vars(fn) == vars(by_torch)

@@ -15,7 +15,8 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 import famp
-import famp._autocast as famp_autocast
+from famp._autocast import hooks, recompute
+from famp._autocast.region import region as autocast_region
 from tests.helpers import assert_bitwise_equal
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -30,9 +31,9 @@ def _autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_cache_enabled(),
         nesting,
         torch._C._len_torch_function_stack(),
-        famp_autocast._pre_hook in torch_module._global_forward_pre_hooks.values(),
-        famp_autocast._post_hook in torch_module._global_forward_hooks.values(),
-        len(famp_autocast._calls()),
+        hooks.pre_hook in torch_module._global_forward_pre_hooks.values(),
+        hooks.post_hook in torch_module._global_forward_hooks.values(),
+        len(recompute.calls()),
     )
 
 
@@ -806,7 +807,7 @@ def test_default_cuda_rules_match_torch_cuda_autocast_on_fake_tensors() -> None:
             torch.ones(8, device="cuda"),
         )
         famp_dtypes = famp.autocast(_cuda_ops, "c=f16", compile=False)(x, w, g)
-        region = famp_autocast.region("cuda", True, F16)
+        region = autocast_region("cuda", True, F16)
         with region:
             torch_dtypes = _cuda_ops(x, w, g)
         overridden = famp.autocast(
@@ -1071,7 +1072,7 @@ def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: 
         assert _autocast_state() == CLEAN
 
 
-# --- the copies of torch's Python functions (famp/_op_calls.py) ---------------------------------
+# --- the copies of torch's Python functions (famp/_autocast/op_calls.py) -------------------------
 
 
 def _code_names(code: Any) -> set[str]:
@@ -1087,7 +1088,7 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
     # False. On the installed torch, each copy must be the original in everything else: the same
     # code, defaults, closure, and every global its code names bound to the same object as in the
     # original's module now (so a global torch sets or changes after famp's import is no risk).
-    from famp._op_calls import _CHECKS, copies
+    from famp._autocast.op_calls import _CHECKS, copies
 
     assert len(copies()) > 100  # F.*, torch.functional.*, Python Tensor methods
     for original, copy in copies().items():

@@ -17,11 +17,13 @@ import torch
 from hypothesis import given
 
 import famp
-import famp._rules as famp_rules
+import famp._autocast.defaults as famp_defaults
+import famp._autocast.tables as famp_tables
 from famp._compat import torch_pytree
-from famp._rules_data import TABLES
-from tests.autocast_reference import SAMPLES, check_op
+from tests.autocast.autocast_reference import SAMPLES, check_op
 from tests.helpers import assert_bitwise_equal
+
+TABLES = famp_tables.shipped_tables()  # release → device type → rule → keys
 
 DEVICES = ("cpu", "cuda", "xpu", "mps")
 DISPATCH_KEY = {d: f"Autocast{d.upper() if d != 'cpu' else 'CPU'}" for d in DEVICES}
@@ -97,7 +99,7 @@ KERNEL_COUNTS = {
 def test_rule_counts_per_device_match_the_release() -> None:
     counts = {d: len(_registered(d)) for d in DEVICES}
     assert counts == KERNEL_COUNTS.get(RELEASE, counts)
-    assert {len(famp_rules.registered_ops(d)) for d in DEVICES} == set(counts.values())
+    assert {len(famp_tables.registered_ops(d)) for d in DEVICES} == set(counts.values())
     assert all(n > 90 for n in counts.values())
 
 
@@ -158,11 +160,12 @@ def test_default_rules_cast_as_torch_autocast_does(
     """For every op: same casts below autocast, same output dtypes (and bits on CPU), same errors.
 
     Each op runs in five input variants (float32; autocast dtype; mixed; float64; dtype= given)
-    under torch's autocast and under the reference for famp's rule (tests/autocast_reference.py).
+    under torch's autocast and under the reference for famp's rule
+    (tests/autocast/autocast_reference.py).
     """
     rules = famp.default_rules(device)
     wrong, unverified = [], []
-    wrappers = famp_rules.WRAPPER_RULES.get(device, {})
+    wrappers = famp_defaults.WRAPPER_RULES.get(device, {})
     for packet, overload in sorted(_registered(device)):
         name, rule = _name(packet, overload), rules.lookup(packet, overload)
         if (packet, overload) in wrappers:
@@ -192,9 +195,9 @@ def test_default_rules_cast_as_torch_autocast_does(
 def fresh_rules() -> Iterator[None]:
     """Drop the cached default tables before and after a test that patches what they are read
     from, so that no other test sees a patched table."""
-    famp_rules._default_rules.cache_clear()
+    famp_defaults._default_rules.cache_clear()
     yield
-    famp_rules._default_rules.cache_clear()
+    famp_defaults._default_rules.cache_clear()
 
 
 @pytest.mark.slow
@@ -203,8 +206,8 @@ def test_a_release_famp_never_saw_gets_its_rules_by_running_every_op(
     device: str, fresh_rules: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shipped = famp.default_rules(device)
-    famp_rules._default_rules.cache_clear()
-    monkeypatch.setattr(famp_rules, "torch_release", lambda: "99.0.0")
+    famp_defaults._default_rules.cache_clear()
+    monkeypatch.setattr(famp_tables, "torch_release", lambda: "99.0.0")
     derived = famp.default_rules(device)
     assert derived == shipped
     assert derived is famp.default_rules(device)  # derived once, then cached
@@ -220,7 +223,7 @@ def test_ops_missing_from_the_shipped_table_are_derived(
         tables[release]["cpu"]["lower"] = tuple(
             k for k in tables[release]["cpu"]["lower"] if k != "linear"
         )
-    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
+    monkeypatch.setattr(famp_tables, "shipped_tables", lambda: tables)
     assert famp.default_rules("cpu") == shipped
 
 
@@ -229,14 +232,14 @@ def test_table_entries_for_ops_this_torch_lacks_are_ignored(
 ) -> None:
     # What broke famp on torch 2.15: the table named aten::cholesky, which 2.15 removed.
     shipped = famp.default_rules("cpu")
-    release = famp_rules.torch_release()
+    release = famp_tables.torch_release()
     tables = {r: {d: dict(t) for d, t in ts.items()} for r, ts in TABLES.items()}
     table = tables.setdefault(release, {d: {} for d in DEVICES})["cpu"]
     tables[release]["cpu"] = {
         **table,
         "float32": (*table.get("float32", ()), "no_such_op_famp", "mm.no_such_overload"),
     }
-    monkeypatch.setattr(famp_rules, "shipped_tables", lambda: tables)
+    monkeypatch.setattr(famp_tables, "shipped_tables", lambda: tables)
     rules = famp.default_rules("cpu")
     assert rules == shipped
     assert "no_such_op_famp" not in rules
@@ -244,16 +247,16 @@ def test_table_entries_for_ops_this_torch_lacks_are_ignored(
 
 def test_autocast_ops_are_read_off_the_dispatcher_as_a_full_scan_finds_them() -> None:
     for device in DEVICES:
-        assert famp_rules.registered_ops(device) == _registered(device)
+        assert famp_tables.registered_ops(device) == _registered(device)
 
 
 def test_ops_that_cannot_be_classified_are_named_in_one_error(
     fresh_rules: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    registered = famp_rules.registered_ops("cpu")
+    registered = famp_tables.registered_ops("cpu")
     # Two ops as a new torch might add them: one famp has no inputs for, one it cannot tell.
     monkeypatch.setattr(
-        famp_rules,
+        famp_tables,
         "registered_ops",
         lambda d: registered | {("relu", "default"), ("hardtanh", "default")},
     )
@@ -272,14 +275,14 @@ def test_ops_that_cannot_be_classified_are_named_in_one_error(
 def test_banned_binary_cross_entropy_keeps_torch_message() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tests.autocast_reference import Autocast
+    from tests.autocast.autocast_reference import Autocast
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(3, device="cuda")
         with Autocast("cuda", torch.float16), pytest.raises(RuntimeError) as info:
             torch.nn.functional.binary_cross_entropy(x, x)
     assert famp.default_rules("cuda")["binary_cross_entropy"] == "banned"
-    assert str(info.value) == famp._rules.banned_message("binary_cross_entropy", "cuda")
+    assert str(info.value) == famp._autocast.ops.banned_message("binary_cross_entropy", "cuda")
     assert "binary_cross_entropy_with_logits" in str(info.value)
 
 
@@ -514,22 +517,22 @@ def test_dtype_rules_only_apply_to_ops_with_a_dtype_argument(
 
 
 def test_docs_rule_table_is_the_generated_one_and_names_its_torch() -> None:
-    from famp._rules_table import END, GENERATED_FROM, START, markdown_table
+    from famp._autocast.rules_table import END, GENERATED_FROM, START, markdown_table
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
-    assert START in text, "run python -m famp._rules_table into docs/autocast.md"
-    assert END in text, "run python -m famp._rules_table into docs/autocast.md"
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "autocast.md").read_text()
+    assert START in text, "run python -m famp._autocast.rules_table into docs/autocast.md"
+    assert END in text, "run python -m famp._autocast.rules_table into docs/autocast.md"
     committed = text.split(START, 1)[1].split(END, 1)[0].strip()
     # The docs hold the newest shipped release's table; under that release it is regenerated.
-    newest = max(TABLES, key=famp_rules._release_key)
+    newest = max(TABLES, key=famp_tables.release_key)
     assert committed.splitlines()[0] == GENERATED_FROM.format(release=newest)
-    if famp_rules.torch_release() == newest:
+    if famp_tables.torch_release() == newest:
         assert committed == markdown_table(), (
-            "docs/autocast.md is stale: python -m famp._rules_table"
+            "docs/autocast.md is stale: python -m famp._autocast.rules_table"
         )
     else:
         assert markdown_table().splitlines()[0] == GENERATED_FROM.format(
-            release=famp_rules.torch_release()
+            release=famp_tables.torch_release()
         )
 
 
@@ -625,9 +628,9 @@ def test_gru_lstm_under_famp_autocast_equal_torch_autocast_bitwise(
 
 @pytest.mark.slow
 def test_gru_lstm_equal_torch_on_a_cpu_without_avx512_bf16() -> None:
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     code = (
-        "import torch, tests.test_rules as t\n"
+        "import torch, tests.autocast.test_rules as t\n"
         "assert not torch.backends.mkldnn.is_available() or not "
         "torch.ops.mkldnn._is_mkldnn_bf16_supported()\n"
         "print(sum((t.rnn_mismatches(k, d) for k, d in t.RNN_CASES), []))\n"
@@ -638,3 +641,21 @@ def test_gru_lstm_equal_torch_on_a_cpu_without_avx512_bf16() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_rules_data_holds_the_tables_in_the_form_the_generator_writes() -> None:
+    # python -m famp._autocast.rules_derive rewrites rules_data.py with tables.store: one base
+    # release in full, the other releases as changes to it, xpu as changes to cuda's table.
+    from famp._autocast import rules_data
+
+    text = pathlib.Path(rules_data.__file__).read_text()
+    assert text.endswith(famp_tables.store(TABLES))
+    assert min(TABLES, key=famp_tables.release_key) == rules_data.BASE_RELEASE
+    assert set(rules_data.CHANGES) == set(TABLES) - {rules_data.BASE_RELEASE}
+    assert "xpu" not in rules_data.BASE
+    # Each release's changes are those between its tables and the base release's.
+    for release, by_device in rules_data.CHANGES.items():
+        for device, table in TABLES[release].items():
+            base = famp_tables.by_key(TABLES[rules_data.BASE_RELEASE][device])
+            changes = famp_tables.changes_between(base, famp_tables.by_key(table))
+            assert by_device.get(device, {}) == changes

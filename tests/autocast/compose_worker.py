@@ -1,4 +1,4 @@
-"""One rank of the distributed cells of tests/test_autocast_compose.py, on 2 gloo ranks.
+"""One rank of the distributed cells of tests/autocast/test_autocast_compose.py, on 2 gloo ranks.
 
 Each cell runs famp and its reference on this rank and records both in ``OUT/rank{r}.pt`` as
 ``{cell: {"actual": [tensors], "expected": [tensors], ...}}``; the test compares them bit for bit.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import famp  # noqa: E402

@@ -270,7 +270,7 @@ def test_a_module_rule_in_a_function_that_calls_no_module_warns() -> None:
         f(torch.ones(2))
 
 
-# --- DDP, FSDP2, FSDP1 on 2 gloo ranks: one torchrun job (tests/compose_worker.py) ----------------
+# --- DDP, FSDP2, FSDP1 on 2 gloo ranks: one torchrun job (tests/autocast/compose_worker.py) -------
 
 WORKER = pathlib.Path(__file__).with_name("compose_worker.py")
 DISTRIBUTED_CELLS = [

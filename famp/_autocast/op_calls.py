@@ -1,6 +1,6 @@
 """Torch function calls as famp.autocast sees them: aten op names, torch's Python functions.
 
-`famp.autocast`'s mode (`famp._autocast_mode`) receives one call of a torch function at a time. This
+`famp.autocast`'s mode (`famp._autocast.mode`) receives one call of a torch function at a time. This
 module names the aten op of a call (`op_name`), tells whether it writes into its first argument
 (`writes_first_arg`), calls it (`call`), and holds copies of torch's own Python functions
 (`torch.nn.functional`, `torch.functional`, Python `Tensor` methods) that the mode can enter so

@@ -15,11 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from famp._autocast import current_state
-from famp._autocast_mode import eligible, promote_dtype
-from famp._autocast_region import region
-
-__all__ = ["custom_bwd", "custom_fwd"]
+from famp._autocast.call import current_state
+from famp._autocast.casts import eligible, promote_dtype
+from famp._autocast.region import region
 
 F = TypeVar("F", bound=Callable[..., Any])
 _RULES = ("keep", "lower", "float32", "promote")
@@ -182,7 +180,3 @@ def custom_bwd(backward: F) -> F:
             return backward(ctx, *args, **kwargs)
 
     return decorated  # type: ignore[return-value]
-
-
-for _obj in (custom_fwd, custom_bwd):
-    _obj.__module__ = "famp"

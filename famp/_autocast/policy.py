@@ -16,8 +16,6 @@ import torch
 from famp._compat import torch_pytree as pytree
 from famp._typing import DTypeLike, TreeT
 
-__all__ = ["Policy", "cast_to_compute", "cast_to_output", "cast_to_param", "get_policy"]
-
 # Names accepted by `get_policy` and `Policy(...)`; the first name of each dtype is canonical.
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -204,10 +202,11 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
 
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the parameters, any pytree; only float16, bfloat16 and float32 tensor leaves
+            change.
 
     Returns:
-        A tree of the same structure.
+        A tree of the same structure, those leaves in `param_dtype`.
 
     Examples:
         >>> import torch, famp
@@ -220,12 +219,15 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
 def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
     """Cast a pytree's float16/bfloat16/float32 tensors to the policy's `compute_dtype`.
 
+    `famp.autocast` casts the positional inputs of a module that a module rule matches so.
+
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the inputs, any pytree (containers registered with torch's pytree included);
+            only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure.
+        A tree of the same structure, those leaves in `compute_dtype`.
 
     Examples:
         >>> import torch, famp
@@ -240,12 +242,14 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
 def cast_to_output(policy: Policy | str, tree: TreeT) -> TreeT:
     """Cast a pytree's float16/bfloat16/float32 tensors to the policy's `output_dtype`.
 
+    `famp.autocast` casts the outputs of the transformed function (and of a matched module) so.
+
     Args:
         policy: a `Policy` or a `get_policy` string.
-        tree: any pytree; only float16, bfloat16 and float32 tensor leaves change.
+        tree: the outputs, any pytree; only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure.
+        The tree, those leaves in `output_dtype`.
 
     Examples:
         >>> import torch, famp
@@ -254,7 +258,3 @@ def cast_to_output(policy: Policy | str, tree: TreeT) -> TreeT:
         torch.float32
     """
     return get_policy(policy).cast_to_output(tree)
-
-
-for _obj in (Policy, get_policy, cast_to_param, cast_to_compute, cast_to_output):
-    _obj.__module__ = "famp"

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import famp
+from tests.autocast.test_autocast_zoo import DTYPES, ZOO, _build
 from tests.helpers import assert_bitwise_equal
-from tests.test_autocast_zoo import DTYPES, ZOO, _build
 
 
 class OpLog(TorchDispatchMode):
@@ -74,7 +74,7 @@ def test_trace_equals_torch_autocast_ops_and_dtypes_on_the_zoo(
         assert r.source == "default"
         assert r.rule == famp.default_rules("cpu").lookup(r.call or r.op.split(".")[1], "default")
     # Every cast to the compute dtype is made for a "lower" or "promote" op, or inside the C++
-    # implementation of an op that Python calls (an RNN's linears; see famp._explain).
+    # implementation of an op that Python calls (an RNN's linears; see famp._autocast.explain).
     cpp = {"gru", "rnn_tanh", "lstm", "lstm_cell", "gru_cell"}
     for r in trace:
         if r.op == "aten._to_copy.default" and r.out_dtypes == (dtype,) and r.call:

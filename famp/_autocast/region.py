@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from famp._policy import Policy
+from famp._autocast.policy import Policy
 
 # --- autocast regions -----------------------------------------------------------------------------
 

@@ -313,7 +313,7 @@ def test_checkpoint_mode_block_ending_in_a_custom_function(mode: str, kind: str)
 def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: str) -> None:
     import torch.nn.modules.module as torch_module
 
-    import famp._autocast as famp_autocast
+    from famp._autocast import hooks, recompute
 
     lin, runs = nn.Linear(4, 4), [0]
 
@@ -332,6 +332,6 @@ def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: s
     with pytest.raises(KeyError, match="boom in the recomputation"):
         f(x).backward()
     assert famp.autocast(lambda x: x * 2, "c=bf16")(x).dtype == BF16  # the next call cleans up
-    assert famp_autocast._calls() == []
-    assert famp_autocast._post_hook not in torch_module._global_forward_hooks.values()
+    assert recompute.calls() == []
+    assert hooks.post_hook not in torch_module._global_forward_hooks.values()
     assert torch._C._len_torch_function_stack() == 0

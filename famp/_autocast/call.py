@@ -1,0 +1,294 @@
+"""The record of one `famp.autocast` call: its policy, rules, module scopes and weight casts.
+
+A record lives on the thread's stack of calls (`recompute.calls`) while its call runs (and again
+while torch recomputes a checkpointed block of it). Module rules enter and leave scopes through
+the global module hooks (`hooks.py`), and `FampMode` hands it each op that may need a rule other
+than torch's (`run_op`). `current_state` reads the autocast state a module rule sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import warnings
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from famp._autocast import hooks
+from famp._autocast.casts import apply_rule
+from famp._autocast.mode import FampMode
+from famp._autocast.op_calls import call, op_name, writes_first_arg
+from famp._autocast.policy import Policy
+from famp._autocast.recompute import calls, observe
+from famp._autocast.region import policy_state, region
+from famp._autocast.weights import WeightCasts
+from famp._compat import (
+    assume_constant_result,
+    is_compiled_module,
+    no_torch_function,
+    torch_function_modes,
+)
+
+
+class AutocastWarning(UserWarning):
+    """Warned by a `famp.autocast` call whose rules may not do what they say.
+
+    Raised once per transformed function: for module rules that matched no module path in a call
+    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
+    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
+    path. Filter it as any warning:
+    `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
+    """
+
+
+_FAST_PATH_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerEncoder,
+)
+
+
+def current_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for the device here, famp's module rules included.
+
+    Inside a module that a famp module rule matches, famp sets the rule's state around each op
+    only, so torch's own state between ops is the transform's; this reports the module's.
+    """
+    state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    stack = calls()
+    if stack:
+        record: CallRecord = stack[-1]
+        scope = record.scopes[-1] if record.scopes else None
+        if scope is not None and record.device_type == device_type and state == record.base:
+            return scope
+    return state
+
+
+def _first_match(patterns: tuple[str, ...], path: str) -> int:
+    """Index of the first glob pattern that matches a module path, or -1."""
+    for i, pattern in enumerate(patterns):
+        if fnmatch.fnmatchcase(path, pattern):
+            return i
+    return -1
+
+
+# Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
+_match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
+
+
+class CallRecord:
+    """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
+
+    def __init__(self, transform: Any, device_type: str) -> None:
+        self.transform = transform
+        self.device_type = device_type
+        self.base = policy_state(transform.policy)
+        self.overrides = transform.overrides
+        self.patterns = transform.patterns
+        self.policies = transform.policies
+        # With FampMode active (overrides or module rules) and eagerly, in-place writes and
+        # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
+        # compiled graphs carry their casts explicitly and have no cache.
+        self.track = not torch.compiler.is_compiling()
+        self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
+        self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
+        self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
+        self.recompute_only = False  # a replay that acts only inside a recomputation
+        self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
+        self.casts = WeightCasts()  # eagerly: the weight-cast caches, kept fresh
+        # One entry per module entered: the autocast state in effect inside it, None if famp's own.
+        self.scopes: list[tuple[bool, torch.dtype] | None] = []
+        self.module_policy: dict[torch.nn.Module, Policy | None] = {}
+        self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
+        # Per module entered: the context that leaves it to torch's fast path, or None.
+        self.declined: list[contextlib.ExitStack | None] = []
+        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
+        self.hooked = bool(self.patterns) or (self.intercepts and self.track)
+
+    # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
+
+    def frozen(self) -> Callable[[], CallRecord]:
+        """A factory of this call's record as it is now, with a fresh cast cache."""
+        return partial(
+            CallRecord.replayed,
+            self.transform,
+            self.device_type,
+            self.module_policy,
+            tuple(self.scopes),
+        )
+
+    @staticmethod
+    def replayed(
+        transform: Any,
+        device_type: str,
+        module_policy: dict[torch.nn.Module, Policy | None],
+        scopes: tuple[tuple[bool, torch.dtype] | None, ...],
+    ) -> CallRecord:
+        record = CallRecord(transform, device_type)
+        record.track = True  # a recomputation runs eagerly, in backward
+        record.module_policy = module_policy
+        record.scopes = list(scopes)
+        record.hooked = bool(record.patterns) or record.intercepts
+        return record
+
+    def new_mode(self) -> FampMode:
+        return FampMode(self)
+
+    def use_hooks(self, change: int) -> None:
+        if self.hooked:
+            hooks.use(change)
+
+    # Module scopes (called from the global forward hooks while this call is innermost).
+
+    def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if is_compiled_module(module):
+            return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
+        if self.track and not torch.compiler.is_compiling():
+            observe(self, args)
+        if not self.scopes and module not in self.module_policy and self.patterns:
+            for path, sub in module.named_modules():  # `module` is a root: its paths start here
+                if sub not in self.module_policy:
+                    i = _match(self.patterns, path)
+                    self.module_policy[sub] = self.policies[i] if i >= 0 else None
+            if self.track:  # eagerly: which patterns match, for the warning on those that do not
+                self.paths.extend(path for path, _ in module.named_modules())
+        policy = self.module_policy.get(module)
+        outer = self.scopes[-1] if self.scopes else None
+        if policy is None:
+            self.scopes.append(outer)
+            self.declined.append(self._decline(module, args, outer))
+            return None
+        inner = policy_state(policy)
+        self.scopes.append(inner)
+        self._switch(outer or self.base, inner)
+        args = policy.cast_to_compute(args)
+        self.declined.append(self._decline(module, args, inner))
+        return args
+
+    def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
+        if is_compiled_module(module):
+            return None
+        if self.track and not torch.compiler.is_compiling():
+            observe(self, output)
+        inner = self.scopes.pop() if self.scopes else None
+        declined = self.declined.pop() if self.declined else None
+        if declined is not None:
+            declined.close()
+        policy = self.module_policy.get(module)
+        if policy is None:
+            return None
+        outer = self.scopes[-1] if self.scopes else None
+        self._switch(inner or self.base, outer or self.base)
+        return policy.cast_to_output(output)
+
+    def _decline(
+        self, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, torch.dtype] | None
+    ) -> contextlib.ExitStack | None:
+        """Leave a module that may take torch's inference fast path to torch, uninterrupted.
+
+        `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a
+        fused path (and nested tensors) in eval mode without grad unless an argument "has a torch
+        function", which famp's mode would make true. There, famp runs the module's `forward`
+        with its mode off and the module's autocast state set around the whole `forward`.
+        """
+        if not (
+            self.track
+            and isinstance(module, _FAST_PATH_MODULES)
+            and not torch.compiler.is_compiling()
+            and not module.training
+            and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
+            and torch_function_modes() == 1  # famp's mode alone: another would decline too
+        ):
+            return None
+        tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        ):
+            return None
+        if self.overrides is not None and not self.transform.warned_fast_path:
+            self.transform.warned_fast_path = True
+            warnings.warn(
+                f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
+                "eval mode without grad, where torch runs it on its inference fast path; famp "
+                "leaves that path to torch (autocast state as torch.autocast's, no interception)."
+                " Call it with grad enabled or in train mode to apply the overrides there.",
+                AutocastWarning,
+                stacklevel=2,
+            )
+        stack = contextlib.ExitStack()
+        if scope is not None:
+            stack.enter_context(region(self.device_type, *scope))
+        stack.enter_context(no_torch_function())
+        return stack
+
+    def warn_unmatched(self) -> None:
+        """Warn (once per transform) about module rules that matched no module path."""
+        matched = {p for p in self.patterns for path in self.paths if fnmatch.fnmatchcase(path, p)}
+        unmatched = [p for p in self.patterns if p not in matched]
+        if not unmatched or self.transform.warned_unmatched:
+            return
+        self.transform.warned_unmatched = True
+        paths = sorted(set(self.paths))
+        lines = []
+        for pattern in unmatched:
+            near = [p for p in paths if fnmatch.fnmatchcase(p, "*." + pattern)]
+            near = near or difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            lines.append(f"{pattern!r} (nearest module paths: {', '.join(map(repr, near[:3]))})")
+        if not paths:
+            lines = [f"{p!r} (no module was called)" for p in unmatched]
+        warnings.warn(
+            "famp.autocast: module_rules matched no module in this call: "
+            + "; ".join(lines)
+            + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
+            "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
+            "torch.compile(model), whose paths are the model's): write the pattern for the "
+            "wrapped model ('module.head') or with a leading '*' ('*head').",
+            AutocastWarning,
+            stacklevel=3,
+        )
+
+    def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
+        # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype.
+        if self.track and before[0] and after[0] and before[1] != after[1]:
+            torch.clear_autocast_cache()
+
+    # One op call (from FampMode, when there are overrides or module rules).
+
+    def run_op(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        dev = self.device_type
+        scope = self.scopes[-1] if self.scopes else None
+        state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        if state != self.base:
+            scope = None  # the function entered its own torch.autocast: it governs its body
+        enabled, lower = scope or state
+        packet, overload = op_name(func)
+        # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
+        # graph's casts are explicit: nothing to watch.
+        track = self.track and not torch.compiler.is_compiling()
+        if track:
+            self.casts.watch(args, kwargs)
+        rule = None
+        if self.overrides is not None and enabled:
+            rule = self.overrides.rule(packet, overload, args, kwargs)
+        if rule is not None:
+            out = apply_rule(
+                rule, func, packet, args, kwargs, dev, lower, self.casts.cache, self._off
+            )
+        elif scope is not None:
+            with region(dev, *scope):
+                out = call(func, args, kwargs)
+        else:
+            out = call(func, args, kwargs)
+        if track and writes_first_arg(packet, kwargs):
+            self.casts.invalidate(args[0] if args else kwargs.get("out"))
+        return out
+
+    def _off(self) -> Any:
+        return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))

@@ -1,0 +1,98 @@
+"""The TorchFunctionMode behind `famp.autocast`: op overrides, module scopes, fresh weight casts.
+
+`famp.autocast` runs the user's function inside torch's own autocast state, so that every op the
+default rules cover is cast by torch's C++ kernels exactly as `torch.autocast` casts it. This mode
+adds what torch cannot express, one Python-level op call at a time:
+
+- an op whose rule differs from the default table gets its inputs cast per the rule and runs with
+  autocast off for the device (what torch's C++ wrappers do), so nothing inside it is recast;
+- inside a module that a module rule matches, each op runs under that policy's autocast state;
+- eagerly, an in-place update of a cacheable weight clears the weight-cast cache, so that no op
+  reads a cast made before the update (torch's cache is keyed without the tensor version).
+
+"Op call" means a call of a C++-bound torch function (`torch.*`, `torch.nn.functional.*` builtins,
+`Tensor` methods, `torch.ops.aten.*`). torch's own Python functions (`torch.nn.functional`,
+`torch.functional`, Python `Tensor` methods) are entered, so the ops they call are seen too; calls
+made from inside an op's C++ implementation are not (the `bmm` inside `einsum`, the `linear` inside
+`lstm`): override the outer op instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from famp._autocast.op_calls import call
+from famp._autocast.recompute import bracket_outputs, observe
+from famp._compat import saved_tensors_hooks_top
+
+
+def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return fn(*args, **kwargs)
+
+
+class FampMode(TorchFunctionMode):
+    """Applies one `famp.autocast` call's overrides and module scopes; see the module docstring."""
+
+    def __init__(self, owner: Any) -> None:
+        super().__init__()
+        self.owner = owner  # the CallRecord of the famp.autocast call this mode serves
+        self.inside: set[Callable[..., Any]] = set()
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        owner = self.owner
+        if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping
+            return self._op(owner, func, args, kwargs)
+        if owner.recompute_only and saved_tensors_hooks_top() is None:
+            return call(func, args, kwargs)  # a custom backward, not the recomputation
+        block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
+        out = self._op(owner, func, args, kwargs)
+        if block is not None:
+            bracket_outputs(out, block)
+        return out
+
+    def _op(
+        self, owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if owner.suspended:
+            return call(func, args, kwargs)  # a nested famp.autocast call governs this op
+        if owner.track and not torch.compiler.is_compiling():
+            # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
+            # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
+            dtype = torch.get_autocast_dtype(owner.device_type)
+            if dtype is not owner.seen_dtype:
+                torch.clear_autocast_cache()
+                owner.seen_dtype = dtype
+        if func is checkpoint and func not in self.inside:
+            # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)
+            # and traces the block with the mode popped: trace it with the mode pushed again.
+            self.inside.add(func)
+            try:
+                block, *rest = args
+                return func(functools.partial(_under, self, block), *rest, **kwargs)
+            finally:
+                self.inside.discard(func)
+        if owner.overrides is not None and func not in self.inside:
+            body = owner.overrides.enter.get(func)
+            if body is not None:
+                self.inside.add(func)
+                try:
+                    with self:
+                        return body(*args, **kwargs)
+                finally:
+                    self.inside.discard(func)
+        return owner.run_op(func, args, kwargs)

@@ -1,0 +1,113 @@
+"""aten op names as op rules use them: packets, their overloads, the overloads a packet key covers.
+
+A packet key (`"linear"`) covers the packet's *functional* overloads that take a tensor (torch
+never autocasts `out=` or in-place overloads, nor scalar-only ones such as `pow.int`); a
+`"packet.overload"` key names one overload. Also here: which overloads the dtype-argument rules
+apply to, and the error message of a `"banned"` op.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from famp._compat import op_schema as schema
+
+APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
+    ("norm", "Scalar"): ("norm", "ScalarOpt_dtype"),
+    ("norm", "ScalarOpt_dim"): ("norm", "ScalarOpt_dim_dtype"),
+}
+"""For `"float32_append_dtype"`: (packet, overload) → the overload that takes the trailing
+dtype (torch's `AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE`). Every argument, defaults included,
+is passed before the dtype."""
+
+_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using "
+    "torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+
+def banned_message(op: str, device_type: str) -> str:
+    """The error message for calling an op whose rule is `"banned"` (torch's text for BCE)."""
+    if op.partition(".")[0] == "binary_cross_entropy":
+        return _BCE_MESSAGE
+    return f"aten::{op} is banned under famp's autocast rules for device_type {device_type!r}."
+
+
+@functools.cache
+def overloads(packet: str) -> tuple[str, ...] | None:
+    """The overload names of `torch.ops.aten.<packet>`, or None if there is no such op."""
+    if not packet.isidentifier():
+        return None
+    try:
+        return tuple(getattr(torch.ops.aten, packet).overloads())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def functional_overloads(packet: str) -> tuple[str, ...]:
+    """The overloads of `aten::<packet>` that mutate nothing, in torch's order (none if no op)."""
+    ops = getattr(torch.ops.aten, packet) if overloads(packet) is not None else None
+    return tuple(o for o in overloads(packet) or () if not schema(getattr(ops, o)).is_mutable)
+
+
+@functools.cache
+def covered(packet: str) -> frozenset[str]:
+    """The overloads a packet key covers: functional ones that take at least one tensor."""
+    ops = getattr(torch.ops.aten, packet)
+    return frozenset(
+        name
+        for name in functional_overloads(packet)
+        if any("Tensor" in str(a.type) for a in schema(getattr(ops, name)).arguments)
+    )
+
+
+def check_op(name: object) -> str:
+    """An op key (`"linear"`, `"conv2d.padding"`) checked against torch's aten ops."""
+    if not isinstance(name, str):
+        raise TypeError(f"op names must be str, got {name!r} of type {type(name).__name__}")
+    packet, dot, overload = name.partition(".")
+    names = overloads(packet)
+    if names is None:
+        raise ValueError(
+            f"unknown op {name!r}: not an aten op (torch.ops.aten.{packet} does not exist); "
+            "name a packet such as 'linear' or an overload such as 'conv2d.padding'"
+        )
+    if dot and overload not in names:
+        raise ValueError(
+            f"unknown op {name!r}: aten::{packet} has no overload {overload!r}; "
+            f"its overloads are {', '.join(names)}"
+        )
+    return name
+
+
+def _has_opt_dtype(packet: str, overload: str) -> bool:
+    s = schema(getattr(getattr(torch.ops.aten, packet), overload))
+    return any(a.name == "dtype" and str(a.type) == "Optional[int]" for a in s.arguments)
+
+
+def check_applies(op: str, rule: str) -> None:
+    """The dtype-argument rules only apply to overloads that have the argument they set."""
+    if rule not in ("float32_set_opt_dtype", "float32_append_dtype"):
+        return
+    packet, dot, overload = op.partition(".")
+    names = [overload] if dot else sorted(covered(packet))
+    if rule == "float32_append_dtype":
+        bad = [o for o in names if (packet, o) not in APPEND_DTYPE_OVERLOADS]
+        need = "an overload with a dtype twin: " + ", ".join(
+            f"{p}.{o}" for p, o in APPEND_DTYPE_OVERLOADS
+        )
+    else:
+        bad = [o for o in names if not _has_opt_dtype(packet, o)]
+        need = "a 'ScalarType? dtype' argument"
+    if bad or not names:
+        raise ValueError(
+            f"rule {rule!r} does not apply to op {op!r}: it needs {need}; "
+            f"{packet} lacks it in overloads {', '.join(bad) or '(none)'}"
+        )

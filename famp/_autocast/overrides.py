@@ -1,0 +1,155 @@
+"""Op overrides: the ops whose rule in a call's `OpRules` differs from the device's defaults.
+
+`famp.autocast` leaves every op whose rule is the default to torch's own autocast kernels; only
+the overridden ops go through famp (`casts.apply_rule`). For a packet whose overloads have
+different overrides, the overload a call reaches is resolved from the op schemas.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from famp._autocast.defaults import default_rules
+from famp._autocast.op_calls import calls, copies, op_name
+from famp._autocast.ops import functional_overloads
+from famp._autocast.rules import OpRules
+from famp._compat import assume_constant_result, op_schema
+
+
+class Overrides:
+    """The ops whose rule in `rules` differs from `default_rules(rules.device_type)`."""
+
+    def __init__(self, rules: OpRules) -> None:
+        defaults = default_rules(rules.device_type)
+        packets = {key.partition(".")[0] for key in (*rules, *defaults)}
+        # packet -> the rule if it is the same for every functional overload, else overload -> rule
+        self.uniform: dict[str, str] = {}
+        self.per_overload: dict[str, dict[str, str | None]] = {}
+        for packet in sorted(packets):
+            overloads = functional_overloads(packet)
+            pairs = {o: (rules.lookup(packet, o), defaults.lookup(packet, o)) for o in overloads}
+            changed: dict[str, str | None] = {
+                o: (r if r != d else None) for o, (r, d) in pairs.items()
+            }
+            if not any(changed.values()):
+                continue
+            if len(set(changed.values())) == 1:
+                rule = next(iter(changed.values()))
+                assert rule is not None
+                self.uniform[packet] = rule
+            else:
+                self.per_overload[packet] = changed
+        self.packets = frozenset(self.uniform) | frozenset(self.per_overload)
+        # torch's Python functions worth entering: they may call an overridden op under another
+        # name. One named like an overridden op is that op: its rule applies to the whole call.
+        names = calls()
+        self.enter = {
+            f: copy
+            for f, copy in copies().items()
+            if names[f] & self.packets and op_name(f)[0] not in self.packets
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self.packets)
+
+    def rule(
+        self, packet: str, overload: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        """The overriding rule for this call, or None where the default rule applies."""
+        if packet not in self.packets or kwargs.get("out") is not None:
+            return None
+        uniform = self.uniform.get(packet)
+        if uniform is not None:
+            return uniform
+        if overload is None:
+            overload = resolve_overload(packet, args, kwargs)
+        return self.per_overload[packet].get(overload)
+
+
+# --- overload resolution (only for packets whose overloads have different overrides) ------------
+
+
+def _fits(type_name: str, value: object) -> bool:
+    optional = type_name.endswith("?")
+    base = type_name.rstrip("?")
+    if value is None:
+        return optional
+    if base == "Tensor":
+        return isinstance(value, torch.Tensor)
+    if base.endswith("]"):
+        inner = base[: base.index("[")]
+        if isinstance(value, (list, tuple)):
+            return all(_fits(inner, v) for v in value)
+        return inner in ("int", "SymInt") and isinstance(value, int)  # int[2] accepts one int
+    if base in ("int", "SymInt"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base == "bool":
+        return isinstance(value, bool)
+    if base in ("str", "Dimname"):
+        return isinstance(value, str)
+    if base == "Scalar":
+        return isinstance(value, (bool, int, float, complex))
+    if base == "ScalarType":
+        return isinstance(value, torch.dtype)
+    return True  # Layout, Device, MemoryFormat, Generator, ...: not used to tell overloads apart
+
+
+def resolve_overload(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The first functional overload of `aten::<packet>` whose schema the call's arguments fit."""
+    ops = getattr(torch.ops.aten, packet)
+    for overload in functional_overloads(packet):
+        schema = op_schema(getattr(ops, overload))
+        params = list(schema.arguments)
+        positional = [p for p in params if not p.kwarg_only]
+        if len(args) > len(positional):
+            continue
+        bound = dict(zip((p.name for p in positional), args, strict=False))
+        if set(kwargs) - {p.name for p in params} or set(bound) & set(kwargs):
+            continue
+        bound.update(kwargs)
+        if all(
+            _fits(str(p.type), bound[p.name]) if p.name in bound else p.has_default_value()
+            for p in params
+        ):
+            return overload
+    return "default"
+
+
+@functools.cache
+def _overrides_for(rules: OpRules) -> Overrides:
+    return Overrides(rules)
+
+
+def _find_overrides(rules: OpRules) -> Overrides | None:
+    found = _overrides_for(rules)
+    return found if found else None
+
+
+# Dynamo cannot trace the op schemas the overrides are read from. Inside a compiled function that
+# builds a transform, they are computed at trace time and looked up here by a constant key.
+_TRACED: dict[int, tuple[OpRules, Overrides | None]] = {}
+
+
+def _traced_key(rules: OpRules) -> int:
+    key = id(rules)
+    if key not in _TRACED or _TRACED[key][0] is not rules:
+        _TRACED[key] = (rules, _find_overrides(rules))
+    return key
+
+
+_constant_key: Callable[[OpRules], int] = assume_constant_result(_traced_key)
+
+
+def overrides_for(rules: OpRules | None) -> Overrides | None:
+    """The overrides `rules` makes against its device's defaults, or None if there are none."""
+    if rules is None:
+        return None
+    if torch.compiler.is_compiling():
+        return _TRACED[_constant_key(rules)][1]
+    return _find_overrides(rules)

@@ -1,0 +1,115 @@
+"""Weight casts that stay fresh: famp's cast cache, and the watch that drops both caches on writes.
+
+torch's autocast caches the casts of leaf weights that require grad, keyed without the tensor
+version: an in-place update of a weight inside a call (an optimizer or EMA step under
+`torch.no_grad()`) would leave a stale cast in it. Eagerly, each `famp.autocast` call record
+watches the weights its ops read and drops every cached cast (torch's and famp's own, which op
+overrides use) when one of them is written. Compiled graphs have no cast cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from famp._compat import is_view, tensor_version
+
+
+class CastCache:
+    """famp's own weight-cast cache: reused only for the same tensor, dtype and version."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, lower: torch.dtype) -> torch.Tensor:
+        cacheable = (
+            not torch.compiler.is_compiling()
+            and dtype == lower
+            and t.dtype == torch.float32
+            and t.requires_grad
+            and t.is_leaf
+            and not is_view(t)
+            and torch.is_grad_enabled()
+        )
+        if not cacheable:
+            return t.to(dtype)
+        key = (id(t), dtype)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] is t and hit[1] == tensor_version(t):
+            return hit[2]
+        out = t.to(dtype)
+        self.entries[key] = (t, tensor_version(t), out)
+        return out
+
+
+class WeightCasts:
+    """One call's cast caches and the weights they hold casts of, with the version each had."""
+
+    def __init__(self) -> None:
+        self.cache = CastCache()
+        # The cacheable weights the ops have read since the caches were last cleared, with the
+        # version each had then; their storages (built lazily) catch writes through `.data`.
+        self.weights: dict[int, tuple[torch.Tensor, int]] = {}
+        self.storages: frozenset[int] | None = None
+
+    def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before an op: drop every weight cast if a weight it reads was written since its cast.
+
+        torch's version counter is shared by a tensor's views and `detach()`es, so this sees
+        writes through any of them, wherever they were made (inside C++ ops, other threads).
+        """
+        for t in _weights((*args, *kwargs.values())):
+            seen = self.weights.get(id(t))
+            if seen is None or seen[0] is not t:
+                self.weights[id(t)] = (t, tensor_version(t))
+                self.storages = None
+            elif seen[1] != tensor_version(t):
+                self.clear()
+                self.weights[id(t)] = (t, tensor_version(t))
+
+    def invalidate(self, target: object) -> None:
+        """After an in-place write: drop every weight cast if it wrote into a watched weight.
+
+        By storage, so that writes through `.data` (which has its own version counter) and any
+        other alias are seen too.
+        """
+        tensors = target if isinstance(target, (list, tuple)) else (target,)
+        if self.storages is None:
+            self.storages = frozenset(_storage(t) for t, _ in self.weights.values()) - {0}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and (
+                id(t) in self.weights or _storage(t) in self.storages
+            ):
+                self.clear()
+                return
+
+    def clear(self) -> None:
+        """Drop every weight cast, torch's and famp's."""
+        torch.clear_autocast_cache()
+        self.cache.entries.clear()
+        self.weights.clear()
+        self.storages = None
+
+
+def _weights(values: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors among the values (and in list values) that torch's cast cache may hold."""
+    found = []
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.requires_grad
+                and t.dtype == torch.float32
+                and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
+                and t.is_leaf
+            ):
+                found.append(t)
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # nested, sparse, functorch-wrapped tensors
+        return 0
