@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from famp._fsdp import clone_value, copy_groups, narrow
-from famp._fsdp_layout import (
+from famp._fsdp.layout import (
     FlatSlice,
     FSDP1Layout,
     FSDP2Layout,
@@ -30,7 +29,8 @@ from famp._fsdp_layout import (
     check_rank,
     chunk_range,
 )
-from famp._osd import Kinds, State, check_full, same
+from famp._fsdp.osd import Kinds, State, check_full, same
+from famp._fsdp.shard import clone_value, copy_groups, narrow
 
 __all__ = ["optim_state_dict_to_load"]
 
@@ -91,12 +91,10 @@ def _keys(
         for i, (label, fqns, shapes) in enumerate(entries):
             param = None if opt is None else opt[g][i]
             if param is not None and _is_dtensor(param):  # FSDP2: local shape, placement, mesh
-                from famp import _distributed  # the one module that talks to torch.distributed
+                from famp._fsdp import live  # torch.distributed, loaded only for a DTensor
 
                 assert isinstance(layout, FSDP2Layout)
-                _distributed.check_fsdp2_param(
-                    param, fqns[0], *layout._specs[fqns[0]], layout, rank
-                )
+                live.check_fsdp2_param(param, fqns[0], *layout._specs[fqns[0]], layout, rank)
             elif param is not None and tuple(param.shape) not in shapes:
                 raise ValueError(
                     f"the optimizer's parameter for {label} on rank {rank} has shape "

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from famp._fsdp_layout import FSDP2Layout, Layout, check_layout, check_rank, chunk_range
-from famp._osd import Groups, State, check_full, check_shards
+from famp._fsdp.layout import FSDP2Layout, Layout, check_layout, check_rank, chunk_range
+from famp._fsdp.osd import Groups, State, check_full, check_shards
 
 __all__ = ["reshard_optim_state", "shard_optim_state", "unshard_optim_state"]
 

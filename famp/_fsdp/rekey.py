@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from famp._osd import split_osd
+from famp._fsdp.osd import split_osd
 
 __all__ = ["optim_state_by_fqn", "optim_state_by_id"]
 

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import strategies as st
 
 import famp
-from famp._cli import main
+from famp._fsdp.cli import main
 
 KEY = "optim.state.w.exp_avg"
 

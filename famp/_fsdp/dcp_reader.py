@@ -16,7 +16,7 @@ states is checked against the bytes before it is used:
 
 Any failure is a `ValueError` (`FileNotFoundError` for a missing directory) naming the file
 and the key. DCP stores no checksums: flipped payload bytes read as wrong values, as in torch.
-`famp/_dcp.py` imports this module lazily, on the first read, so `import famp` does not pay
+`famp/_fsdp/dcp.py` imports this module lazily, on the first read, so `import famp` does not pay
 for `torch.distributed.checkpoint`.
 """
 

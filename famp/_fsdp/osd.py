@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from famp._fsdp_layout import Layout, local_shape
+from famp._fsdp.layout import Layout, local_shape
 
 __all__ = ["check_full", "check_names", "check_shards", "same", "split_osd"]
 

@@ -1,7 +1,7 @@
 """``famp-reshard`` through ``main(argv)`` and as a process: formats, summaries, errors, atomicity.
 
-Its agreement with real FSDP2 + DCP on every rank is in tests/test_dcp.py; here the inputs are a
-real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=True)``), saved with
+Its agreement with real FSDP2 + DCP on every rank is in tests/fsdp/test_dcp.py; here the inputs are
+a real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=True)``), saved with
 ``torch.save`` and single-process ``dcp.save``.
 """
 
@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import famp
-from famp._cli import main
+from famp._fsdp.cli import main
 from tests.helpers import assert_bitwise_equal
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _trained() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -431,12 +431,12 @@ def _fail_on_second(real_save: Any) -> Any:
 def test_interrupted_streaming_leaves_nothing(
     tmp_path: pathlib.Path, dcp_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from famp import _dcp_reader
+    from famp._fsdp import dcp_reader
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_dcp_reader.Checkpoint, "read_chunk", interrupted)
+    monkeypatch.setattr(dcp_reader.Checkpoint, "read_chunk", interrupted)
     before = sorted(os.listdir(tmp_path))
     for argv in (
         [dcp_dir, "--full", str(tmp_path / "f.pt")],
@@ -453,7 +453,7 @@ def test_interrupted_streaming_leaves_nothing(
     ("text", "nbytes"), [("512M", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536), ("4096", 4096)]
 )
 def test_max_memory_sizes(text: str, nbytes: int) -> None:
-    from famp._cli import _size
+    from famp._fsdp.cli import _size
 
     assert _size(text) == nbytes
 

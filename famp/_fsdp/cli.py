@@ -4,7 +4,7 @@ No process group. For rank files (the default), the source is read into famp's c
 form (`famp.load_dcp_optim_state` for DCP, `torch.load(weights_only=True)` for files), cut
 with `famp.shard_optim_state` for an FSDP2 layout of the new world size, and written one file
 per rank. From a DCP checkpoint, `--format dcp` (a DCP checkpoint for W ranks) and `--full`
-(`dcp_to_torch_save`'s file) stream chunk by chunk instead (`famp/_dcp_writer.py`). Every
+(`dcp_to_torch_save`'s file) stream chunk by chunk instead (`famp/_fsdp/dcp_writer.py`). Every
 output is written into a temporary sibling and renamed into place at the end, so a failure
 leaves nothing behind.
 """
@@ -25,10 +25,10 @@ from typing import IO, Any
 
 import torch
 
-from famp._dcp import _load_optim_state, dcp_optim_nbytes, param_shape_from_state
-from famp._dcp import read_dcp_param_shapes as _read_dcp_param_shapes
-from famp._fsdp import shard_optim_state, unshard_optim_state
-from famp._fsdp_layout import FSDP2Layout, fsdp2_layout
+from famp._fsdp.dcp import _load_optim_state, dcp_optim_nbytes, param_shape_from_state
+from famp._fsdp.dcp import read_dcp_param_shapes as _read_dcp_param_shapes
+from famp._fsdp.layout import FSDP2Layout, fsdp2_layout
+from famp._fsdp.shard import shard_optim_state, unshard_optim_state
 
 PROG = "famp-reshard"
 _RANK_FILE = re.compile(r"rank\d+\.pt|__\d+_0\.distcp|\.metadata")
@@ -285,8 +285,8 @@ def _is_dcp_source(args: argparse.Namespace) -> bool:
 
 def _run_dcp(args: argparse.Namespace) -> int:
     """Stream a DCP SOURCE into a DCP checkpoint for `args.world_size` ranks."""
-    from famp import _dcp_reader as reader
-    from famp._dcp_writer import write_dcp
+    from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_writer import write_dcp
 
     path, out = args.sources[0], args.out
     # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
@@ -335,8 +335,8 @@ def _workers_within(args: argparse.Namespace, ckpt: Any) -> int:
 
 def _stream_full_dcp(args: argparse.Namespace) -> str:
     """`--full` from a DCP SOURCE: what `dcp_to_torch_save` writes, streamed to a temp file."""
-    from famp._dcp_reader import Checkpoint
-    from famp._dcp_writer import largest_piece, write_torch_save
+    from famp._fsdp.dcp_reader import Checkpoint
+    from famp._fsdp.dcp_writer import largest_piece, write_torch_save
 
     parent, name = os.path.split(os.path.abspath(args.full))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from famp import _compat
-from famp._dcp_reader import Checkpoint
+from famp._fsdp.dcp_reader import Checkpoint
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 Record = tuple[str, int, int]  # relative path, offset, length
@@ -181,7 +181,7 @@ def write_torch_save(
     `workers` > 1, that many processes write disjoint shares of the records (balanced by
     bytes); the file is the same for any number.
     """
-    from famp._dcp_reader import set_element
+    from famp._fsdp.dcp_reader import set_element
 
     ckpt = Checkpoint(root)
     entries = ckpt.entries([()])  # every entry, in the metadata's order

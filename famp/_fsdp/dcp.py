@@ -4,11 +4,11 @@
 `get_state_dict` as flattened entries (`optim.state.<fqn>.exp_avg`,
 `optim.param_groups.<i>.<key>`), each tensor as the chunks its ranks held. These functions
 rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint,
-reading DCP's on-disk format with every stated fact checked (`famp/_dcp_reader.py`), with no
+reading DCP's on-disk format with every stated fact checked (`famp/_fsdp/dcp_reader.py`), with no
 process group; `famp.shard_optim_state` then cuts it for any layout and world size.
 
 DCP's reader lives in `torch.distributed.checkpoint`; famp confines that import to
-`famp/_dcp_reader.py` and imports it on the first read, so this module and `import famp` stay
+`famp/_fsdp/dcp_reader.py` and imports it on the first read, so this module and `import famp` stay
 free of it. No collective runs either way.
 
 Not supported: storage other than a local (or mounted) file system; checkpoints written without
@@ -123,7 +123,7 @@ def read_dcp_param_shapes(
         {'w': torch.Size([2, 3]), 'b': torch.Size([2])}
         >>> tmp.cleanup()
     """
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
 
     ckpt = reader.Checkpoint(checkpoint_id)
     flat = _check_optim_entries(ckpt.metadata, checkpoint_id, optim_key)
@@ -174,7 +174,7 @@ def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Si
 
 def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
     """Bytes of the tensors saved under `key`, from the metadata alone."""
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
 
     ckpt = reader.Checkpoint(checkpoint_id)
     _check_optim_entries(ckpt.metadata, checkpoint_id, key)
@@ -193,7 +193,7 @@ def _load_optim_state(
     *,
     tensors: bool = True,
 ) -> dict[str, Any]:
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
 
     ckpt = reader.Checkpoint(checkpoint_id)
     flat = _check_optim_entries(ckpt.metadata, checkpoint_id, key)
@@ -280,7 +280,7 @@ def _state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) 
 
 def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
     """Check the entries under `key`; return whether they are in the flattened layout."""
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
 
     paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]
     mine = [p for p in paths if p[0] == key]

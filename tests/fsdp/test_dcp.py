@@ -1,6 +1,6 @@
 """famp's DCP reader against real FSDP2 + torch.distributed.checkpoint, and its bad-input checks.
 
-The oracle: ``tests/dcp_worker.py`` saves a DCP checkpoint from real FSDP2 at W=4 (gloo, forked
+The oracle: ``tests/fsdp/dcp_worker.py`` saves a DCP checkpoint from real FSDP2 at W=4 (gloo, forked
 ranks), then DCP itself loads it at W=3 (``dcp.load`` + ``set_state_dict``) and every rank records
 ``get_optimizer_state_dict`` with DTensors as local tensors. famp reads the same checkpoint
 offline, in this process, and must give the same tensors bit for bit. The same job (one launch
@@ -28,15 +28,15 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import famp
-from famp._cli import main
-from tests.dcp_worker import LOAD_W, MATRIX
+from famp._fsdp.cli import main
+from tests.fsdp.dcp_worker import LOAD_W, MATRIX
+from tests.fsdp.test_cli import _assert_same_tree as assert_same_tree
 from tests.helpers import assert_bitwise_equal
-from tests.test_cli import _assert_same_tree as assert_same_tree
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dcp_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "fsdp" / "dcp_worker.py"
 SAVE_W = 4
-PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in order
+PARAMS = {  # named_parameters() of tests/fsdp/dcp_worker.py's build_model(), in order
     "0.weight": (5, 6),
     "0.bias": (5,),
     "2.weight": (1, 5),
@@ -50,7 +50,7 @@ PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in orde
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """One 4-rank job (tests/dcp_worker.py): real FSDP2 saves, famp-reshard, DCP loads.
+    """One 4-rank job (tests/fsdp/dcp_worker.py): real FSDP2 saves, famp-reshard, DCP loads.
 
     ``ckpt`` saved at W=4, what torch gives at W=4 and W=3, famp's rank files and DCP output for
     W=3 loaded by 3 ranks, and every MATRIX case.
