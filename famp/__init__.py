@@ -92,3 +92,9 @@ __all__: list[str] = [
     "explain",
     "nonfinite_report",
 ]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or callable(_obj):
+        _obj.__module__ = "famp"
+del _name, _obj

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_dcp_optim_state", "read_dcp_param_shapes"]
-
 _OPTIM_KEYS = ("state", "param_groups")
 _FLAT_PREFIXES = ("state.", "param_groups.")
 
@@ -351,7 +349,3 @@ def _group_fqns(groups: Iterable[dict[str, Any]], where: str = "optim") -> list[
             seen[fqn] = i
             order.append(fqn)
     return order
-
-
-for _fn in (load_dcp_optim_state, read_dcp_param_shapes):
-    _fn.__module__ = "famp"

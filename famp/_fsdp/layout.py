@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["FSDP1Layout", "FSDP2Layout", "fsdp1_layout", "fsdp2_layout"]
-
 Shape = tuple[int, ...]
 _ALIGNMENT_BYTES = 16  # FSDP1 use_orig_params=True aligns every parameter to 16 bytes (inductor)
 _REPR_PARAMS = 6
@@ -388,7 +386,3 @@ def check_layout(layout: Any, name: str = "layout") -> Layout:
             f"{name} must be a famp.FSDP1Layout or famp.FSDP2Layout, got {type(layout).__name__}"
         )
     return layout
-
-
-for _obj in (FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout):
-    _obj.__module__ = "famp"

@@ -166,6 +166,3 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
     if not fsdp2:
         raise ValueError("the model has no FSDP1 or FSDP2 sharded parameters")
     return _layout_fsdp2(params)
-
-
-layout_of.__module__ = "famp"

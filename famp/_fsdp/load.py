@@ -32,8 +32,6 @@ from famp._fsdp.layout import (
 from famp._fsdp.osd import Kinds, State, check_full, same
 from famp._fsdp.shard import clone_value, copy_groups, narrow
 
-__all__ = ["optim_state_dict_to_load"]
-
 
 def _optimizer_groups(optimizer: object, n_groups: int) -> list[list[torch.Tensor]] | None:
     if optimizer is None:
@@ -308,6 +306,3 @@ def optim_state_dict_to_load(
     for group, keys in zip(param_groups, group_keys, strict=True):
         group["params"] = keys
     return {"state": dict(sorted(out.items())), "param_groups": param_groups}
-
-
-optim_state_dict_to_load.__module__ = "famp"

@@ -12,8 +12,6 @@ import torch
 
 from famp._fsdp.layout import Layout, local_shape
 
-__all__ = ["check_full", "check_names", "check_shards", "same", "split_osd"]
-
 State = dict[str, dict[str, Any]]
 Groups = list[dict[str, Any]]
 Kinds = dict[tuple[str, str], bool]  # (fqn, state name) -> sharded?

@@ -17,8 +17,6 @@ import torch
 
 from famp._fsdp.osd import split_osd
 
-__all__ = ["optim_state_by_fqn", "optim_state_by_id"]
-
 _WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
@@ -190,7 +188,3 @@ def optim_state_by_id(
         "state": {key_of[fqn]: dict(entry) for fqn, entry in state.items()},
         "param_groups": out_groups,
     }
-
-
-for _fn in (optim_state_by_fqn, optim_state_by_id):
-    _fn.__module__ = "famp"

@@ -26,8 +26,6 @@ import torch
 from famp._fsdp.layout import FSDP2Layout, Layout, check_layout, check_rank, chunk_range
 from famp._fsdp.osd import Groups, State, check_full, check_shards
 
-__all__ = ["reshard_optim_state", "shard_optim_state", "unshard_optim_state"]
-
 
 def clone_value(value: Any, copy: bool) -> Any:
     """`value.clone()` for a tensor when `copy`, else `value`."""
@@ -259,7 +257,3 @@ def reshard_optim_state(
             for out, chunk in zip(outs, chunks, strict=True):
                 out[fqn][key] = chunk
     return [{"state": out, "param_groups": copy_groups(groups, copy)} for out in outs]
-
-
-for _fn in (shard_optim_state, unshard_optim_state, reshard_optim_state):
-    _fn.__module__ = "famp"
