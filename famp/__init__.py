@@ -23,8 +23,9 @@ from famp._rules import RULE_NAMES, OpRules, Rule, default_rules
 
 # --- FSDP optimizer state: _fsdp/ ----------------------------------------------------------------
 # isort: split
+from famp._fsdp.build import fsdp1_layout, fsdp2_layout
 from famp._fsdp.dcp import load_dcp_optim_state, read_dcp_param_shapes
-from famp._fsdp.layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
+from famp._fsdp.layout import FSDP1Layout, FSDP2Layout
 from famp._fsdp.live import layout_of
 from famp._fsdp.load import optim_state_dict_to_load
 from famp._fsdp.rekey import optim_state_by_fqn, optim_state_by_id

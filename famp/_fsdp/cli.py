@@ -25,9 +25,10 @@ from typing import IO, Any
 
 import torch
 
+from famp._fsdp.build import fsdp2_layout
 from famp._fsdp.dcp import _load_optim_state, dcp_optim_nbytes, param_shape_from_state
 from famp._fsdp.dcp import read_dcp_param_shapes as _read_dcp_param_shapes
-from famp._fsdp.layout import FSDP2Layout, fsdp2_layout
+from famp._fsdp.layout import FSDP2Layout
 from famp._fsdp.shard import shard_optim_state, unshard_optim_state
 
 PROG = "famp-reshard"

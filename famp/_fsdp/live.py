@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from famp._compat import fsdp1_flat_params, fsdp1_unit_settings
-from famp._fsdp.layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
+from famp._fsdp.build import fsdp1_layout, fsdp2_layout
+from famp._fsdp.layout import FSDP1Layout, FSDP2Layout
 from famp._fsdp.rekey import clean_fqn
 
 # `torch.distributed.tensor` and `torch.distributed.fsdp` are imported inside the functions that

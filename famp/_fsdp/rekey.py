@@ -43,7 +43,8 @@ def _names(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
     return names
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+def optimizer_params(optimizer: object) -> list[list[torch.Tensor]]:
+    """The parameters of each of `optimizer`'s param groups; a TypeError if it has none."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list):
         raise TypeError(
@@ -94,7 +95,7 @@ def optim_state_by_fqn(
         ['bias', 'weight']
     """
     state, groups = split_osd(osd, "osd")
-    opt_params = _optimizer_params(optimizer)
+    opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
     names = _names(model)
     fqn_of: dict[int, str] = {}
@@ -153,7 +154,7 @@ def optim_state_by_id(
         [1]
     """
     state, groups = split_osd(osd, "osd")
-    opt_params = _optimizer_params(optimizer)
+    opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
     param_of = {name: p for p, names in _names(model).items() for name in names}
     ids: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group, id)
