@@ -26,9 +26,10 @@ from typing import IO, Any
 import torch
 
 from famp._fsdp.build import fsdp2_layout
-from famp._fsdp.dcp import _load_optim_state, dcp_optim_nbytes, param_shape_from_state
+from famp._fsdp.dcp import dcp_optim_nbytes, load_optim_state, param_shape_from_state
 from famp._fsdp.dcp import read_dcp_param_shapes as _read_dcp_param_shapes
 from famp._fsdp.layout import FSDP2Layout
+from famp._fsdp.osd import group_fqns
 from famp._fsdp.shard import shard_optim_state, unshard_optim_state
 
 PROG = "famp-reshard"
@@ -368,7 +369,7 @@ def _read(args: argparse.Namespace) -> _Source:
         path = sources[0]
         total = dcp_optim_nbytes(path, args.key)
         bar = _Progress("reading", total, _progress_wanted(args, total), _human)
-        full = _load_optim_state(path, args.key, bar.update)
+        full = load_optim_state(path, args.key, bar.update)
         bar.close()
         shapes = _read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
         return _Source(full, shapes, f"DCP checkpoint {path} (key {args.key!r})")
@@ -424,23 +425,6 @@ def _pick_optim(obj: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
     return dict(osd)
 
 
-def _fqns(osd: Mapping[str, Any], where: str) -> list[str]:
-    groups = osd.get("param_groups")
-    if not isinstance(groups, list):
-        raise ValueError(f"{where}: param_groups must be a list, got {type(groups).__name__}")
-    fqns: list[str] = []
-    for i, group in enumerate(groups):
-        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
-            raise ValueError(f"{where}: param_groups[{i}] must be a dict with a 'params' list")
-        for fqn in group["params"]:
-            if not isinstance(fqn, str):
-                raise ValueError(
-                    f"{where}: param_groups[{i}]['params'] must hold FQN strings, got {fqn!r}"
-                )
-            fqns.append(fqn)
-    return fqns
-
-
 def _tensor_shapes(entry: object) -> list[torch.Size]:
     values = entry.values() if isinstance(entry, Mapping) else ()
     return [v.shape for v in values if isinstance(v, torch.Tensor)]
@@ -449,7 +433,7 @@ def _tensor_shapes(entry: object) -> list[torch.Size]:
 def _shapes_from_state(full: Mapping[str, Any], where: str) -> dict[str, torch.Size]:
     state = full.get("state", {})
     shapes = {}
-    for fqn in _fqns(full, where):
+    for fqn in group_fqns(full.get("param_groups"), f"{where}: param_groups"):
         shape = param_shape_from_state(f"{where}: state[{fqn!r}]", _tensor_shapes(state.get(fqn)))
         if shape is None:
             raise KeyError(f"{where}: parameter {fqn!r} has no state tensor to read its shape from")
@@ -460,7 +444,7 @@ def _shapes_from_state(full: Mapping[str, Any], where: str) -> dict[str, torch.S
 def _shapes_from_model(full: Mapping[str, Any], model: object) -> dict[str, torch.Size] | None:
     if not isinstance(model, Mapping):
         return None
-    fqns = _fqns(full, "--key")
+    fqns = group_fqns(full.get("param_groups"), "--key: param_groups")
     if not all(isinstance(model.get(f), torch.Tensor) for f in fqns):
         return None
     return {f: model[f].shape for f in fqns}
@@ -471,7 +455,7 @@ def _shapes_from_shards(
 ) -> dict[str, torch.Size]:
     """Full shapes of FSDP2 dim-0 shards: the local shapes' rows summed over the ranks."""
     shapes = {}
-    for fqn in _fqns(shards[0], paths[0]):
+    for fqn in group_fqns(shards[0].get("param_groups"), f"{paths[0]}: param_groups"):
         locals_ = []
         for shard, path in zip(shards, paths, strict=True):
             entry = shard.get("state", {}).get(fqn) if isinstance(shard, Mapping) else None

@@ -2,8 +2,9 @@
 
 A layout is plain data (frozen, comparable, picklable). It is built from `{fqn: shape}` alone
 (`build.py`), so a 64-rank checkpoint can be resharded on one machine, or read off a live wrapped
-model with `famp.layout_of` (`live.py`). The rules were read off torch 2.13's `fully_shard` (`_fsdp_param.py`)
-and `FullyShardedDataParallel` (`_flat_param.py`) and are checked against both in the tests.
+model with `famp.layout_of` (`live.py`). The rules were read off torch 2.13's `fully_shard`
+(`_fsdp_param.py`) and `FullyShardedDataParallel` (`_flat_param.py`) and are checked against both
+in the tests.
 
 Not supported: 0-d and zero-element parameters, HSDP and tensor-parallel meshes, FSDP1's
 `NO_SHARD` strategy and parameters that FSDP1 does not manage (`ignored_modules`).

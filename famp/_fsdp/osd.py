@@ -38,6 +38,29 @@ def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], 
     return state, groups
 
 
+def group_fqns(groups: object, where: str) -> list[str]:
+    """The FQNs of `groups` (a full state dict's `param_groups`, named `where`) in order.
+
+    A ValueError naming `where` unless it is a list of dicts with a `params` list of strings, no
+    name in two groups.
+    """
+    if not isinstance(groups, list):
+        raise ValueError(f"{where} must be a list, got {type(groups).__name__}")
+    order: list[str] = []
+    seen: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
+            raise ValueError(f"{where}[{i}] must be a dict with a 'params' list")
+        for fqn in group["params"]:
+            if not isinstance(fqn, str):
+                raise ValueError(f"{where}[{i}]['params'] must hold FQN strings, got {fqn!r}")
+            if fqn in seen:
+                raise ValueError(f"{where}: parameter {fqn!r} is in groups {seen[fqn]} and {i}")
+            seen[fqn] = i
+            order.append(fqn)
+    return order
+
+
 def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout, what: str) -> None:
     """Every name is in the layout, in one param group at most, and every state is in a group."""
     group_of: dict[str, int] = {}
