@@ -453,9 +453,9 @@ def test_interrupted_streaming_leaves_nothing(
     ("text", "nbytes"), [("512M", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536), ("4096", 4096)]
 )
 def test_max_memory_sizes(text: str, nbytes: int) -> None:
-    from famp._fsdp.cli import _size
+    from famp._fsdp.cli import parse_size
 
-    assert _size(text) == nbytes
+    assert parse_size(text) == nbytes
 
 
 def test_max_memory_with_whole_state_outputs_is_a_usage_error(

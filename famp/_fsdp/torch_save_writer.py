@@ -1,0 +1,225 @@
+"""`dcp_to_torch_save`'s file written offline, streamed: one saved chunk in memory at a time.
+
+`torch.save` writes the nested dict with every tensor a placeholder whose bytes are skipped;
+then each tensor's bytes are written into its zip record, chunk by chunk, and the records'
+CRC-32 fields are set, so the file equals what `dcp_to_torch_save` writes. Records are disjoint
+byte ranges of one file: `workers` processes may write shares of them in parallel.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import multiprocessing
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from famp._fsdp.dcp_reader import Checkpoint, set_element
+
+
+def write_torch_save(
+    root: str,
+    path: str,
+    *,
+    buffer_bytes: int = 64 * 2**20,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write what `dcp_to_torch_save(root, path)` writes, holding one saved chunk at a time.
+
+    `torch.save` first writes the whole nested dict with every tensor a placeholder whose bytes
+    are skipped (`torch.serialization.skip_data`; `torch.empty` pages are never touched, so
+    they cost no memory); then each tensor's bytes are written into its record, chunk by chunk,
+    through a buffer of `buffer_bytes`, and the records' CRC-32 fields are set. With
+    `workers` > 1, that many processes write disjoint shares of the records (balanced by
+    bytes); the file is the same for any number.
+    """
+    ckpt = Checkpoint(root)
+    entries = ckpt.entries([()])  # every entry, in the metadata's order
+    ckpt.check_records(k for k, _, _ in entries)
+    tree: dict[str, Any] = {}
+    tensors: list[tuple[str, TensorStorageMetadata, torch.Tensor]] = []
+    for key, md, p in entries:
+        if isinstance(md, TensorStorageMetadata):
+            placeholder = torch.empty(md.size, dtype=md.properties.dtype)
+            tensors.append((key, md, placeholder))
+            set_element(tree, p, placeholder)
+        else:
+            set_element(tree, p, ckpt.read(key))
+    with torch.serialization.skip_data():
+        torch.save(tree, path)
+    order = _pickling_order(tree)  # storage keys "0", "1", ... in this order
+    by_id = {id(t): (key, md) for key, md, t in tensors}
+    if len(order) != len(tensors) or {id(t) for t in order} != set(by_id):
+        raise AssertionError("placeholders pickled in an unexpected order")
+    jobs: list[tuple[str, int, str, int]] = []  # record name, data offset, key, bytes
+    with open(path, "rb") as f, zipfile.ZipFile(path) as zf:
+        infos = {info.filename: info for info in zf.infolist()}
+        prefix = next(n for n in infos if n.endswith("/data.pkl"))[: -len("data.pkl")]
+        for storage_key, placeholder in enumerate(order):
+            key, md = by_id[id(placeholder)]
+            info = infos[f"{prefix}data/{storage_key}"]
+            nbytes = placeholder.numel() * placeholder.element_size()
+            if info.file_size != nbytes:
+                raise AssertionError(f"record {info.filename} holds {info.file_size} bytes")
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            jobs.append(
+                (info.filename, info.header_offset + 30 + name_len + extra_len, key, nbytes)
+            )
+    largest = max((job[3] for job in jobs), default=1)
+    buffer_bytes = max(1, min(buffer_bytes, largest))
+    crcs: dict[str, int] = {}
+    if workers <= 1 or len(jobs) <= 1:
+        crcs = _write_records(root, path, jobs, buffer_bytes, progress)
+    else:
+        # Records are disjoint byte ranges of one file: each worker writes its own share of
+        # them in place and returns their CRC-32s; the bytes do not depend on who wrote them.
+        shares: list[list[tuple[str, int, str, int]]] = [[] for _ in range(workers)]
+        loads = [0] * workers
+        for job in sorted(jobs, key=lambda j: -j[3]):
+            least = loads.index(min(loads))
+            shares[least].append(job)
+            loads[least] += job[3]
+        context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {
+                pool.submit(_write_records, root, path, share, buffer_bytes): load
+                for share, load in zip(shares, loads, strict=True)
+                if share
+            }
+            for future in concurrent.futures.as_completed(futures):
+                crcs.update(future.result())
+                if progress is not None:
+                    progress(futures[future])
+    with open(path, "r+b") as f, zipfile.ZipFile(path) as zf:
+        _set_crcs(f, zf, crcs)
+
+
+def _write_records(
+    root: str,
+    path: str,
+    jobs: Sequence[tuple[str, int, str, int]],
+    buffer_bytes: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, int]:
+    """Write each `(record, offset, key, _)` tensor's bytes at `offset`; return the CRC-32s."""
+    ckpt = Checkpoint(root)
+    buffer = bytearray(buffer_bytes)
+    crcs: dict[str, int] = {}
+    with open(path, "r+b") as f:
+        for record, start, key, _ in jobs:
+            md = ckpt.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            crc = 0
+            for byte_offset, data in _row_slabs(ckpt, key, md):
+                f.seek(start + byte_offset)
+                crc = _write_bytes(f, data, buffer, crc)
+                if progress is not None:
+                    progress(data.numel() * data.element_size())
+            crcs[record] = crc
+    return crcs
+
+
+def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Tensors in the order `pickle` meets them: dicts in insertion order, lists in order."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _pickling_order(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _pickling_order(value, out)
+    return out
+
+
+def _row_slabs(
+    ckpt: Checkpoint, key: str, md: TensorStorageMetadata
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`(byte offset, contiguous tensor)` pieces of `key` in row-major order, lazily.
+
+    Saved chunks that are whole rows (dim-0 slabs: FSDP2) are written as they are read; any
+    other chunking is assembled whole first.
+    """
+    size = tuple(md.size)
+    chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
+    row_bytes = math.prod(size[1:]) * md.properties.dtype.itemsize if size else 0
+    if _is_slabs(md):
+        for chunk in chunks:
+            yield chunk.offsets[0] * row_bytes, ckpt.read_chunk(key, md, chunk).contiguous()
+    else:
+        yield 0, ckpt.read_tensor(key, md)
+
+
+def _is_slabs(md: TensorStorageMetadata) -> bool:
+    """Whether `md`'s saved chunks are whole rows (dim-0 slabs), written as they are read."""
+    size = tuple(md.size)
+    chunks = [c for c in md.chunks if math.prod(c.sizes) > 0]
+    return bool(size) and all(
+        tuple(c.sizes[1:]) == size[1:] and not any(c.offsets[1:]) for c in chunks
+    )
+
+
+def largest_piece(ckpt: Checkpoint) -> int:
+    """The most bytes `write_torch_save` holds at once for one tensor of `ckpt`.
+
+    A saved chunk for dim-0 slabs; the whole tensor for any other chunking (assembled first).
+    """
+    largest = 1
+    for md in ckpt.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            itemsize = md.properties.dtype.itemsize
+            if _is_slabs(md):
+                sizes = [math.prod(c.sizes) for c in md.chunks]
+                largest = max(largest, max(sizes, default=0) * itemsize)
+            else:
+                largest = max(largest, math.prod(md.size) * itemsize)
+    return largest
+
+
+def _write_bytes(f: Any, data: torch.Tensor, buffer: bytearray, crc: int) -> int:
+    """Write `data`'s bytes at `f`'s position; return the running CRC-32."""
+    flat = data.reshape(-1).view(torch.uint8) if data.dim() else data.reshape(1).view(torch.uint8)
+    try:  # numpy exposes the tensor's own memory: no copy (torch does not need numpy)
+        view = memoryview(flat.numpy())  # type: ignore[arg-type]
+    except (ImportError, RuntimeError, TypeError):
+        view = None
+    if view is not None:
+        f.write(view)
+        return zlib.crc32(view, crc)
+    step = len(buffer)
+    for start in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - start)
+        chunk = memoryview(buffer)[:n]
+        torch.frombuffer(chunk, dtype=torch.uint8).copy_(flat[start : start + n])
+        f.write(chunk)
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _set_crcs(f: Any, zf: zipfile.ZipFile, crcs: dict[str, int]) -> None:
+    """Write each record's CRC-32 into its local header and its central directory entry."""
+    for info in zf.infolist():
+        if info.filename in crcs:
+            f.seek(info.header_offset + 14)
+            f.write(struct.pack("<I", crcs[info.filename]))
+    f.seek(zf.start_dir)
+    for info in zf.infolist():
+        entry = f.tell()
+        header = f.read(46)
+        if header[:4] != b"PK\x01\x02":
+            raise AssertionError("unexpected zip central directory")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
+        if info.filename in crcs:
+            f.seek(entry + 16)
+            f.write(struct.pack("<I", crcs[info.filename]))
+        f.seek(entry + 46 + name_len + extra_len + comment_len)
