@@ -86,6 +86,7 @@ def _is_dcp_source(args: argparse.Namespace) -> bool:
 def _run_dcp(args: argparse.Namespace) -> int:
     """Stream a DCP SOURCE into a DCP checkpoint for `args.world_size` ranks."""
     from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
     from famp._fsdp.dcp_writer import write_dcp
 
     path, out = args.sources[0], args.out
@@ -97,7 +98,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
     ckpt.check_records(keys)
     nbytes = 0
     for md in ckpt.metadata.state_dict_metadata.values():
-        if reader.is_tensor_entry(md):
+        if is_tensor_entry(md):
             nbytes += math.prod(md.size) * md.properties.dtype.itemsize  # type: ignore[union-attr]
     print(f"source      DCP checkpoint {path}: {len(keys)} entries, {human(nbytes)}")
     parent, name = os.path.split(os.path.abspath(out))

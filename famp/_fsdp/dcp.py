@@ -123,12 +123,13 @@ def read_dcp_param_shapes(
         >>> tmp.cleanup()
     """
     from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
     flat = check_optim_entries(ckpt.metadata, checkpoint_id, optim_key)
     model: dict[str, torch.Size] = {}
     for _, md, path in ckpt.entries([(key,)]):
-        if reader.is_tensor_entry(md) and len(path) == 2:
+        if is_tensor_entry(md) and len(path) == 2:
             model[str(path[1])] = torch.Size(md.size)  # type: ignore[union-attr]
     if flat:
         optim = load_optim_state(checkpoint_id, optim_key, None, tensors=False)
@@ -137,7 +138,7 @@ def read_dcp_param_shapes(
         optim = canonical({"param_groups": groups["param_groups"]}, optim_key)
     state: dict[str, list[torch.Size]] = {}
     for _, md, path in ckpt.entries([(optim_key,)]):
-        if reader.is_tensor_entry(md):
+        if is_tensor_entry(md):
             fqn = state_fqn(path, flat, optim["param_groups"])
             if fqn is not None:
                 state.setdefault(fqn, []).append(torch.Size(md.size))  # type: ignore[union-attr]
@@ -174,12 +175,13 @@ def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Si
 def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
     """Bytes of the tensors saved under `key`, from the metadata alone."""
     from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
     check_optim_entries(ckpt.metadata, checkpoint_id, key)
     total = 0
     for _, md, _ in ckpt.entries([(key,)]):
-        if reader.is_tensor_entry(md):
+        if is_tensor_entry(md):
             props, size = md.properties, md.size  # type: ignore[union-attr]
             total += torch.Size(size).numel() * torch.empty((), dtype=props.dtype).element_size()
     return total
@@ -193,6 +195,7 @@ def load_optim_state(
     tensors: bool = True,
 ) -> dict[str, Any]:
     from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
     flat = check_optim_entries(ckpt.metadata, checkpoint_id, key)
@@ -200,7 +203,7 @@ def load_optim_state(
         raw = reader.read_entries(checkpoint_id, [(key,)], progress)[key]
         return canonical(raw, key)
     entries = ckpt.entries([(key,)])
-    wanted = [p for _, md, p in entries if tensors or not reader.is_tensor_entry(md)]
+    wanted = [p for _, md, p in entries if tensors or not is_tensor_entry(md)]
     items = {str(p[1]): v for p, v in reader.iter_entries(ckpt, wanted, progress)}
     model_order = [str(p[1]) for _, _, p in ckpt.entries([("model",)]) if len(p) == 2]
     return unflatten(items, key, model_order)

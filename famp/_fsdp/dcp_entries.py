@@ -79,9 +79,9 @@ def state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) -
 
 def check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
     """Check the entries under `key`; return whether they are in the flattened layout."""
-    from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import entry_path
 
-    paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]
+    paths = [entry_path(metadata, k) for k in metadata.state_dict_metadata]
     mine = [p for p in paths if p[0] == key]
     if not mine:
         tops = sorted({str(p[0]) for p in paths})
