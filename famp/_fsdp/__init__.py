@@ -1,9 +1,11 @@
 """FSDP optimizer state: layouts, shard/unshard/reshard, loading, rekeying, DCP and `famp-reshard`.
 
-`layout` describes which piece of every parameter each rank holds (built from names and shapes,
-or read off a live model by `live`); `osd` checks optimizer state dicts against a layout;
-`shard` cuts and joins the full FQN-keyed state; `load` builds what one rank's optimizer holds;
-`rekey` maps parameter ids to names; `dcp*` read and write DCP checkpoints offline; `cli*` is
-the `famp-reshard` command. Data flows from a checkpoint or a live model, through a layout, to
-per-rank state; this package imports only `famp._collectives`, `famp._compat` and `famp._typing`.
+Modules: `layout` (FSDP1/FSDP2 layout classes and the per-rank chunk arithmetic), `build`
+(layouts from `{fqn: shape}`), `live` (layouts read off live wrapped models), `osd` (optimizer
+state dicts checked against a layout), `shard` (full state <-> per-rank shards), `load` (what
+one rank's optimizer holds), `rekey` (parameter ids <-> names), `dcp`, `dcp_entries`,
+`dcp_metadata`, `dcp_reader` (DCP checkpoints read offline), `dcp_writer` and
+`torch_save_writer` (DCP and `dcp_to_torch_save` outputs, streamed), `cli*` (`famp-reshard`).
+Data flows from a checkpoint or a live model, through a layout, to per-rank state. This package
+imports only `famp._collectives`, `famp._compat` and `famp._typing` beyond itself.
 """

@@ -33,6 +33,7 @@ from famp._fsdp.layout import (
     flat_units,
     specs,
 )
+from famp._fsdp.live import check_fsdp2_param
 from famp._fsdp.osd import Kinds, State, check_full, same
 from famp._fsdp.rekey import optimizer_params
 from famp._fsdp.shard import clone_value, copy_groups, narrow
@@ -90,10 +91,8 @@ def _keys(
         for i, (label, fqns, shapes) in enumerate(entries):
             param = None if opt is None else opt[g][i]
             if param is not None and is_dtensor(param):  # FSDP2: local shape, placement, mesh
-                from famp._fsdp import live  # torch.distributed, loaded only for a DTensor
-
                 assert isinstance(layout, FSDP2Layout)
-                live.check_fsdp2_param(param, fqns[0], *specs(layout)[fqns[0]], layout, rank)
+                check_fsdp2_param(param, fqns[0], *specs(layout)[fqns[0]], layout, rank)
             elif param is not None and tuple(param.shape) not in shapes:
                 raise ValueError(
                     f"the optimizer's parameter for {label} on rank {rank} has shape "

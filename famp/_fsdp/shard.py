@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from famp._collectives import check_mesh, shard_as_dtensor
 from famp._fsdp.layout import (
     FSDP2Layout,
     Layout,
@@ -107,9 +108,7 @@ def shard_optim_state(
     if mesh is not None:
         if not isinstance(layout, FSDP2Layout):
             raise ValueError("mesh applies to FSDP2 layouts only, got a famp.FSDP1Layout")
-        from famp import _collectives  # collectives and DTensors, loaded only with a mesh
-
-        mesh = _collectives.check_mesh(mesh, layout.world_size, rank)
+        mesh = check_mesh(mesh, layout.world_size, rank)
     out: State = {}
     for fqn, entry in state.items():
         shape, dim = specs(layout)[fqn]
@@ -121,7 +120,7 @@ def shard_optim_state(
                 continue
             piece = narrow(value, dim, start, length, copy)
             if mesh is not None:
-                piece = _collectives.shard_as_dtensor(piece, mesh, dim, shape)
+                piece = shard_as_dtensor(piece, mesh, dim, shape)
             out[fqn][key] = piece
     return {"state": out, "param_groups": copy_groups(groups, copy)}
 
