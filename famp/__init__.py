@@ -6,6 +6,8 @@ FSDP's optimizer-state loading) as pure functions over pytrees with explicit, im
 
 from __future__ import annotations
 
+import types as _types
+
 # --- loss scaling: _scaler.py, _serialization.py -----------------------------------------------
 # isort: split
 from famp._scaler import ScalerState, init_scaler, update_scale
@@ -94,8 +96,16 @@ __all__: list[str] = [
     "nonfinite_report",
 ]
 
+# Every public function and class reports its public path (`famp.scale`, not the private module
+# it lives in), as do a public class's own methods: reprs, tracebacks and the API docs read
+# `famp.…`, and doctest collects their examples from this module. The one place it is set.
 for _name in __all__:
     _obj = globals()[_name]
-    if isinstance(_obj, type) or callable(_obj):
-        _obj.__module__ = "famp"
-del _name, _obj
+    if not (isinstance(_obj, type) or callable(_obj)):
+        continue
+    _home, _obj.__module__ = _obj.__module__, "famp"
+    for _member in vars(_obj).values() if isinstance(_obj, type) else ():
+        _member = getattr(_member, "__func__", getattr(_member, "fget", _member))
+        if isinstance(_member, _types.FunctionType) and _member.__module__ == _home:
+            _member.__module__ = "famp"
+del _name, _obj, _home, _member
