@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from famp._fsdp.dcp_paths import entry_path
 from famp._fsdp.osd import group_fqns, same
 
 _OPTIM_KEYS = ("state", "param_groups")
@@ -79,8 +80,6 @@ def state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) -
 
 def check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
     """Check the entries under `key`; return whether they are in the flattened layout."""
-    from famp._fsdp.dcp_metadata import entry_path
-
     paths = [entry_path(metadata, k) for k in metadata.state_dict_metadata]
     mine = [p for p in paths if p[0] == key]
     if not mine:

@@ -26,9 +26,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-Path = tuple[str | int, ...]
-"""A key's path in the nested state dict, e.g. `("optim", "state", "0.weight", "exp_avg")`."""
-
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -174,12 +171,6 @@ def _check_tensor_md(key: str, md: TensorStorageMetadata, where: str) -> None:
     ):
         raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has malformed chunks")
     check_chunks_tile(key, md)
-
-
-def entry_path(metadata: Metadata, key: str) -> Path:
-    """The unflattened path of a flattened metadata key."""
-    planner_data = metadata.planner_data or {}
-    return tuple(planner_data.get(key, (key,)))
 
 
 def check_chunks_tile(key: str, md: TensorStorageMetadata) -> None:

@@ -23,7 +23,6 @@ first read, so `import famp` does not pay for `torch.distributed.checkpoint`.
 from __future__ import annotations
 
 import io
-import itertools
 import math
 import os
 import pickle
@@ -38,7 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from famp._fsdp.dcp_metadata import Path, StorageRecord, entry_path, error_reason, read_metadata
+from famp._fsdp.dcp_metadata import StorageRecord, error_reason, read_metadata
+from famp._fsdp.dcp_paths import Path, entry_path, set_element
 
 
 class Checkpoint:
@@ -233,40 +233,6 @@ def _file_size(root: str, rel: str) -> int:
     if not os.path.isfile(path):
         raise ValueError(f"DCP file {rel!r} named by the metadata is missing from {root!r}")
     return os.path.getsize(path)
-
-
-def set_element(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Put `value` at `path` in `root`, as DCP nests entries (int keys make lists)."""
-    container: Any = root
-    for key, nxt in itertools.pairwise(path):
-        container = _child(container, key, [] if type(nxt) is int else {}, path)
-    _put(container, path[-1], value, path)
-
-
-def _child(container: Any, key: str | int, default: Any, path: Path) -> Any:
-    _put(container, key, None, path, only_if_missing=True)
-    child = container[key]
-    if child is None:
-        container[key] = child = default
-    if type(child) is not type(default):
-        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
-    return child
-
-
-def _put(
-    container: Any, key: str | int, value: Any, path: Path, only_if_missing: bool = False
-) -> None:
-    if isinstance(container, dict) and type(key) is str:
-        if not only_if_missing or key not in container:
-            container[key] = value
-    elif isinstance(container, list) and type(key) is int:
-        if key > 1_000_000:
-            raise ValueError(f"DCP entry {'.'.join(map(str, path))!r}: list index {key} too large")
-        container.extend([None] * (key + 1 - len(container)))
-        if not only_if_missing or container[key] is None:
-            container[key] = value
-    else:
-        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
 
 
 def iter_entries(

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from famp._fsdp.dcp_reader import Checkpoint, set_element
+from famp._fsdp.dcp_paths import set_element
+from famp._fsdp.dcp_reader import Checkpoint
 
 
 def write_torch_save(
