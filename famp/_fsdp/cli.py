@@ -15,7 +15,6 @@ with `cli_sources.py`, writing with `cli_files.py` and printing with `cli_report
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import re
 import sys
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 
 from famp._fsdp.cli_files import check_targets
 from famp._fsdp.cli_run import run
+from famp._fsdp.cli_sources import is_dcp_source
 
 PROG = "famp-reshard"
 
@@ -173,7 +173,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "nothing to do: give --world-size N --out DIR, --full FILE or --dry-run"
     if args.format == "dcp" and (args.out is None or args.full is not None or args.dry_run):
         return "--format dcp writes --out DIR only: give -n N -o DIR, without --full or --dry-run"
-    dcp_source = len(args.sources) == 1 and os.path.isdir(args.sources[0])
+    dcp_source = is_dcp_source(args.sources)
     if args.format == "dcp" and not dcp_source:
         return "--format dcp needs one DCP checkpoint directory as SOURCE"
     if args.max_memory is not None and (

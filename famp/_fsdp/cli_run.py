@@ -30,7 +30,7 @@ from famp._fsdp.cli_report import (
     rank_stats,
     state_nbytes,
 )
-from famp._fsdp.cli_sources import Source, read_source
+from famp._fsdp.cli_sources import Source, is_dcp_source, read_source
 from famp._fsdp.dcp import read_dcp_param_shapes
 from famp._fsdp.layout import FSDP2Layout
 from famp._fsdp.shard import shard_optim_state
@@ -39,7 +39,7 @@ from famp._fsdp.shard import shard_optim_state
 def run(args: argparse.Namespace) -> int:
     if args.format == "dcp":
         return _run_dcp(args)
-    if not (_is_dcp_source(args) and args.full is not None and not args.dry_run):
+    if not (is_dcp_source(args.sources) and args.full is not None and not args.dry_run):
         return _run_optim(args)
     tmp, target = _stream_full_dcp(args), args.full
     try:
@@ -77,10 +77,6 @@ def _run_optim(args: argparse.Namespace) -> int:
         if args.full is not None:
             print(f"wrote the full state dict to {args.full}", file=out)
     return 0
-
-
-def _is_dcp_source(args: argparse.Namespace) -> bool:
-    return len(args.sources) == 1 and os.path.isdir(args.sources[0])
 
 
 def _run_dcp(args: argparse.Namespace) -> int:

@@ -36,9 +36,14 @@ class Source:
     what: str
 
 
+def is_dcp_source(sources: Sequence[str]) -> bool:
+    """Whether SOURCE is one DCP checkpoint directory."""
+    return len(sources) == 1 and os.path.isdir(sources[0])
+
+
 def read_source(args: argparse.Namespace) -> Source:
     sources: list[str] = args.sources
-    if len(sources) == 1 and os.path.isdir(sources[0]):
+    if is_dcp_source(sources):
         path = sources[0]
         total = dcp_optim_nbytes(path, args.key)
         bar = Progress("reading", total, progress_wanted(args, total), human)
