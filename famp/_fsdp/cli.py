@@ -147,6 +147,7 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_size(text: str) -> int:
+    """`--max-memory`'s value in bytes: `512M`, `2G`, `1.5k` or a plain number."""
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
     if found is None or float(found.group(1)) * _UNITS[found.group(2).upper()] < 1:
         raise argparse.ArgumentTypeError(f"must be a size such as 512M or 2G, got {text!r}")

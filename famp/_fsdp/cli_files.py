@@ -47,6 +47,7 @@ def _check_replaceable(out: str) -> None:
 
 
 def place(tmp: str, target: str, force: bool) -> None:
+    """Rename the streamed `--full` file `tmp` to `target`; an existing one needs `force`."""
     if os.path.lexists(target) and not force:
         raise FileExistsError(f"--full {target!r} exists; pass --force to replace it")
     os.replace(tmp, target)
@@ -87,6 +88,7 @@ def set_default_modes(directory: str | None, files: Sequence[str]) -> None:
 
 
 def atomic_save(obj: object, path: str, force: bool) -> None:
+    """`torch.save(obj)` to a temporary sibling of `path`, renamed into place when whole."""
     parent, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
     os.close(fd)

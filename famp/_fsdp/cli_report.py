@@ -47,6 +47,7 @@ class Progress:
 
 
 def human(nbytes: float) -> str:
+    """`nbytes` in B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
@@ -62,6 +63,7 @@ def state_nbytes(osd: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def progress_wanted(args: argparse.Namespace, total: int) -> bool:
+    """`--progress`, else on for `total` bytes of 256 MiB or more on a terminal."""
     if args.progress is not None:
         return bool(args.progress)
     return total >= PROGRESS_AUTO_BYTES and sys.stderr.isatty()
@@ -69,12 +71,15 @@ def progress_wanted(args: argparse.Namespace, total: int) -> bool:
 
 @dataclass
 class RankStats:
+    """One output rank: its state tensors, their bytes and the parameters with empty shards."""
+
     tensors: int
     nbytes: int
     empty: list[str]
 
 
 def rank_stats(shard: Mapping[str, Any], layout: FSDP2Layout, rank: int) -> RankStats:
+    """`RankStats` of `rank`'s shard."""
     tensors = [
         v for e in shard["state"].values() for v in e.values() if isinstance(v, torch.Tensor)
     ]
@@ -84,6 +89,7 @@ def rank_stats(shard: Mapping[str, Any], layout: FSDP2Layout, rank: int) -> Rank
 
 
 def print_source(source: Source, out: IO[str]) -> None:
+    """The source's summary: what it is, its parameters and param groups, tensors and bytes."""
     full = source.full
     groups = full["param_groups"]
     n_params = sum(len(g["params"]) for g in groups)
@@ -97,6 +103,7 @@ def print_source(source: Source, out: IO[str]) -> None:
 
 
 def print_ranks(stats: Sequence[RankStats], layout: FSDP2Layout, out: IO[str]) -> None:
+    """The target's summary: one line per rank."""
     print(f"target      FSDP2, dim-0 chunks on {layout.world_size} ranks", file=out)
     print(f"{'rank':>6}  {'tensors':>7}  {'bytes':>10}  empty shards", file=out)
     for rank, s in enumerate(stats):

@@ -37,6 +37,7 @@ from famp._fsdp.shard import shard_optim_state
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run a parsed, checked command; return the exit status."""
     if args.format == "dcp":
         return _run_dcp(args)
     if not (is_dcp_source(args.sources) and args.full is not None and not args.dry_run):

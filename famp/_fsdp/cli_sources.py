@@ -31,6 +31,8 @@ from famp._fsdp.shard import unshard_optim_state
 
 @dataclass
 class Source:
+    """A SOURCE read: the full optimizer state, parameter shapes, and a description."""
+
     full: dict[str, Any]
     shapes: dict[str, torch.Size]
     what: str
@@ -42,6 +44,7 @@ def is_dcp_source(sources: Sequence[str]) -> bool:
 
 
 def read_source(args: argparse.Namespace) -> Source:
+    """Read SOURCE (`args.sources`) into its full state and the parameters' shapes."""
     sources: list[str] = args.sources
     if is_dcp_source(sources):
         path = sources[0]

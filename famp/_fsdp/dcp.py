@@ -194,6 +194,7 @@ def load_optim_state(
     *,
     tensors: bool = True,
 ) -> dict[str, Any]:
+    """The canonical full state under `key`; `tensors=False`: no tensors of a flattened state."""
     from famp._fsdp import dcp_reader as reader
     from famp._fsdp.dcp_metadata import is_tensor_entry
 

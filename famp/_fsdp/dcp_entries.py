@@ -69,6 +69,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) -> str | None:
+    """The FQN of the parameter whose state a tensor entry at `path` holds, or `None`."""
     if not flat:
         return str(path[2]) if len(path) == 4 and path[1] == "state" else None
     name = str(path[1])
