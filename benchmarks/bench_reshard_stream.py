@@ -114,7 +114,7 @@ CHILD = """
 import json, resource, sys, time
 import torch, torch.distributed.checkpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from famp._cli import main
+from famp._fsdp.cli import main
 what, ckpt, out = sys.argv[1:4]
 start = time.perf_counter()
 if what == "famp_full":

@@ -28,14 +28,15 @@ from famp._autocast.transform import autocast
 from famp._autocast.defaults import default_rules
 from famp._autocast.rules import RULE_NAMES, OpRules, Rule
 
-# --- FSDP optimizer state: _fsdp.py, _dcp.py, _distributed.py ----------------------------------
+# --- FSDP optimizer state: _fsdp/ ----------------------------------------------------------------
 # isort: split
-from famp._dcp import load_dcp_optim_state, read_dcp_param_shapes
-from famp._distributed import layout_of
-from famp._fsdp import reshard_optim_state, shard_optim_state, unshard_optim_state
-from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
-from famp._fsdp_load import optim_state_dict_to_load
-from famp._rekey import optim_state_by_fqn, optim_state_by_id
+from famp._fsdp.build import fsdp1_layout, fsdp2_layout
+from famp._fsdp.dcp import load_dcp_optim_state, read_dcp_param_shapes
+from famp._fsdp.layout import FSDP1Layout, FSDP2Layout
+from famp._fsdp.live import layout_of
+from famp._fsdp.load import optim_state_dict_to_load
+from famp._fsdp.rekey import optim_state_by_fqn, optim_state_by_id
+from famp._fsdp.shard import reshard_optim_state, shard_optim_state, unshard_optim_state
 
 # --- training steps: _scaling/ ------------------------------------------------------------------
 # isort: split

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from famp._cli import main
+from famp._fsdp.cli import main
 
 USAGE = (
     "usage: python -m famp reshard [-h] SOURCE [SOURCE ...] ...  (see: python -m famp reshard -h)"

@@ -173,7 +173,7 @@ def kernel_registrations(dispatch_key: str) -> list[str]:
     return list(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
 
 
-# --- reliability: scaler state (_scaling/state.py), FSDP1 layouts of live models (_distributed.py)
+# --- reliability: scaler state (_scaling/state.py), FSDP1 layouts of live models (_fsdp/live.py)
 # optree's public registration needs a namespace, and a namespaced node is one opaque leaf to
 # every optree call that does not pass that namespace: ScalerState registers in the global
 # registry (the one builtins live in) so that plain `optree.tree_map(f, state)` sees its tensors.
@@ -211,7 +211,7 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
-# --- checkpoints (famp/_dcp_writer.py) -------------------------------------------------------
+# --- checkpoints (famp/_fsdp/dcp_writer.py) -------------------------------------------------
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:

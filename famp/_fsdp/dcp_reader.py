@@ -16,14 +16,13 @@ states is checked against the bytes before it is used:
 
 Any failure is a `ValueError` (`FileNotFoundError` for a missing directory) naming the file
 and the key. DCP stores no checksums: flipped payload bytes read as wrong values, as in torch.
-`famp/_dcp.py` imports this module lazily, on the first read, so `import famp` does not pay
-for `torch.distributed.checkpoint`.
+The metadata is read and checked by `dcp_metadata.py`. `dcp.py` imports both lazily, on the
+first read, so `import famp` does not pay for `torch.distributed.checkpoint`.
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import math
 import os
 import pickle
@@ -34,59 +33,12 @@ import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
-Path = tuple[str | int, ...]
-"""A key's path in the nested state dict, e.g. `("optim", "state", "0.weight", "exp_avg")`."""
-
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class StorageRecord:
-    """Where one saved item lies: DCP's per-item storage info, rebuilt without DCP's class."""
-
-    relative_path: Any = None
-    offset: Any = None
-    length: Any = None
-    transform_descriptors: Any = None
-
-    def __setstate__(self, state: object) -> None:
-        if not isinstance(state, dict):
-            raise ValueError(f"a storage record holds a {type(state).__name__}, not fields")
-        self.__dict__.update(state)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes and plain data only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-            return StorageRecord
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return getattr(torch, name)
-        raise ValueError(f"DCP .metadata refers to {module}.{name}, which famp does not unpickle")
+from famp._fsdp.dcp_metadata import StorageRecord, error_reason, read_metadata
+from famp._fsdp.dcp_paths import Path, entry_path, set_element
 
 
 class Checkpoint:
@@ -94,7 +46,7 @@ class Checkpoint:
 
     def __init__(self, checkpoint_id: str | os.PathLike[str]) -> None:
         self.root = _existing_dir(checkpoint_id)
-        self.metadata = _read_metadata(self.root)
+        self.metadata = read_metadata(self.root)
         self._sizes: dict[str, int] = {}
 
     def entries(
@@ -236,7 +188,7 @@ class Checkpoint:
                 raise ValueError(
                     f"DCP file {rel!r}: the record of {where} {key!r} "
                     f"(bytes {record.offset}..{record.offset + record.length}) is not a torch.save "
-                    f"record: {_reason(err)}"
+                    f"record: {error_reason(err)}"
                 ) from err
 
 
@@ -269,15 +221,6 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _reason(err: BaseException) -> str:
-    if isinstance(err, EOFError):
-        return "it ends early (truncated or damaged)"
-    text = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
-    if not text or "weights_only" in text:
-        return f"{type(err).__name__} (damaged bytes)"
-    return text[:200]
-
-
 def _file_size(root: str, rel: str) -> int:
     path = os.path.join(root, rel)
     if os.path.islink(path):
@@ -290,185 +233,6 @@ def _file_size(root: str, rel: str) -> int:
     if not os.path.isfile(path):
         raise ValueError(f"DCP file {rel!r} named by the metadata is missing from {root!r}")
     return os.path.getsize(path)
-
-
-def _read_metadata(root: str) -> Metadata:
-    path = os.path.join(root, ".metadata")
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint_id {root!r} is not a DCP checkpoint: no {path}")
-    with open(path, "rb") as stream:
-        try:
-            metadata = _MetadataUnpickler(stream).load()
-        except ValueError as err:
-            if "famp does not unpickle" in str(err):
-                raise
-            raise ValueError(f"DCP metadata {path!r} is not readable: {err}") from err
-        except Exception as err:  # whatever a malformed pickle makes the unpickler raise
-            reason = _reason(err)
-            raise ValueError(f"DCP metadata {path!r} is not readable: {reason}") from err
-    if not isinstance(metadata, Metadata):
-        raise ValueError(f"DCP metadata {path!r} holds a {type(metadata).__name__}")
-    _check_metadata(metadata, path)
-    return metadata
-
-
-def _check_metadata(metadata: Metadata, where: str) -> None:
-    """Raise `ValueError` naming the field unless `metadata` is well formed."""
-    sdm = getattr(metadata, "state_dict_metadata", None)
-    planner = getattr(metadata, "planner_data", None)
-    storage = getattr(metadata, "storage_data", None)
-    for name, value in (("state_dict_metadata", sdm), ("storage_data", storage)):
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"DCP metadata {where!r}: {name} is a {type(value).__name__}, not a dict"
-            )
-    if planner is not None and not isinstance(planner, dict):
-        raise ValueError(f"DCP metadata {where!r}: planner_data is a {type(planner).__name__}")
-    assert isinstance(sdm, dict)
-    assert isinstance(storage, dict)
-    for key, md in sdm.items():
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"DCP metadata {where!r}: entry key {key!r} is not a non-empty str")
-        path = (planner or {}).get(key, (key,))
-        if (
-            not isinstance(path, (tuple, list))
-            or not path
-            or not all(type(p) in (str, int) for p in path)
-            or not isinstance(path[0], str)
-        ):
-            raise ValueError(f"DCP metadata {where!r}: the path of {key!r} is malformed: {path!r}")
-        if isinstance(md, TensorStorageMetadata):
-            _check_tensor_md(key, md, where)
-        elif not isinstance(md, BytesStorageMetadata):
-            raise ValueError(f"DCP metadata {where!r}: entry {key!r} is a {type(md).__name__}")
-    for index, record in storage.items():
-        fqn = getattr(index, "fqn", None)
-        if not isinstance(index, MetadataIndex) or not isinstance(record, StorageRecord):
-            raise ValueError(f"DCP metadata {where!r}: storage_data entry for {fqn!r} is malformed")
-        rel, offset, length = record.relative_path, record.offset, record.length
-        if not isinstance(rel, str) or not _inside(rel):
-            raise ValueError(f"DCP item {fqn!r} points outside the checkpoint: {rel!r}")
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise ValueError(
-                f"DCP file {rel!r}: the record of {fqn!r} has offset {offset!r} and length "
-                f"{length!r}; both must be ints >= 0"
-            )
-        if record.transform_descriptors:
-            raise ValueError(
-                f"DCP file {rel!r}: the record of {fqn!r} is stored through extensions "
-                f"{record.transform_descriptors!r}, which famp does not read"
-            )
-
-
-def _inside(rel: str) -> bool:
-    parts = rel.replace("\\", "/").split("/")
-    return bool(rel) and not os.path.isabs(rel) and ".." not in parts and "\x00" not in rel
-
-
-def _is_index(value: object, ndim: int) -> bool:
-    return (
-        isinstance(value, (tuple, list))
-        and len(value) == ndim
-        and all(type(v) is int and v >= 0 for v in value)
-    )
-
-
-def _check_tensor_md(key: str, md: TensorStorageMetadata, where: str) -> None:
-    props = getattr(md, "properties", None)
-    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
-    if not isinstance(props, TensorProperties) or not isinstance(
-        getattr(props, "dtype", None), torch.dtype
-    ):
-        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has no dtype ({props!r})")
-    if not isinstance(size, tuple) or not _is_index(size, len(size)):
-        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has size {size!r}")
-    if not isinstance(chunks, list) or not all(
-        isinstance(c, ChunkStorageMetadata)
-        and _is_index(getattr(c, "offsets", None), len(size))
-        and _is_index(getattr(c, "sizes", None), len(size))
-        for c in chunks
-    ):
-        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has malformed chunks")
-    check_chunks_tile(key, md)
-
-
-def entry_path(metadata: Metadata, key: str) -> Path:
-    """The unflattened path of a flattened metadata key."""
-    planner_data = metadata.planner_data or {}
-    return tuple(planner_data.get(key, (key,)))
-
-
-def check_chunks_tile(key: str, md: TensorStorageMetadata) -> None:
-    """Raise `ValueError` unless the saved chunks of `key` cover it exactly once."""
-    size = tuple(md.size)
-    total = math.prod(size)
-    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks if math.prod(c.sizes) > 0]
-    for offsets, sizes in boxes:
-        if len(offsets) != len(size) or any(
-            o < 0 or o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)
-        ):
-            raise ValueError(
-                f"DCP tensor {key!r} of size {list(size)} has a chunk outside it: "
-                f"offsets {list(offsets)}, sizes {list(sizes)}"
-            )
-    covered = sum(math.prod(s) for _, s in boxes)
-    if covered == total and _disjoint(boxes):
-        return
-    raise ValueError(
-        f"DCP tensor {key!r} of size {list(size)}: its saved chunks cover {covered} of {total} "
-        "elements or overlap"
-    )
-
-
-def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    slabs = all(len(o) > 0 and not any(o[1:]) for o, _ in boxes)
-    if slabs and len({s[1:] for _, s in boxes}) <= 1:  # dim-0 slabs (FSDP2): sort, O(k log k)
-        rows = sorted((o[0], o[0] + s[0]) for o, s in boxes)
-        return all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(rows))
-    return all(
-        any(ao + asz <= bo or bo + bsz <= ao for ao, asz, bo, bsz in zip(a, sa, b, sb, strict=True))
-        for i, (a, sa) in enumerate(boxes)
-        for b, sb in boxes[i + 1 :]
-    )
-
-
-def set_element(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Put `value` at `path` in `root`, as DCP nests entries (int keys make lists)."""
-    container: Any = root
-    for key, nxt in itertools.pairwise(path):
-        container = _child(container, key, [] if type(nxt) is int else {}, path)
-    _put(container, path[-1], value, path)
-
-
-def _child(container: Any, key: str | int, default: Any, path: Path) -> Any:
-    _put(container, key, None, path, only_if_missing=True)
-    child = container[key]
-    if child is None:
-        container[key] = child = default
-    if type(child) is not type(default):
-        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
-    return child
-
-
-def _put(
-    container: Any, key: str | int, value: Any, path: Path, only_if_missing: bool = False
-) -> None:
-    if isinstance(container, dict) and type(key) is str:
-        if not only_if_missing or key not in container:
-            container[key] = value
-    elif isinstance(container, list) and type(key) is int:
-        if key > 1_000_000:
-            raise ValueError(f"DCP entry {'.'.join(map(str, path))!r}: list index {key} too large")
-        container.extend([None] * (key + 1 - len(container)))
-        if not only_if_missing or container[key] is None:
-            container[key] = value
-    else:
-        raise ValueError(f"DCP entry {'.'.join(map(str, path))!r} conflicts with another entry")
-
-
-def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
-    """The checkpoint's metadata, read without arbitrary unpickling and checked."""
-    return Checkpoint(checkpoint_id).metadata
 
 
 def iter_entries(
@@ -499,11 +263,6 @@ def read_entries(
     for path, value in iter_entries(Checkpoint(checkpoint_id), prefixes, progress):
         set_element(state_dict, path, value)
     return state_dict
-
-
-def is_tensor_entry(md: object) -> bool:
-    """Whether `md` describes a saved tensor (not pickled bytes)."""
-    return isinstance(md, TensorStorageMetadata)
 
 
 def _existing_dir(checkpoint_id: str | os.PathLike[str]) -> str:

@@ -1,4 +1,4 @@
-"""Real FSDP2 + DCP, one job for tests/test_dcp.py: ``python tests/dcp_worker.py DIR``.
+"""Real FSDP2 + DCP, one job for tests/fsdp/test_dcp.py: ``python tests/fsdp/dcp_worker.py DIR``.
 
 Four gloo ranks (forked); smaller world sizes run on sub-meshes of ranks ``0..W-1``, each with its
 own process group, so that one launch covers W = 1..4 (see ``run_all`` for the order).
@@ -239,8 +239,8 @@ def run_all(rank: int, world_size: int, out: str) -> None:
        ``case_<dtype>_<W>_<T>_<rank>.pt``.
     Each rank writes ``done<rank>`` at the very end.
     """
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from famp._cli import main as famp_reshard
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from famp._fsdp.cli import main as famp_reshard
 
     groups = {w: dist.new_group(list(range(w))) for w in range(1, world_size + 1)}
     meshes = {w: DeviceMesh.from_group(g, "cpu") for w, g in groups.items() if rank < w}

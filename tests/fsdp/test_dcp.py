@@ -1,6 +1,6 @@
 """famp's DCP reader against real FSDP2 + torch.distributed.checkpoint, and its bad-input checks.
 
-The oracle: ``tests/dcp_worker.py`` saves a DCP checkpoint from real FSDP2 at W=4 (gloo, forked
+The oracle: ``tests/fsdp/dcp_worker.py`` saves a DCP checkpoint from real FSDP2 at W=4 (gloo, forked
 ranks), then DCP itself loads it at W=3 (``dcp.load`` + ``set_state_dict``) and every rank records
 ``get_optimizer_state_dict`` with DTensors as local tensors. famp reads the same checkpoint
 offline, in this process, and must give the same tensors bit for bit. The same job (one launch
@@ -28,15 +28,20 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import famp
-from famp._cli import main
-from tests.dcp_worker import LOAD_W, MATRIX
+from famp._fsdp.cli import main
+from tests.fsdp.dcp_worker import LOAD_W, MATRIX
+from tests.fsdp.fsdp_helpers import (
+    assert_osd_bitwise_equal,
+    assert_same_tree,
+    load_dict,
+    two_group_osd,
+)
 from tests.helpers import assert_bitwise_equal
-from tests.test_cli import _assert_same_tree as assert_same_tree
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dcp_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "fsdp" / "dcp_worker.py"
 SAVE_W = 4
-PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in order
+PARAMS = {  # named_parameters() of tests/fsdp/dcp_worker.py's build_model(), in order
     "0.weight": (5, 6),
     "0.bias": (5,),
     "2.weight": (1, 5),
@@ -50,7 +55,7 @@ PARAMS = {  # named_parameters() of tests/dcp_worker.py's build_model(), in orde
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """One 4-rank job (tests/dcp_worker.py): real FSDP2 saves, famp-reshard, DCP loads.
+    """One 4-rank job (tests/fsdp/dcp_worker.py): real FSDP2 saves, famp-reshard, DCP loads.
 
     ``ckpt`` saved at W=4, what torch gives at W=4 and W=3, famp's rank files and DCP output for
     W=3 loaded by 3 ranks, and every MATRIX case.
@@ -70,27 +75,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return out
 
 
-def _load(path: pathlib.Path) -> dict[str, Any]:
-    obj = torch.load(path, weights_only=True)
-    assert isinstance(obj, dict)
-    return obj
-
-
-def assert_osd_bitwise_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Same FQNs in the same order, same state names, tensors bit for bit, equal param_groups."""
-    assert list(actual["state"]) == list(expected["state"])
-    for fqn, entry in expected["state"].items():
-        assert sorted(actual["state"][fqn]) == sorted(entry), fqn
-        for name, value in entry.items():
-            assert_bitwise_equal(actual["state"][fqn][name], value)
-    assert actual["param_groups"] == expected["param_groups"]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_load_dcp_optim_state_equals_full_state_dict_of_real_fsdp2(real: pathlib.Path) -> None:
     full = famp.load_dcp_optim_state(real / "ckpt")
-    expected = _load(real / "full.pt")
+    expected = load_dict(real / "full.pt")
     assert_osd_bitwise_equal(full, expected)
     assert full["state"]["0.weight"]["exp_avg"].dtype == torch.float32
     assert full["state"]["0.weight"]["step"].dtype == torch.float32
@@ -102,7 +91,7 @@ def test_load_dcp_optim_state_equals_full_state_dict_of_real_fsdp2(real: pathlib
 @pytest.mark.distributed
 def test_read_dcp_param_shapes_reads_the_model_entries(real: pathlib.Path) -> None:
     shapes = famp.read_dcp_param_shapes(real / "ckpt")
-    full = _load(real / "full.pt")
+    full = load_dict(real / "full.pt")
     order = [fqn for group in full["param_groups"] for fqn in group["params"]]
     assert list(shapes) == order
     assert {f: tuple(s) for f, s in shapes.items()} == PARAMS
@@ -119,10 +108,10 @@ def test_reshard_offline_equals_what_real_fsdp2_holds(real: pathlib.Path, world_
     full = famp.load_dcp_optim_state(real / "ckpt")
     layout = famp.fsdp2_layout(famp.read_dcp_param_shapes(real / "ckpt"), world_size)
     for rank in range(world_size):
-        expected = _load(real / f"local{world_size}_{rank}.pt")
+        expected = load_dict(real / f"local{world_size}_{rank}.pt")
         assert_osd_bitwise_equal(famp.shard_optim_state(full, layout, rank), expected)
     if world_size == LOAD_W:  # empty shards on the trailing rank, with their trailing dims
-        last = _load(real / f"local{LOAD_W}_{LOAD_W - 1}.pt")["state"]
+        last = load_dict(real / f"local{LOAD_W}_{LOAD_W - 1}.pt")["state"]
         assert last["2.weight"]["exp_avg"].shape == (0, 5)
         assert last["4.proj.weight"]["exp_avg_sq"].shape == (0, 4)
 
@@ -138,18 +127,18 @@ def test_famp_reshard_cli_writes_what_dcp_loads_on_each_rank(
     assert "8 in 2 param groups" in summary
     assert "2: 2.weight, 2.bias" in summary  # rank 1 of 3 holds no row of the 1-row params
     for rank in range(LOAD_W):
-        expected = _load(real / f"local{LOAD_W}_{rank}.pt")
-        assert_osd_bitwise_equal(_load(out3 / f"rank{rank:05d}.pt"), expected)
+        expected = load_dict(real / f"local{LOAD_W}_{rank}.pt")
+        assert_osd_bitwise_equal(load_dict(out3 / f"rank{rank:05d}.pt"), expected)
     # --full of a DCP checkpoint: the whole checkpoint, as torch's dcp_to_torch_save writes it.
     dcp_to_torch_save(real / "ckpt", tmp_path / "torch.pt")
-    assert_same_tree(_load(full_file), _load(tmp_path / "torch.pt"))
+    assert_same_tree(load_dict(full_file), load_dict(tmp_path / "torch.pt"))
     # The rank files themselves reshard back to what the 4 saving ranks held.
     out4 = tmp_path / "w4"
     files = [str(out3 / f"rank{r:05d}.pt") for r in range(LOAD_W)]
     assert main([*files, "-n", "4", "-o", str(out4)]) == 0
     for rank in range(SAVE_W):
-        expected = _load(real / f"local{SAVE_W}_{rank}.pt")
-        assert_osd_bitwise_equal(_load(out4 / f"rank{rank:05d}.pt"), expected)
+        expected = load_dict(real / f"local{SAVE_W}_{rank}.pt")
+        assert_osd_bitwise_equal(load_dict(out4 / f"rank{rank:05d}.pt"), expected)
 
 
 @pytest.mark.slow
@@ -158,8 +147,8 @@ def test_famp_rank_files_load_into_real_fsdp2_as_dcp_would(real: pathlib.Path) -
     # Each of 3 real ranks wrapped its famp-reshard file with DTensor.from_local and called
     # set_optimizer_state_dict; the optimizer then holds what DCP's own load gave it.
     for rank in range(LOAD_W):
-        expected = _load(real / f"local{LOAD_W}_{rank}.pt")
-        assert_osd_bitwise_equal(_load(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)
+        expected = load_dict(real / f"local{LOAD_W}_{rank}.pt")
+        assert_osd_bitwise_equal(load_dict(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)
 
 
 @pytest.mark.slow
@@ -169,9 +158,9 @@ def test_famp_dcp_output_loads_into_real_fsdp2_as_the_source_does(real: pathlib.
     # W real ranks dcp.load-ed famp-reshard --format dcp output into a fresh FSDP2 model and
     # AdamW: model and optimizer state equal, bit for bit, what loading the W=4 source gave.
     for rank in range(world_size):
-        got = _load(real / f"fromdcp{world_size}_{rank}.pt")
-        assert_osd_bitwise_equal(got["optim"], _load(real / f"local{world_size}_{rank}.pt"))
-        expected_model = _load(real / f"model{world_size}_{rank}.pt")
+        got = load_dict(real / f"fromdcp{world_size}_{rank}.pt")
+        assert_osd_bitwise_equal(got["optim"], load_dict(real / f"local{world_size}_{rank}.pt"))
+        expected_model = load_dict(real / f"model{world_size}_{rank}.pt")
         assert list(got["model"]) == list(expected_model)
         for fqn, value in expected_model.items():
             assert_bitwise_equal(got["model"][fqn], value)
@@ -193,7 +182,7 @@ def test_famp_dcp_output_loads_at_any_world_size_as_the_source_does(
     # (DCP reshards): model and optimizer state bit-equal on every rank, empty shards included.
     empty = 0
     for rank in range(target_w):
-        got = _load(real / f"case_{dtype}_{source_w}_{target_w}_{rank}.pt")
+        got = load_dict(real / f"case_{dtype}_{source_w}_{target_w}_{rank}.pt")
         direct, fromfamp = got["direct"], got["famp"]
         assert_osd_bitwise_equal(fromfamp["optim"], direct["optim"])
         assert list(fromfamp["model"]) == list(direct["model"]) == list(PARAMS)
@@ -235,7 +224,7 @@ def test_dcp_and_full_output_are_the_same_files_for_any_number_of_workers(
         assert main(argv) == 0
     assert (outs[0] / "full.pt").read_bytes() == (outs[1] / "full.pt").read_bytes()
     dcp_to_torch_save(real / "ckpt", tmp_path / "torch.pt")
-    assert_same_tree(_load(outs[1] / "full.pt"), _load(tmp_path / "torch.pt"))
+    assert_same_tree(load_dict(outs[1] / "full.pt"), load_dict(tmp_path / "torch.pt"))
 
 
 @pytest.mark.slow
@@ -243,7 +232,7 @@ def test_dcp_and_full_output_are_the_same_files_for_any_number_of_workers(
 def test_flattened_optimizer_checkpoint_reads_as_the_nested_one(real: pathlib.Path) -> None:
     # StateDictOptions(flatten_optimizer_state_dict=True), torchtitan's layout, of the same job.
     flat = famp.load_dcp_optim_state(real / "ckpt_flat")
-    assert_osd_bitwise_equal(flat, _load(real / "full.pt"))
+    assert_osd_bitwise_equal(flat, load_dict(real / "full.pt"))
     assert famp.read_dcp_param_shapes(real / "ckpt_flat") == famp.read_dcp_param_shapes(
         real / "ckpt"
     )
@@ -254,7 +243,7 @@ def test_flattened_optimizer_checkpoint_reads_as_the_nested_one(real: pathlib.Pa
 def test_checkpoint_of_params_sharded_on_dim_1_reads_whole(real: pathlib.Path) -> None:
     # fully_shard(..., shard_placement_fn=Shard(1)): the saved chunks are column blocks.
     full = famp.load_dcp_optim_state(real / "ckpt_dim1")
-    assert_osd_bitwise_equal(full, _load(real / "full_dim1.pt"))
+    assert_osd_bitwise_equal(full, load_dict(real / "full_dim1.pt"))
     metadata = pickle.loads((real / "ckpt_dim1" / ".metadata").read_bytes())
     chunks = metadata.state_dict_metadata["optim.state.4.proj.weight.exp_avg"].chunks
     assert any(c.offsets[1] > 0 for c in chunks)  # really sharded on dim 1
@@ -267,16 +256,6 @@ def _save(state_dict: dict[str, Any], path: pathlib.Path) -> None:
     with warnings.catch_warnings():  # no process group: DCP warns that it saves in one process
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state_dict, checkpoint_id=path, no_dist=True)
-
-
-def _osd() -> dict[str, Any]:
-    return {
-        "state": {
-            "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
-            "b": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)},
-        },
-        "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
-    }
 
 
 _DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -320,7 +299,7 @@ def test_load_dcp_optim_state_round_trips_dcp_save(
 
 
 def test_load_dcp_optim_state_names_a_missing_key(tmp_path: pathlib.Path) -> None:
-    _save({"optimizer": _osd()}, tmp_path)
+    _save({"optimizer": two_group_osd()}, tmp_path)
     with pytest.raises(KeyError, match=r"key 'optim' is not in DCP checkpoint .*\['optimizer'\]"):
         famp.load_dcp_optim_state(tmp_path)
     assert famp.load_dcp_optim_state(tmp_path, key="optimizer")["param_groups"][1]["lr"] == 0.2
@@ -339,7 +318,7 @@ def test_load_dcp_optim_state_rejects_a_path_that_is_no_checkpoint(tmp_path: pat
 def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(
     tmp_path: pathlib.Path,
 ) -> None:
-    osd = _osd()
+    osd = two_group_osd()
     _save({"optim": {**osd, "extra": torch.zeros(2)}}, tmp_path / "a")
     with pytest.raises(
         ValueError, match=r"'optim\.extra' \(path .*\) is not an optimizer state dict entry"
@@ -363,7 +342,7 @@ def _tamper(path: pathlib.Path, edit: Any) -> None:
 
 
 def test_metadata_naming_other_classes_is_never_unpickled(tmp_path: pathlib.Path) -> None:
-    _save({"optim": _osd()}, tmp_path)
+    _save({"optim": two_group_osd()}, tmp_path)
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -377,7 +356,7 @@ def test_metadata_naming_other_classes_is_never_unpickled(tmp_path: pathlib.Path
 
 
 def test_unreadable_metadata_is_a_value_error(tmp_path: pathlib.Path) -> None:
-    _save({"optim": _osd()}, tmp_path)
+    _save({"optim": two_group_osd()}, tmp_path)
     (tmp_path / ".metadata").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"\.metadata' is not readable"):
         famp.load_dcp_optim_state(tmp_path)
@@ -386,7 +365,7 @@ def test_unreadable_metadata_is_a_value_error(tmp_path: pathlib.Path) -> None:
 def test_non_tensor_items_are_read_with_weights_only(tmp_path: pathlib.Path) -> None:
     import fractions
 
-    osd = _osd()
+    osd = two_group_osd()
     osd["param_groups"][0]["lr"] = fractions.Fraction(1, 10)  # pickled as a global
     _save({"optim": osd}, tmp_path)
     with pytest.raises(ValueError, match=r"'optim\.param_groups\.0\.lr' is not plain data"):
@@ -394,7 +373,7 @@ def test_non_tensor_items_are_read_with_weights_only(tmp_path: pathlib.Path) -> 
 
 
 def test_chunks_that_do_not_tile_a_tensor_are_rejected(tmp_path: pathlib.Path) -> None:
-    _save({"optim": _osd()}, tmp_path)
+    _save({"optim": two_group_osd()}, tmp_path)
 
     def drop_rows(metadata: Any) -> None:
         chunk = metadata.state_dict_metadata["optim.state.w.exp_avg"].chunks[0]
@@ -406,7 +385,7 @@ def test_chunks_that_do_not_tile_a_tensor_are_rejected(tmp_path: pathlib.Path) -
 
 
 def test_storage_paths_outside_the_checkpoint_are_rejected(tmp_path: pathlib.Path) -> None:
-    _save({"optim": _osd()}, tmp_path)
+    _save({"optim": two_group_osd()}, tmp_path)
 
     def escape(metadata: Any) -> None:
         for info in metadata.storage_data.values():
@@ -418,7 +397,7 @@ def test_storage_paths_outside_the_checkpoint_are_rejected(tmp_path: pathlib.Pat
 
 
 def test_read_dcp_param_shapes_needs_a_shape_for_every_parameter(tmp_path: pathlib.Path) -> None:
-    osd = _osd()
+    osd = two_group_osd()
     osd["param_groups"][1]["params"].append("frozen")  # in a group, no state, no model entry
     _save({"model": {"w": torch.zeros(4, 3)}, "optim": osd}, tmp_path / "a")
     with pytest.raises(KeyError, match=r"parameter 'frozen' has no entry model\.frozen"):

@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from famp._fsdp_layout import Layout, local_shape
-
-__all__ = ["check_full", "check_names", "check_shards", "same", "split_osd"]
+from famp._fsdp.layout import Layout, local_shape, specs
 
 State = dict[str, dict[str, Any]]
 Groups = list[dict[str, Any]]
@@ -40,12 +38,35 @@ def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], 
     return state, groups
 
 
+def group_fqns(groups: object, where: str) -> list[str]:
+    """The FQNs of `groups` (a full state dict's `param_groups`, named `where`) in order.
+
+    A ValueError naming `where` unless it is a list of dicts with a `params` list of strings, no
+    name in two groups.
+    """
+    if not isinstance(groups, list):
+        raise ValueError(f"{where} must be a list, got {type(groups).__name__}")
+    order: list[str] = []
+    seen: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
+            raise ValueError(f"{where}[{i}] must be a dict with a 'params' list")
+        for fqn in group["params"]:
+            if not isinstance(fqn, str):
+                raise ValueError(f"{where}[{i}]['params'] must hold FQN strings, got {fqn!r}")
+            if fqn in seen:
+                raise ValueError(f"{where}: parameter {fqn!r} is in groups {seen[fqn]} and {i}")
+            seen[fqn] = i
+            order.append(fqn)
+    return order
+
+
 def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout, what: str) -> None:
     """Every name is in the layout, in one param group at most, and every state is in a group."""
     group_of: dict[str, int] = {}
     for i, group in enumerate(groups):
         for fqn in group["params"]:
-            if fqn not in layout._specs:
+            if fqn not in specs(layout):
                 raise KeyError(
                     f"{what}['param_groups'][{i}] names {fqn!r}, which is not in the layout"
                 )
@@ -53,7 +74,7 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
                 raise ValueError(f"parameter {fqn!r} is in param_groups {group_of[fqn]} and {i}")
             group_of[fqn] = i
     for fqn in state:
-        if fqn not in layout._specs:
+        if fqn not in specs(layout):
             raise KeyError(f"{what}['state'] has parameter {fqn!r}, which is not in the layout")
         if fqn not in group_of:
             raise ValueError(f"{what}['state'][{fqn!r}] belongs to no param group")
@@ -92,7 +113,7 @@ def check_full(
     kinds: Kinds = {}
     first: dict[str, str] = {}
     for fqn, entry in state.items():
-        shape = layout._specs[fqn][0]
+        shape = specs(layout)[fqn][0]
         for key, value in entry.items():
             if value is None:
                 continue
@@ -148,7 +169,7 @@ def check_shards(shards: object, layout: Layout, what: str) -> tuple[list[State]
             raise ValueError(f"{what}[{r}]['param_groups'] differs from {what}[0]['param_groups']")
         for fqn in set(state) ^ set(states[0]):
             has, lacks = (r, 0) if fqn in state else (0, r)
-            if fqn not in layout._specs:
+            if fqn not in specs(layout):
                 raise KeyError(f"{what}[{has}]['state'] has parameter {fqn!r}, not in the layout")
             raise ValueError(f"parameter {fqn!r} has state on rank {has} but not on rank {lacks}")
     kinds: Kinds = {}
@@ -187,7 +208,7 @@ def _check_shard_value(
     if tuple(value.shape) != expected:
         raise ValueError(
             f"{where} has shape {tuple(value.shape)}, but the layout gives rank {r} the chunk "
-            f"{expected} of {fqn!r} {layout._specs[fqn][0]}"
+            f"{expected} of {fqn!r} {specs(layout)[fqn][0]}"
         )
     if value.dtype != first.dtype:
         raise ValueError(f"{where} is {value.dtype} but rank 0's is {first.dtype}")

@@ -25,25 +25,16 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import strategies as st
 
 import famp
-from famp._cli import main
+from famp._fsdp.cli import main
+from tests.fsdp.fsdp_helpers import two_group_osd
 
 KEY = "optim.state.w.exp_avg"
-
-
-def _osd() -> dict[str, Any]:
-    return {
-        "state": {
-            "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
-            "b": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)},
-        },
-        "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
-    }
 
 
 def _save(path: pathlib.Path) -> pathlib.Path:
     with warnings.catch_warnings():  # no process group: DCP warns that it saves in one process
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"optim": _osd()}, checkpoint_id=path, no_dist=True)
+        dcp.save({"optim": two_group_osd()}, checkpoint_id=path, no_dist=True)
     return path
 
 

@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from famp._osd import split_osd
-
-__all__ = ["optim_state_by_fqn", "optim_state_by_id"]
+from famp._fsdp.osd import split_osd
 
 _WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
@@ -45,7 +43,8 @@ def _names(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
     return names
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+def optimizer_params(optimizer: object) -> list[list[torch.Tensor]]:
+    """The parameters of each of `optimizer`'s param groups; a TypeError if it has none."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list):
         raise TypeError(
@@ -96,7 +95,7 @@ def optim_state_by_fqn(
         ['bias', 'weight']
     """
     state, groups = split_osd(osd, "osd")
-    opt_params = _optimizer_params(optimizer)
+    opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
     names = _names(model)
     fqn_of: dict[int, str] = {}
@@ -155,7 +154,7 @@ def optim_state_by_id(
         [1]
     """
     state, groups = split_osd(osd, "osd")
-    opt_params = _optimizer_params(optimizer)
+    opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
     param_of = {name: p for p, names in _names(model).items() for name in names}
     ids: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group, id)
@@ -190,7 +189,3 @@ def optim_state_by_id(
         "state": {key_of[fqn]: dict(entry) for fqn, entry in state.items()},
         "param_groups": out_groups,
     }
-
-
-for _fn in (optim_state_by_fqn, optim_state_by_id):
-    _fn.__module__ = "famp"

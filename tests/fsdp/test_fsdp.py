@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 
 import famp
-from tests.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
+from tests.fsdp.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
 
 
 @given(st.data())

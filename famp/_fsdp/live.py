@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from famp._compat import fsdp1_flat_params, fsdp1_unit_settings
-from famp._fsdp_layout import FSDP1Layout, FSDP2Layout, fsdp1_layout, fsdp2_layout
-from famp._rekey import clean_fqn
+from famp._fsdp.build import fsdp1_layout, fsdp2_layout
+from famp._fsdp.layout import FSDP1Layout, FSDP2Layout
+from famp._fsdp.rekey import clean_fqn
 
 # `torch.distributed.tensor` and `torch.distributed.fsdp` are imported inside the functions that
 # need them (heavy imports; see famp/_collectives.py).
@@ -166,6 +167,3 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
     if not fsdp2:
         raise ValueError("the model has no FSDP1 or FSDP2 sharded parameters")
     return _layout_fsdp2(params)
-
-
-layout_of.__module__ = "famp"

@@ -4,11 +4,12 @@
 `get_state_dict` as flattened entries (`optim.state.<fqn>.exp_avg`,
 `optim.param_groups.<i>.<key>`), each tensor as the chunks its ranks held. These functions
 rebuild the FQN-keyed full optimizer state dict and the parameter shapes from such a checkpoint,
-reading DCP's on-disk format with every stated fact checked (`famp/_dcp_reader.py`), with no
-process group; `famp.shard_optim_state` then cuts it for any layout and world size.
+reading DCP's on-disk format with every stated fact checked (`dcp_reader.py`; the optimizer
+entries in `dcp_entries.py`), with no process group; `famp.shard_optim_state` then cuts it for
+any layout and world size.
 
 DCP's reader lives in `torch.distributed.checkpoint`; famp confines that import to
-`famp/_dcp_reader.py` and imports it on the first read, so this module and `import famp` stay
+`famp/_fsdp/dcp_reader.py` and imports it on the first read, so this module and `import famp` stay
 free of it. No collective runs either way.
 
 Not supported: storage other than a local (or mounted) file system; checkpoints written without
@@ -18,15 +19,13 @@ DCP's `planner_data` (before torch 2.0); reading only one rank's region (the ful
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["load_dcp_optim_state", "read_dcp_param_shapes"]
-
-_OPTIM_KEYS = ("state", "param_groups")
-_FLAT_PREFIXES = ("state.", "param_groups.")
+from famp._fsdp.dcp_entries import canonical, check_optim_entries, state_fqn, unflatten
+from famp._fsdp.osd import group_fqns
 
 
 def load_dcp_optim_state(
@@ -82,7 +81,7 @@ def load_dcp_optim_state(
         ([{'lr': 0.1, 'params': ['w']}], torch.Size([2, 3]))
         >>> tmp.cleanup()
     """
-    return _load_optim_state(checkpoint_id, key, None)
+    return load_optim_state(checkpoint_id, key, None)
 
 
 def read_dcp_param_shapes(
@@ -123,27 +122,28 @@ def read_dcp_param_shapes(
         {'w': torch.Size([2, 3]), 'b': torch.Size([2])}
         >>> tmp.cleanup()
     """
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
-    flat = _check_optim_entries(ckpt.metadata, checkpoint_id, optim_key)
+    flat = check_optim_entries(ckpt.metadata, checkpoint_id, optim_key)
     model: dict[str, torch.Size] = {}
     for _, md, path in ckpt.entries([(key,)]):
-        if reader.is_tensor_entry(md) and len(path) == 2:
+        if is_tensor_entry(md) and len(path) == 2:
             model[str(path[1])] = torch.Size(md.size)  # type: ignore[union-attr]
     if flat:
-        optim = _load_optim_state(checkpoint_id, optim_key, None, tensors=False)
+        optim = load_optim_state(checkpoint_id, optim_key, None, tensors=False)
     else:
         groups = reader.read_entries(checkpoint_id, [(optim_key, "param_groups")])[optim_key]
-        optim = _canonical({"param_groups": groups["param_groups"]}, optim_key)
+        optim = canonical({"param_groups": groups["param_groups"]}, optim_key)
     state: dict[str, list[torch.Size]] = {}
     for _, md, path in ckpt.entries([(optim_key,)]):
-        if reader.is_tensor_entry(md):
-            fqn = _state_fqn(path, flat, optim["param_groups"])
+        if is_tensor_entry(md):
+            fqn = state_fqn(path, flat, optim["param_groups"])
             if fqn is not None:
                 state.setdefault(fqn, []).append(torch.Size(md.size))  # type: ignore[union-attr]
     shapes = {}
-    for fqn in _group_fqns(optim["param_groups"]):
+    for fqn in group_fqns(optim["param_groups"], f"{optim_key}.param_groups"):
         shape = model.get(fqn)
         if shape is None:
             shape = param_shape_from_state(f"{optim_key}.state.{fqn}", state.get(fqn, []))
@@ -174,184 +174,37 @@ def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Si
 
 def dcp_optim_nbytes(checkpoint_id: str | os.PathLike[str], key: str) -> int:
     """Bytes of the tensors saved under `key`, from the metadata alone."""
-    from famp import _dcp_reader as reader
+    from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
-    _check_optim_entries(ckpt.metadata, checkpoint_id, key)
+    check_optim_entries(ckpt.metadata, checkpoint_id, key)
     total = 0
     for _, md, _ in ckpt.entries([(key,)]):
-        if reader.is_tensor_entry(md):
+        if is_tensor_entry(md):
             props, size = md.properties, md.size  # type: ignore[union-attr]
             total += torch.Size(size).numel() * torch.empty((), dtype=props.dtype).element_size()
     return total
 
 
-def _load_optim_state(
+def load_optim_state(
     checkpoint_id: str | os.PathLike[str],
     key: str,
     progress: Callable[[int], None] | None,
     *,
     tensors: bool = True,
 ) -> dict[str, Any]:
-    from famp import _dcp_reader as reader
+    """The canonical full state under `key`; `tensors=False`: no tensors of a flattened state."""
+    from famp._fsdp import dcp_reader as reader
+    from famp._fsdp.dcp_metadata import is_tensor_entry
 
     ckpt = reader.Checkpoint(checkpoint_id)
-    flat = _check_optim_entries(ckpt.metadata, checkpoint_id, key)
+    flat = check_optim_entries(ckpt.metadata, checkpoint_id, key)
     if not flat:
         raw = reader.read_entries(checkpoint_id, [(key,)], progress)[key]
-        return _canonical(raw, key)
+        return canonical(raw, key)
     entries = ckpt.entries([(key,)])
-    wanted = [p for _, md, p in entries if tensors or not reader.is_tensor_entry(md)]
+    wanted = [p for _, md, p in entries if tensors or not is_tensor_entry(md)]
     items = {str(p[1]): v for p, v in reader.iter_entries(ckpt, wanted, progress)}
     model_order = [str(p[1]) for _, _, p in ckpt.entries([("model",)]) if len(p) == 2]
-    return _unflatten(items, key, model_order)
-
-
-def _unflatten(items: dict[str, Any], where: str, model_order: list[str]) -> dict[str, Any]:
-    """The canonical form of a state saved with `flatten_optimizer_state_dict=True`.
-
-    The saved keys are `state.<fqn>.<name>` and `param_groups.<fqn>.<hyperparameter>`.
-    Parameters whose hyperparameters are all equal form one group (the flattened form keeps no
-    group boundaries); groups and parameters follow the model's order where the checkpoint has
-    the model, else the saved order.
-    """
-    hyper: dict[str, dict[str, Any]] = {}
-    for name, value in items.items():
-        if name.startswith("param_groups."):
-            fqn, _, hp_name = name[len("param_groups.") :].rpartition(".")
-            if not fqn or not hp_name:
-                raise ValueError(f"DCP entry '{where}.{name}' names no parameter")
-            hyper.setdefault(fqn, {})[hp_name] = value
-    if not hyper:
-        raise KeyError(f"{where}.param_groups.<fqn>.<name> entries are not in the checkpoint")
-    rank = {fqn: i for i, fqn in enumerate(model_order)}
-    fqns = sorted(hyper, key=lambda f: rank.get(f, len(rank)))  # stable: saved order otherwise
-    by_fqn_len = sorted(fqns, key=len, reverse=True)
-    state: dict[str, dict[str, Any]] = {}
-    for name, value in items.items():
-        if not name.startswith("state."):
-            continue
-        rest = name[len("state.") :]
-        owner = next((f for f in by_fqn_len if rest.startswith(f + ".")), None)
-        if owner is None:
-            raise ValueError(f"DCP entry '{where}.{name}': its parameter is in no param group")
-        sub = rest[len(owner) + 1 :]
-        if "." in sub:
-            raise ValueError(
-                f"DCP entry '{where}.{name}': nested optimizer state ({sub!r}) is not supported"
-            )
-        state.setdefault(owner, {})[sub] = value
-    groups: list[dict[str, Any]] = []
-    for fqn in fqns:
-        hp = dict(sorted(hyper[fqn].items()))
-        same = next((g for g in groups if _same_hyper(g, hp)), None)
-        if same is None:
-            groups.append({**hp, "params": [fqn]})
-        else:
-            same["params"].append(fqn)
-    return _canonical({"state": state, "param_groups": groups}, where)
-
-
-def _same_hyper(group: dict[str, Any], hp: dict[str, Any]) -> bool:
-    other = {k: v for k, v in group.items() if k != "params"}
-    if other.keys() != hp.keys():
-        return False
-    for k, v in hp.items():
-        w = other[k]
-        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
-            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor)):
-                return False
-            if v.dtype != w.dtype or v.shape != w.shape or not torch.equal(v, w):
-                return False
-        elif type(v) is not type(w) or v != w:
-            return False
-    return True
-
-
-def _state_fqn(path: tuple[Any, ...], flat: bool, groups: list[dict[str, Any]]) -> str | None:
-    if not flat:
-        return str(path[2]) if len(path) == 4 and path[1] == "state" else None
-    name = str(path[1])
-    if not name.startswith("state."):
-        return None
-    fqns = sorted(_group_fqns(groups), key=len, reverse=True)
-    return next((f for f in fqns if name[len("state.") :].startswith(f + ".")), None)
-
-
-def _check_optim_entries(metadata: Any, checkpoint_id: str | os.PathLike[str], key: str) -> bool:
-    """Check the entries under `key`; return whether they are in the flattened layout."""
-    from famp import _dcp_reader as reader
-
-    paths = [reader.entry_path(metadata, k) for k in metadata.state_dict_metadata]
-    mine = [p for p in paths if p[0] == key]
-    if not mine:
-        tops = sorted({str(p[0]) for p in paths})
-        raise KeyError(
-            f"key {key!r} is not in DCP checkpoint {os.fspath(checkpoint_id)!r}; "
-            f"its top-level keys are {tops}"
-        )
-    flat = all(len(p) == 2 and str(p[1]).startswith(_FLAT_PREFIXES) for p in mine)
-    if flat:
-        if not any(str(p[1]).startswith("param_groups.") for p in mine):
-            raise KeyError(
-                f"{key}.param_groups.<fqn>.<name> entries are not in DCP checkpoint "
-                f"{os.fspath(checkpoint_id)!r}"
-            )
-        return True
-    for p in mine:
-        if len(p) < 3 or p[1] not in _OPTIM_KEYS:
-            flat_key = ".".join(map(str, p))
-            raise ValueError(
-                f"DCP entry {flat_key!r} (path {p!r}) is not an optimizer state dict entry: "
-                f"expected the paths ({key!r}, 'state', <fqn>, <name>) and ({key!r}, "
-                f"'param_groups', <i>, <name>), or, all flattened, ({key!r}, "
-                f"'state.<fqn>.<name>') and ({key!r}, 'param_groups.<fqn>.<name>')"
-            )
-    if not any(p[1] == "param_groups" for p in mine):
-        raise KeyError(f"{key}.param_groups is not in DCP checkpoint {os.fspath(checkpoint_id)!r}")
-    return False
-
-
-def _canonical(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """Validate and order an optimizer state rebuilt from DCP entries."""
-    groups = raw.get("param_groups")
-    if not isinstance(groups, list) or not groups:
-        raise ValueError(f"{where}.param_groups must be a non-empty list, got {groups!r}")
-    out_groups = []
-    for i, group in enumerate(groups):
-        if not isinstance(group, dict) or "params" not in group:
-            raise KeyError(f"{where}.param_groups.{i} has no 'params' entry, got {group!r}")
-        params = group["params"]
-        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
-            raise ValueError(
-                f"{where}.param_groups.{i}.params must be a list of FQNs, got {params!r}"
-            )
-        hyper = {k: group[k] for k in sorted(group) if k != "params"}
-        out_groups.append({**hyper, "params": list(params)})
-    order = _group_fqns(out_groups, where)
-    state = raw.get("state", {})
-    for fqn, entry in state.items():
-        if fqn not in order:
-            raise ValueError(f"{where}.state.{fqn}: parameter {fqn!r} is in no param group")
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}.state.{fqn} must be a dict, got {type(entry).__name__}")
-    out_state = {fqn: dict(sorted(state[fqn].items())) for fqn in order if fqn in state}
-    return {"state": out_state, "param_groups": out_groups}
-
-
-def _group_fqns(groups: Iterable[dict[str, Any]], where: str = "optim") -> list[str]:
-    order: list[str] = []
-    seen: dict[str, int] = {}
-    for i, group in enumerate(groups):
-        for fqn in group["params"]:
-            if fqn in seen:
-                raise ValueError(
-                    f"{where}.param_groups: parameter {fqn!r} is in groups {seen[fqn]} and {i}"
-                )
-            seen[fqn] = i
-            order.append(fqn)
-    return order
-
-
-for _fn in (load_dcp_optim_state, read_dcp_param_shapes):
-    _fn.__module__ = "famp"
+    return unflatten(items, key, model_order)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from famp._fsdp import clone_value, copy_groups, narrow
-from famp._fsdp_layout import (
+from famp._collectives import dtensor_like, is_dtensor
+from famp._fsdp.layout import (
     FlatSlice,
     FSDP1Layout,
     FSDP2Layout,
@@ -29,25 +29,25 @@ from famp._fsdp_layout import (
     check_layout,
     check_rank,
     chunk_range,
+    flat_slice,
+    flat_units,
+    specs,
 )
-from famp._osd import Kinds, State, check_full, same
-
-__all__ = ["optim_state_dict_to_load"]
+from famp._fsdp.live import check_fsdp2_param
+from famp._fsdp.osd import Kinds, State, check_full, same
+from famp._fsdp.rekey import optimizer_params
+from famp._fsdp.shard import clone_value, copy_groups, narrow
 
 
 def _optimizer_groups(optimizer: object, n_groups: int) -> list[list[torch.Tensor]] | None:
     if optimizer is None:
         return None
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, list):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
+    groups = optimizer_params(optimizer)
     if len(groups) != n_groups:
         raise ValueError(
             f"the optimizer has {len(groups)} param groups but osd['param_groups'] has {n_groups}"
         )
-    return [list(g["params"]) for g in groups]
+    return groups
 
 
 def _entries(
@@ -58,10 +58,10 @@ def _entries(
         return [(repr(f), [f], [layout.local_shape(f, rank)]) for f in names]
     entries: list[tuple[str, list[str], list[Shape]]] = []
     if layout.use_orig_params and layout.world_size == 1:  # NO_SHARD: original shapes
-        return [(repr(f), [f], [layout._specs[f][0]]) for f in names]
+        return [(repr(f), [f], [specs(layout)[f][0]]) for f in names]
     if not layout.use_orig_params:  # one flat parameter per unit
-        for unit in dict.fromkeys(layout._slices[f].unit for f in names):
-            fqns = [s.fqn for s in layout._flat[unit][0]]
+        for unit in dict.fromkeys(flat_slice(layout, f).unit for f in names):
+            fqns = [s.fqn for s in flat_units(layout)[unit][0]]
             entries.append((f"FSDP unit {unit}", fqns, [(layout.flat_numel(unit),)]))
         return entries
     for fqn in names:
@@ -90,13 +90,9 @@ def _keys(
         group_keys.append([])
         for i, (label, fqns, shapes) in enumerate(entries):
             param = None if opt is None else opt[g][i]
-            if param is not None and _is_dtensor(param):  # FSDP2: local shape, placement, mesh
-                from famp import _distributed  # the one module that talks to torch.distributed
-
+            if param is not None and is_dtensor(param):  # FSDP2: local shape, placement, mesh
                 assert isinstance(layout, FSDP2Layout)
-                _distributed.check_fsdp2_param(
-                    param, fqns[0], *layout._specs[fqns[0]], layout, rank
-                )
+                check_fsdp2_param(param, fqns[0], *specs(layout)[fqns[0]], layout, rank)
             elif param is not None and tuple(param.shape) not in shapes:
                 raise ValueError(
                     f"the optimizer's parameter for {label} on rank {rank} has shape "
@@ -132,7 +128,7 @@ def _flat_state(
     state: State, unit: int, layout: FSDP1Layout, rank: int, kinds: Kinds, copy: bool
 ) -> dict[str, Any]:
     """The rank's flat state of one FSDP1 unit (`use_orig_params=False`) that has state."""
-    slices, numel = layout._flat[unit]
+    slices, numel = flat_units(layout)[unit]
     have = [s.fqn for s in slices if s.fqn in state]
     names = list(state[have[0]])
     for fqn in have[1:]:
@@ -203,23 +199,9 @@ def _chunk(
     return value.clone() if copy else value
 
 
-def _is_dtensor(param: torch.Tensor) -> bool:
-    return hasattr(param, "device_mesh") and hasattr(param, "to_local")
-
-
-def _wrap_like(value: Any, param: torch.Tensor | None) -> Any:
+def _wrap_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """A local chunk as a DTensor placed like the FSDP2 parameter `param`, if it is one."""
-    if param is None or not _is_dtensor(param):
-        return value
-    dtensor: Any = type(param)
-    return dtensor.from_local(
-        value,
-        getattr(param, "device_mesh"),  # noqa: B009 (mypy: a plain Tensor has no mesh)
-        getattr(param, "placements"),  # noqa: B009
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return value if param is None or not is_dtensor(param) else dtensor_like(param, value)
 
 
 def optim_state_dict_to_load(
@@ -288,7 +270,7 @@ def optim_state_dict_to_load(
     out: dict[int, dict[str, Any]] = {}
     if isinstance(layout, FSDP2Layout):
         for fqn, entry in state.items():
-            shape, dim = layout._specs[fqn]
+            shape, dim = specs(layout)[fqn]
             start, length = chunk_range(shape[dim], layout.world_size, rank)
             out[key_of[fqn]] = {
                 k: _wrap_like(_chunk(v, shape, dim, start, length, copy), params[key_of[fqn]])
@@ -303,13 +285,10 @@ def optim_state_dict_to_load(
                 out[key_of[fqn]] = local
     else:
         for fqn in state:
-            unit = layout._slices[fqn].unit
+            unit = flat_slice(layout, fqn).unit
             if key_of[fqn] not in out:
                 out[key_of[fqn]] = _flat_state(state, unit, layout, rank, kinds, copy)
     param_groups = copy_groups(groups, copy)
     for group, keys in zip(param_groups, group_keys, strict=True):
         group["params"] = keys
     return {"state": dict(sorted(out.items())), "param_groups": param_groups}
-
-
-optim_state_dict_to_load.__module__ = "famp"

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import famp
-from tests.fsdp_helpers import assert_same_osd
+from tests.fsdp.fsdp_helpers import assert_same_osd
 from tests.helpers import assert_bitwise_equal
 
 RANKS = [(w, r) for w in range(1, 9) for r in range(w)]

@@ -1,7 +1,7 @@
 """``famp-reshard`` through ``main(argv)`` and as a process: formats, summaries, errors, atomicity.
 
-Its agreement with real FSDP2 + DCP on every rank is in tests/test_dcp.py; here the inputs are a
-real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=True)``), saved with
+Its agreement with real FSDP2 + DCP on every rank is in tests/fsdp/test_dcp.py; here the inputs are
+a real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=True)``), saved with
 ``torch.save`` and single-process ``dcp.save``.
 """
 
@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import famp
-from famp._cli import main
-from tests.helpers import assert_bitwise_equal
+from famp._fsdp.cli import main
+from tests.fsdp.fsdp_helpers import assert_osd_bitwise_equal, assert_same_tree, load_dict
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _trained() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -69,21 +69,6 @@ def dcp_dir(tmp_path: pathlib.Path, trained: tuple[dict[str, Any], dict[str, Any
     return str(path)
 
 
-def _load(path: pathlib.Path | str) -> dict[str, Any]:
-    obj = torch.load(path, weights_only=True)
-    assert isinstance(obj, dict)
-    return obj
-
-
-def _assert_same_osd(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert list(actual["state"]) == list(expected["state"])
-    for fqn, entry in expected["state"].items():
-        assert sorted(actual["state"][fqn]) == sorted(entry)
-        for name, value in entry.items():
-            assert_bitwise_equal(actual["state"][fqn][name], value)
-    assert actual["param_groups"] == expected["param_groups"]
-
-
 def _shapes(osd: dict[str, Any]) -> dict[str, torch.Size]:
     return {f: e["exp_avg"].shape for f, e in osd["state"].items()}
 
@@ -107,8 +92,8 @@ def test_rank_files_are_compact_shards_and_round_trip(
     assert sorted(os.listdir(out)) == ["rank00000.pt", "rank00001.pt", "rank00002.pt"]
     layout = famp.fsdp2_layout(_shapes(full), 3)
     for rank in range(3):
-        shard = _load(out / f"rank{rank:05d}.pt")
-        _assert_same_osd(shard, famp.shard_optim_state(full, layout, rank))
+        shard = load_dict(out / f"rank{rank:05d}.pt")
+        assert_osd_bitwise_equal(shard, famp.shard_optim_state(full, layout, rank))
         for entry in shard["state"].values():  # saved compact, not the full storage of a view
             exp_avg = entry["exp_avg"]
             assert exp_avg.dtype == torch.float32
@@ -116,7 +101,7 @@ def test_rank_files_are_compact_shards_and_round_trip(
     back = tmp_path / "back.pt"
     files = [str(out / f"rank{r:05d}.pt") for r in range(3)]
     assert main([*files, "--full", str(back)]) == 0
-    _assert_same_osd(_load(back), full)
+    assert_osd_bitwise_equal(load_dict(back), full)
     assert _leftovers(tmp_path) == []
 
 
@@ -146,8 +131,8 @@ def test_dcp_to_torch_save_output_is_a_source_too(
         expected = famp.shard_optim_state(
             trained[1], famp.fsdp2_layout(_shapes(trained[1]), 2), rank
         )
-        _assert_same_osd(_load(out / f"rank{rank:05d}.pt"), expected)
-        _assert_same_osd(_load(from_dcp / f"rank{rank:05d}.pt"), expected)
+        assert_osd_bitwise_equal(load_dict(out / f"rank{rank:05d}.pt"), expected)
+        assert_osd_bitwise_equal(load_dict(from_dcp / f"rank{rank:05d}.pt"), expected)
 
 
 def test_progress_bar_goes_to_stderr(
@@ -241,18 +226,10 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
 def test_a_failure_while_writing_leaves_nothing(
     tmp_path: pathlib.Path, full_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = torch.save
-    calls = []
-
-    def failing_save(obj: object, path: Any) -> None:
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        real_save(obj, path)
-
+    failing_save = _fail_on_second(torch.save)
     monkeypatch.setattr(torch, "save", failing_save)
     assert main([full_file, "-n", "3", "-o", str(tmp_path / "o")]) == 1
-    assert len(calls) == 2
+    assert len(failing_save.calls) == 2
     assert sorted(os.listdir(tmp_path)) == ["optim.pt"]
 
 
@@ -340,24 +317,6 @@ def test_python_m_famp_reshard_runs_as_a_process(tmp_path: pathlib.Path, dcp_dir
     assert "Traceback" not in bad.stderr
 
 
-def _assert_same_tree(actual: Any, expected: Any, where: str = "") -> None:
-    """Same nested structure and key order, same types, tensors of the same dtype bit for bit."""
-    assert type(actual) is type(expected), where
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key, value in expected.items():
-            _assert_same_tree(actual[key], value, f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            _assert_same_tree(a, e, f"{where}.{i}")
-    elif isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, where
-        assert_bitwise_equal(actual, expected)
-    else:
-        assert actual == expected, where
-
-
 @pytest.mark.parametrize(
     ("max_memory", "workers"), [(None, None), ("1K", None), ("0.5M", None), (None, 3), ("1K", 2)]
 )
@@ -391,7 +350,7 @@ def test_full_from_dcp_equals_dcp_to_torch_save(
     argv += [] if max_memory is None else ["--max-memory", max_memory]
     assert main(argv + ([] if workers is None else ["--workers", str(workers)])) == 0
     expected = torch.load(tmp_path / "torch.pt", weights_only=True)
-    _assert_same_tree(torch.load(tmp_path / "famp.pt", weights_only=True), expected)
+    assert_same_tree(torch.load(tmp_path / "famp.pt", weights_only=True), expected)
     import zipfile
 
     with zipfile.ZipFile(tmp_path / "famp.pt") as zf:
@@ -417,7 +376,8 @@ def test_full_from_dcp_with_rank_files_writes_both_or_nothing(
 
 
 def _fail_on_second(real_save: Any) -> Any:
-    calls = []
+    """`real_save` that raises ENOSPC on its second call; `.calls` lists the paths it was given."""
+    calls: list[Any] = []
 
     def failing_save(obj: object, path: Any) -> None:
         calls.append(path)
@@ -425,18 +385,19 @@ def _fail_on_second(real_save: Any) -> Any:
             raise OSError(28, "No space left on device")
         real_save(obj, path)
 
+    failing_save.calls = calls  # type: ignore[attr-defined]
     return failing_save
 
 
 def test_interrupted_streaming_leaves_nothing(
     tmp_path: pathlib.Path, dcp_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from famp import _dcp_reader
+    from famp._fsdp import dcp_reader
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_dcp_reader.Checkpoint, "read_chunk", interrupted)
+    monkeypatch.setattr(dcp_reader.Checkpoint, "read_chunk", interrupted)
     before = sorted(os.listdir(tmp_path))
     for argv in (
         [dcp_dir, "--full", str(tmp_path / "f.pt")],
@@ -453,9 +414,9 @@ def test_interrupted_streaming_leaves_nothing(
     ("text", "nbytes"), [("512M", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536), ("4096", 4096)]
 )
 def test_max_memory_sizes(text: str, nbytes: int) -> None:
-    from famp._cli import _size
+    from famp._fsdp.cli import parse_size
 
-    assert _size(text) == nbytes
+    assert parse_size(text) == nbytes
 
 
 def test_max_memory_with_whole_state_outputs_is_a_usage_error(

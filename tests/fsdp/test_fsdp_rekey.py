@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import famp
-from tests.fsdp_helpers import assert_same_osd
+from tests.fsdp.fsdp_helpers import assert_same_osd
 
 
 class Tied(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 
 import famp
-from tests.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
+from tests.fsdp.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
 
 
 def _is_shard(value: Any) -> bool:

@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from famp._fsdp_layout import FSDP2Layout, Layout, check_layout, check_rank, chunk_range
-from famp._osd import Groups, State, check_full, check_shards
-
-__all__ = ["reshard_optim_state", "shard_optim_state", "unshard_optim_state"]
+from famp._collectives import check_mesh, shard_as_dtensor
+from famp._fsdp.layout import (
+    FSDP2Layout,
+    Layout,
+    check_layout,
+    check_rank,
+    chunk_range,
+    specs,
+)
+from famp._fsdp.osd import Groups, State, check_full, check_shards
 
 
 def clone_value(value: Any, copy: bool) -> Any:
@@ -102,12 +108,10 @@ def shard_optim_state(
     if mesh is not None:
         if not isinstance(layout, FSDP2Layout):
             raise ValueError("mesh applies to FSDP2 layouts only, got a famp.FSDP1Layout")
-        from famp import _collectives  # collectives and DTensors, loaded only with a mesh
-
-        mesh = _collectives.check_mesh(mesh, layout.world_size, rank)
+        mesh = check_mesh(mesh, layout.world_size, rank)
     out: State = {}
     for fqn, entry in state.items():
-        shape, dim = layout._specs[fqn]
+        shape, dim = specs(layout)[fqn]
         start, length = chunk_range(shape[dim], layout.world_size, rank)
         out[fqn] = {}
         for key, value in entry.items():
@@ -116,7 +120,7 @@ def shard_optim_state(
                 continue
             piece = narrow(value, dim, start, length, copy)
             if mesh is not None:
-                piece = _collectives.shard_as_dtensor(piece, mesh, dim, shape)
+                piece = shard_as_dtensor(piece, mesh, dim, shape)
             out[fqn][key] = piece
     return {"state": out, "param_groups": copy_groups(groups, copy)}
 
@@ -156,7 +160,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
     states, groups, kinds = check_shards(shards, layout, "shards")
     out: State = {}
     for fqn, entry in states[0].items():
-        dim = layout._specs[fqn][1]
+        dim = specs(layout)[fqn][1]
         out[fqn] = {
             key: torch.cat([s[fqn][key] for s in states], dim)
             if kinds.get((fqn, key))
@@ -170,8 +174,8 @@ def _new_chunks(
     pieces: list[torch.Tensor], old: Layout, new: Layout, fqn: str, copy: bool
 ) -> list[torch.Tensor]:
     """One parameter's state tensor moved from `old`'s chunks to `new`'s, one per new rank."""
-    shape, old_dim = old._specs[fqn]
-    new_dim = new._specs[fqn][1]
+    shape, old_dim = specs(old)[fqn]
+    new_dim = specs(new)[fqn][1]
     size = shape[new_dim]
     if old_dim != new_dim:  # only this parameter is gathered
         full = torch.cat(pieces, old_dim)
@@ -236,8 +240,8 @@ def reshard_optim_state(
     """
     old_layout = check_layout(old_layout, "old_layout")
     new_layout = check_layout(new_layout, "new_layout")
-    old_shapes = {f: s for f, (s, _) in old_layout._specs.items()}
-    new_shapes = {f: s for f, (s, _) in new_layout._specs.items()}
+    old_shapes = {f: s for f, (s, _) in specs(old_layout).items()}
+    new_shapes = {f: s for f, (s, _) in specs(new_layout).items()}
     if old_shapes != new_shapes:
         for fqn in [*old_shapes, *new_shapes]:
             if old_shapes.get(fqn) != new_shapes.get(fqn):
@@ -259,7 +263,3 @@ def reshard_optim_state(
             for out, chunk in zip(outs, chunks, strict=True):
                 out[fqn][key] = chunk
     return [{"state": out, "param_groups": copy_groups(groups, copy)} for out in outs]
-
-
-for _fn in (shard_optim_state, unshard_optim_state, reshard_optim_state):
-    _fn.__module__ = "famp"

@@ -1,6 +1,6 @@
 """famp against real FSDP2 (``fully_shard``) and FSDP1 on 2 and 3 gloo ranks, bit for bit.
 
-One job per world size (tests/fsdp_worker.py) records what torch produced on every rank; these
+One job per world size (tests/fsdp/fsdp_worker.py) records what torch produced on every rank; these
 tests recompute the same things with famp in this process and compare.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import famp
-from tests.fsdp_helpers import assert_same_osd
+from tests.fsdp.fsdp_helpers import assert_same_osd
 from tests.helpers import assert_bitwise_equal
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import hypothesis.strategies as st
@@ -33,6 +34,52 @@ def assert_same_osd(actual: Any, expected: Any, where: str = "osd") -> None:
     else:
         assert type(actual) is type(expected), (where, actual, expected)
         assert actual == expected, (where, actual, expected)
+
+
+def assert_same_tree(actual: Any, expected: Any, where: str = "") -> None:
+    """Same nested structure and key order, same types, tensors of the same dtype bit for bit."""
+    assert type(actual) is type(expected), where
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key, value in expected.items():
+            assert_same_tree(actual[key], value, f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_tree(a, e, f"{where}.{i}")
+    elif isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, where
+        assert_bitwise_equal(actual, expected)
+    else:
+        assert actual == expected, where
+
+
+def assert_osd_bitwise_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Same FQNs in the same order, same state names, tensors bit for bit, equal param_groups."""
+    assert list(actual["state"]) == list(expected["state"])
+    for fqn, entry in expected["state"].items():
+        assert sorted(actual["state"][fqn]) == sorted(entry), fqn
+        for name, value in entry.items():
+            assert_bitwise_equal(actual["state"][fqn][name], value)
+    assert actual["param_groups"] == expected["param_groups"]
+
+
+def load_dict(path: pathlib.Path | str) -> dict[str, Any]:
+    """`torch.load(path, weights_only=True)`, which must be a dict."""
+    obj = torch.load(path, weights_only=True)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def two_group_osd() -> dict[str, Any]:
+    """A full state dict: `w` (4, 3) and `b` (4,) with random `exp_avg`, in two param groups."""
+    return {
+        "state": {
+            "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
+            "b": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)},
+        },
+        "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
+    }
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]

@@ -1,7 +1,7 @@
 """One multi-process job recording what real FSDP2 and FSDP1 produce, for test_fsdp_real.py.
 
-Run as ``python tests/fsdp_worker.py WORLD_SIZE OUT_DIR PORT``: it spawns WORLD_SIZE gloo ranks on
-127.0.0.1, trains small models with odd sizes (so that some ranks hold empty shards) under
+Run as ``python tests/fsdp/fsdp_worker.py WORLD_SIZE OUT_DIR PORT``: it spawns WORLD_SIZE gloo
+ranks on 127.0.0.1, trains small models with odd sizes (so that some ranks hold empty shards) under
 ``fully_shard`` and ``FullyShardedDataParallel``, and writes what torch produced on each rank to
 ``OUT_DIR/rank{r}.pt``. Process start-up dominates the cost, so one job covers every configuration;
 pytest then compares famp against these records. A few checks need the live objects (loading
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import famp
 
