@@ -92,3 +92,21 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def assert_trees_bitwise_equal(actual: object, expected: object, *, autograd: bool = False) -> None:
+    """Equal structure (optree), tensor leaves bitwise equal, other leaves `==`.
+
+    With `autograd`, tensors must also agree on `requires_grad`.
+    """
+    import optree
+
+    leaves, spec = optree.tree_flatten(actual, none_is_leaf=True)  # type: ignore[arg-type]
+    expected_leaves, expected_spec = optree.tree_flatten(expected, none_is_leaf=True)  # type: ignore[arg-type]
+    assert spec == expected_spec
+    for a, e in zip(leaves, expected_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert_bitwise_equal(a, e)
+            assert not autograd or a.requires_grad == e.requires_grad
+        else:
+            assert a == e

@@ -287,13 +287,9 @@ def run_all(rank: int, world_size: int, out: str) -> None:
 
 
 def run(rank: int, world_size: int, out: str, port: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=TIMEOUT,
-    )
+    from tests.helpers import init_gloo
+
+    init_gloo(rank, world_size, port)
     try:
         run_all(rank, world_size, out)
     finally:

@@ -10,7 +10,6 @@ famp's result into a real optimizer, ``famp.layout_of``); their inputs and outpu
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import warnings
@@ -306,13 +305,9 @@ def run_fsdp1(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    from tests.helpers import init_gloo
+
+    init_gloo(rank, world_size, port)
     # torch's own deprecation chatter (FSDP.state_dict_type, _get_pg_default_device)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -18,7 +18,7 @@ from torch.nn import functional
 
 import famp
 from famp._compat import functorch_transforms_active
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, assert_trees_bitwise_equal
 
 POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
 
@@ -41,18 +41,6 @@ def oracle(
     grads, (loss, aux) = torch.func.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
     grads, found_inf = famp.unscale_and_check(state, grads)
     return ((loss, aux) if has_aux else loss), grads, found_inf
-
-
-def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
-    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
-    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec
-    for a, e in zip(a_leaves, e_leaves, strict=True):
-        if isinstance(e, torch.Tensor):
-            assert_bitwise_equal(a, e)
-            assert a.requires_grad == e.requires_grad
-        else:
-            assert a == e
 
 
 def cnn() -> torch.nn.Module:
@@ -111,8 +99,8 @@ def test_eager_value_and_grad_equals_torch_func_grad_bitwise(
     expected_value, expected_grads, expected_found = oracle(
         loss_fn, state, argnums, has_aux, params, x, y=y
     )
-    assert_trees_bitwise_equal(value, expected_value)
-    assert_trees_bitwise_equal(grads, expected_grads)
+    assert_trees_bitwise_equal(value, expected_value, autograd=True)
+    assert_trees_bitwise_equal(grads, expected_grads, autograd=True)
     assert_bitwise_equal(found_inf, expected_found)
     assert found_inf.item() == float(overflow)
     assert_bitwise_equal(new_state.scale, famp.update_scale(state, expected_found).scale)
@@ -132,8 +120,8 @@ def test_unused_inputs_and_a_loss_independent_of_them_get_zeros_as_torch_func_gr
     for fn, args, argnums in ((uses_only_b, (a, b), (0, 1)), (constant, (a,), 0)):
         value, grads, found_inf, _ = famp.value_and_grad(fn, argnums)(state, *args)
         expected_value, expected_grads, expected_found = oracle(fn, state, argnums, False, *args)
-        assert_trees_bitwise_equal(value, expected_value)
-        assert_trees_bitwise_equal(grads, expected_grads)
+        assert_trees_bitwise_equal(value, expected_value, autograd=True)
+        assert_trees_bitwise_equal(grads, expected_grads, autograd=True)
         assert_bitwise_equal(found_inf, expected_found)
 
 

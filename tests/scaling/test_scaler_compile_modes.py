@@ -21,7 +21,7 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, assert_trees_bitwise_equal
 from tests.scaling.test_scaler import torch_unscale, torch_update
 from tests.scaling.test_scaler_unscale import _INT_OF, random_bits
 
@@ -118,17 +118,6 @@ def run_in(
     if mode in ("static", "recompile"):
         assert recorder.dynamic[0] is False, (mode, recorder.dynamic)
     return calls
-
-
-def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
-    leaves, spec = optree.tree_flatten(actual, none_is_leaf=True)
-    expected_leaves, expected_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert spec == expected_spec
-    for a, e in zip(leaves, expected_leaves, strict=True):
-        if isinstance(e, torch.Tensor):
-            assert_bitwise_equal(a, e)
-        else:
-            assert a == e
 
 
 # --- scale, unscale_and_check (with and without donate), update_scale, all_finite, select_tree,
