@@ -85,8 +85,8 @@ def explain(
             `module_rules`, `track_casts`); `compile` may only be `False` or `None`.
 
     Returns:
-        A function with `fn`'s arguments returning `(fn's output as famp.autocast returns it,
-        trace)`.
+        A function with `fn`'s arguments returning a pair: `fn`'s output as `famp.autocast`
+        returns it, and the `famp.Trace`.
 
     Raises:
         ValueError: `compile=True`; and every error `famp.autocast` raises for its arguments.

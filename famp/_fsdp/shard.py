@@ -137,8 +137,8 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
         layout: the layout the shards were taken with.
 
     Returns:
-        The full state dict, equal to `get_optimizer_state_dict(model, optim,
-        options=StateDictOptions(full_state_dict=True))`.
+        The full state dict, equal to what `get_optimizer_state_dict` returns with
+        `StateDictOptions(full_state_dict=True)`.
 
     Raises:
         KeyError: a name that is not in the layout.
