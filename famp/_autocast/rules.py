@@ -159,7 +159,9 @@ class OpRules(Mapping[str, str]):
         return self.table()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (dict(self._rules), self._device_type))
+        # Through the public names only (`famp.OpRules.from_dict`), so pickles outlive any
+        # reorganization of famp's private modules.
+        return (OpRules.from_dict, (self.to_dict(),))
 
     def lookup(self, packet: str, overload: str = "default") -> Rule:
         """The rule for one overload: its own key first, then the packet key, else `"keep"`.
@@ -299,7 +301,3 @@ class OpRules(Mapping[str, str]):
                 lines.append(f"{rule:<22} {body[0]}")
                 lines.extend(" " * 23 + line for line in body[1:])
         return "\n".join(lines)
-
-
-def _rebuild(rules: dict[str, str], device_type: str) -> OpRules:
-    return OpRules(rules, device_type=device_type)

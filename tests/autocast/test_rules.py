@@ -659,3 +659,14 @@ def test_rules_data_holds_the_tables_in_the_form_the_generator_writes() -> None:
             base = famp_tables.by_key(TABLES[rules_data.BASE_RELEASE][device])
             changes = famp_tables.changes_between(base, famp_tables.by_key(table))
             assert by_device.get(device, {}) == changes
+
+
+@pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
+def test_a_pickle_names_public_famp_only(protocol: int) -> None:
+    # A pickle that named a private module would not load after famp reorganizes its internals
+    # (as one made before famp/_autocast/ existed, naming famp._rules, no longer does).
+    rules = famp.default_rules("cpu").override({"mm": "float32"})
+    data = pickle.dumps(rules, protocol=protocol)
+    assert b"famp._" not in data
+    assert b"_autocast" not in data
+    assert pickle.loads(data) == rules
