@@ -212,3 +212,37 @@ def test_an_aux_with_a_non_tensor_leaf_is_refused_on_every_path() -> None:
         step(famp.init_scaler(), torch.ones(2))
     with pytest.raises(TypeError, match="aux must be a pytree of tensors"):
         torch.func.vmap(step, in_dims=(None, 0))(famp.init_scaler(), torch.ones(3, 2))
+
+
+class OptreePair:
+    """A container of two tensors registered with optree only (as JAX-style code may do)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+optree.register_pytree_node(
+    OptreePair,  # type: ignore[arg-type]
+    lambda p: ((p.a, p.b), None, None),
+    lambda _, leaves: OptreePair(*leaves),
+    namespace="famp-tests",
+)
+
+
+def test_arguments_flatten_as_torch_func_grad_flattens_them() -> None:
+    # Why grad.py walks the differentiated arguments with torch's pytree, not optree:
+    # torch.func.grad (the path under vmap and torch.compile) flattens them with torch's pytree,
+    # so a container only optree knows is refused there; the eager path must refuse it too,
+    # not accept eagerly what the same step refuses once compiled.
+    state = famp.init_scaler(2.0**8)
+
+    def loss_fn(p: OptreePair) -> torch.Tensor:
+        return (p.a * p.b).sum()
+
+    p = OptreePair(torch.randn(3), torch.randn(3))
+    assert len(optree.tree_leaves(p, namespace="famp-tests")) == 2  # optree sees the tensors
+    with pytest.raises(ValueError, match="must be Tensor") as from_torch:
+        oracle(loss_fn, state, 0, False, p)
+    with pytest.raises(ValueError, match="must be Tensor") as from_famp:
+        famp.value_and_grad(loss_fn)(state, p)
+    assert str(from_famp.value) == str(from_torch.value)
