@@ -1,0 +1,97 @@
+"""Compile time of a fullgraph step: famp.value_and_grad + skip_on_overflow ÷ torch.func.grad.
+
+Each candidate compiles, in a fresh process (inductor's caches off), a step over N square
+float32 parameters (a tanh chain, batch 8) and reports its first call, which is almost all
+compilation:
+
+- `plain`: `torch.func.grad` and an SGD update (no loss scaling).
+- `famp`: `famp.value_and_grad`, the SGD update, `famp.skip_on_overflow`.
+- `famp, no skip`: the same without `skip_on_overflow`.
+- `famp, torch.where skip`: the skip written by hand as one `torch.where` per parameter.
+
+Run: python benchmarks/bench_compile_time.py [--configs 60x64,40x1024]  (about 3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = ("plain", "famp", "famp, no skip", "famp, torch.where skip")
+
+
+def child(variant: str, n: int, size: int) -> None:
+    """Compile and call the step once; print the seconds the first call took."""
+    import torch
+
+    import famp
+
+    torch.set_num_threads(1)
+    params = {f"w{i}": torch.randn(size, size) * 0.01 for i in range(n)}
+    x = torch.randn(8, size)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(n):
+            h = torch.tanh(h @ p[f"w{i}"])
+        return h.square().mean()
+
+    def step(p: dict[str, torch.Tensor], state: famp.ScalerState, x: torch.Tensor) -> object:
+        if variant == "plain":
+            g = torch.func.grad(loss_fn)(p, x)
+            return {k: p[k] - 0.1 * g[k] for k in p}, state
+        _, g, found_inf, state = famp.value_and_grad(loss_fn)(state, p, x)
+        new = {k: p[k] - 0.1 * g[k] for k in p}
+        if variant == "famp":
+            new = famp.skip_on_overflow(found_inf, new, p)
+        elif variant == "famp, torch.where skip":
+            keep = found_inf == 0
+            new = {k: torch.where(keep, new[k], p[k]) for k in p}
+        return new, state
+
+    compiled = torch.compile(step, fullgraph=True)
+    start = time.perf_counter()
+    compiled(params, famp.init_scaler(2.0**10), x)
+    print(time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="60x64,40x1024", help="NxSIZE, comma-separated")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        return
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+    )
+    print("first call of a fresh process (s); 1 thread, inductor caches off\n")
+    print("| parameters | " + " | ".join(VARIANTS) + " | famp ÷ plain |")
+    print("|---" * (len(VARIANTS) + 2) + "|")
+    for config in args.configs.split(","):
+        n, size = (int(v) for v in config.split("x"))
+        seconds = {}
+        for variant in VARIANTS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", variant, str(n), str(size)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+            )
+            seconds[variant] = float(out.stdout.strip().splitlines()[-1])
+        cells = " | ".join(f"{seconds[v]:.1f}" for v in VARIANTS)
+        ratio = seconds["famp"] / seconds["plain"]
+        print(f"| {n} × {size}×{size} | {cells} | {ratio:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
