@@ -36,9 +36,9 @@ def eager_grad(
     """`torch.func.grad(fn, argnums, has_aux=True)(*args, **kwargs)`, or `None` where it must run.
 
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
-    active, in inference mode, for an `argnums` out of range, and when a differentiated leaf is
-    not a floating tensor or already requires grad: `torch.func.grad` then gives its own
-    results or errors. Runs `fn` once in every other case. The pytree is torch's, as
+    active, in inference mode, for an `argnums` out of range or repeated, and when a
+    differentiated leaf is not a floating tensor or already requires grad: `torch.func.grad`
+    then gives its own results or errors. Runs `fn` once in every other case. The pytree is torch's, as
     `torch.func.grad` flattens the arguments and the aux with it.
     """
     if (
@@ -49,6 +49,8 @@ def eager_grad(
         return None
     picked = (argnums,) if isinstance(argnums, int) else argnums
     if not all(-len(args) <= i < len(args) for i in picked):
+        return None
+    if len({i % len(args) for i in picked}) != len(picked):  # repeated: torch.func.grad refuses
         return None
     chosen = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
     leaves, spec = torch_pytree.tree_flatten(chosen)

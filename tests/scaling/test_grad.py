@@ -246,3 +246,18 @@ def test_arguments_flatten_as_torch_func_grad_flattens_them() -> None:
     with pytest.raises(ValueError, match="must be Tensor") as from_famp:
         famp.value_and_grad(loss_fn)(state, p)
     assert str(from_famp.value) == str(from_torch.value)
+
+
+@pytest.mark.parametrize("argnums", [(0, 0), (0, -2), 2, (1, 5)])
+def test_argnums_that_torch_func_grad_refuses_are_refused_eagerly_too(argnums: Any) -> None:
+    # Repeated (also through a negative index) or out of range: the eager path must not answer
+    # where torch.func.grad raises (a repeated argnum would silently get zero gradients).
+    def loss_fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sum()
+
+    args = (torch.ones(2), torch.full((2,), 3.0))
+    with pytest.raises(RuntimeError) as from_torch:
+        oracle(loss_fn, famp.init_scaler(4.0), argnums, False, *args)
+    with pytest.raises(RuntimeError) as from_famp:
+        famp.value_and_grad(loss_fn, argnums)(famp.init_scaler(4.0), *args)
+    assert str(from_famp.value) == str(from_torch.value)
