@@ -38,8 +38,8 @@ def eager_grad(
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
     active, in inference mode, for an `argnums` out of range or repeated, and when a
     differentiated leaf is not a floating tensor or already requires grad: `torch.func.grad`
-    then gives its own results or errors. Runs `fn` once in every other case. The pytree is torch's, as
-    `torch.func.grad` flattens the arguments and the aux with it.
+    then gives its own results or errors. Runs `fn` once in every other case. The pytree is
+    torch's, as `torch.func.grad` flattens the arguments and the aux with it.
     """
     if (
         torch.compiler.is_compiling()
