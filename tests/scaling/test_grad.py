@@ -261,3 +261,41 @@ def test_argnums_that_torch_func_grad_refuses_are_refused_eagerly_too(argnums: A
     with pytest.raises(RuntimeError) as from_famp:
         famp.value_and_grad(loss_fn, argnums)(famp.init_scaler(4.0), *args)
     assert str(from_famp.value) == str(from_torch.value)
+
+
+def _checkpointed_loss(reentrant: bool | None) -> Callable[..., torch.Tensor]:
+    from torch.utils.checkpoint import checkpoint
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if reentrant is None:
+            h = torch.tanh(x @ p["a"])
+        else:
+            h = checkpoint(lambda h: torch.tanh(h @ p["a"]), x, use_reentrant=reentrant)
+        return (h @ p["b"]).square().sum()
+
+    return loss_fn
+
+
+def test_a_non_reentrant_checkpoint_gives_the_gradients_of_no_checkpoint() -> None:
+    # torch.func.grad refuses saved-tensor hooks; eagerly famp differentiates through them, and
+    # the gradients must be those of the same loss without checkpointing, bit for bit.
+    gen = torch.Generator().manual_seed(0)
+    p = {"a": torch.randn(4, 4, generator=gen), "b": torch.randn(4, 4, generator=gen)}
+    x, state = torch.randn(3, 4, generator=gen), famp.init_scaler(2.0**8)
+    value, grads, found_inf, _ = famp.value_and_grad(_checkpointed_loss(False))(state, p, x)
+    e_value, e_grads, e_found = oracle(_checkpointed_loss(None), state, 0, False, p, x)
+    assert_bitwise_equal(value, e_value)
+    assert_trees_bitwise_equal(grads, e_grads, autograd=True)
+    assert_bitwise_equal(found_inf, e_found)
+
+
+def test_a_reentrant_checkpoint_without_grad_inputs_warns_as_torch_does() -> None:
+    # torch's reentrant checkpoint drops the gradients of a block whose inputs do not require
+    # grad (plain backward() leaves them None) and says so; famp passes torch's warning on and
+    # gives the zeros of an unused input (docs/loss-scaling.md). torch.func.grad refuses it.
+    p = {"a": torch.ones(4, 4), "b": torch.ones(4, 4)}
+    x, state = torch.ones(3, 4), famp.init_scaler(2.0**8)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        _, grads, _, _ = famp.value_and_grad(_checkpointed_loss(True))(state, p, x)
+    assert torch.count_nonzero(grads["a"]) == 0
+    assert torch.count_nonzero(grads["b"]) > 0
