@@ -233,6 +233,29 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
 amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finite_check_and_unscale
 
 
+def python_modes_active() -> bool:
+    """Whether a Python torch-function mode or dispatch mode is active on this thread.
+
+    famp's eager fused unscale (`_scaling/fused.py`) calls a function it compiled with
+    `torch.compile`; under a user's mode (a `FlopCounterMode`, a `TorchFunctionMode`) that call
+    would trace or dispatch through the mode, so famp takes the kernel instead. torch has no
+    public query of either mode stack.
+    """
+    return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
+
+
+def dynamo_disabled() -> bool:
+    """Whether `torch.compile` is switched off in this process (`TORCHDYNAMO_DISABLE=1`).
+
+    Then a compiled function runs its Python body op by op; famp's eager fused unscale would be
+    slower than the kernel it replaces, so it keeps the kernel. Only a private config holds it.
+    Imported lazily: `torch._dynamo` is heavy, and only the fused unscale needs it.
+    """
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.disable)
+
+
 # --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
 
 

@@ -1,10 +1,11 @@
 """How `famp.unscale_and_check` unscales one (device, dtype) group: the kernel's exact results.
 
 torch's fused `_amp_foreach_non_finite_check_and_unscale_` kernel is the reference. Out of place
-there are four ways to its results, chosen per call: runs of the kernel's functional variant,
-the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), a min/max and a
-multiply (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`),
-which `torch.func` transforms and inductor need. Each is tested against
+there are five ways to its results, chosen per call: runs of the kernel's functional variant,
+the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), famp's compiled
+one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
+(other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
+`torch.func` transforms and inductor need. Each is tested against
 `GradScaler` bit for bit, NaN bit patterns included. `differentiable_unscale` gives the same
 results with the backward of torch's gradient-penalty recipe; `shared_memory` finds donated
 leaves that must not be unscaled in place.
@@ -22,6 +23,8 @@ from famp._compat import (
     amp_foreach_non_finite_check_and_unscale_,
 )
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
+from famp._scaling import fused
+from famp._scaling.program import NAN_BITS, where_program
 
 
 def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -37,7 +40,9 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     and scalar tail agree, so where chunks end does not matter). Each big dense float16/bfloat16
     tensor gets a read-only min/max (min and max propagate NaN and show infs) followed by one
     multiply, which finds it still in cache and loops over it as the kernel does (at a scale of
-    exactly 1, the kernel: it skips the multiply). Tensors that are not dense take the
+    exactly 1, the kernel: it skips the multiply). Where the big float32/float64 tensors of a
+    call total `fused.MIN_BYTES`, famp's compiled program replaces the chunks: one read and one
+    write per tensor, as a clone (`_unscale_wide`). Tensors that are not dense take the
     functional variant, as on other devices. Compiled, big float32 and float64 tensors get
     the kernel's arithmetic as plain ops, which inductor fuses into one pass per tensor
     (`_compiled`). Results equal the kernel's bit for bit (tested on random bit patterns).
@@ -51,6 +56,7 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     out: list[Tensor] = []
     extremes: list[Tensor] = []
     run: list[Tensor] = []
+    wides: list[int] = []  # where big dense float32/float64 tensors go in `out`
     size = 0
     for x in tensors:
         nbytes = x.numel() * x.element_size()
@@ -59,7 +65,8 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
             found = _unscale_run(run, out, found, inv)
             run, size = [], 0
             if wide:
-                out.append(_chunked(x, found, inv))
+                wides.append(len(out))
+                out.append(x)  # a placeholder: unscaled below, all of them together
                 continue
             extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
             out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32
@@ -70,10 +77,38 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
         run.append(x)
         size += nbytes
     found = _unscale_run(run, out, found, inv)
+    if wides:
+        found = _unscale_wide(out, wides, found, inv)
     if extremes:
         bad = torch.isfinite(torch.stack(extremes)).all().logical_not()
         found = torch.maximum(found, bad.to(torch.float32))
     return out, found
+
+
+def _unscale_wide(out: list[Tensor], wides: list[int], found: Tensor, inv: Tensor) -> Tensor:
+    """Unscale the big dense float32/float64 tensors at `wides` in `out`, in place of them.
+
+    Those of a dtype that total `fused.MIN_BYTES` take famp's compiled one-pass program
+    (`fused.py`); the others, and all of them if that program fails, the kernel a chunk at a
+    time. A one-element tensor (a size `torch.compile` would fix) always takes the kernel.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in wides:
+        if out[i].numel() > 1:
+            by_dtype.setdefault(out[i].dtype, []).append(i)
+    for picked in by_dtype.values():
+        nbytes = sum(out[i].numel() * out[i].element_size() for i in picked)
+        tensors = [out[i] for i in picked]
+        if nbytes >= fused.MIN_BYTES and fused.usable(tensors):
+            result = fused.unscale(tensors, found, inv)
+            if result is not None:
+                new, found = result
+                for i, t in zip(picked, new, strict=True):
+                    out[i] = t
+                wides = [i for i in wides if i not in picked]
+    for i in wides:
+        out[i] = _chunked(out[i], found, inv)
+    return found
 
 
 def _dense(x: Tensor) -> bool:
@@ -138,7 +173,7 @@ def _fuses(x: Tensor) -> bool:
     `x.numel()` is a symbolic int and a size test a symbolic bool, which no identity check or
     branch may read; such tensors take the kernel, whose bits are the same, without a guard.
     """
-    if x.dtype in _NAN_BITS:
+    if x.dtype in NAN_BITS:
         return False
     numel: object = x.numel()
     if not isinstance(numel, int):  # a torch.SymInt: its size is not known while tracing
@@ -161,36 +196,6 @@ def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tenso
 
 
 _CHUNK_BYTES = 1 << 20  # 1 MiB: what the second pass over a chunk or run still finds in cache
-
-
-def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The fused kernel's arithmetic as plain ops: `cast(opmath(x) * inv)`, any non-finite.
-
-    At `inv == 1` the kernel skips the multiply, and so does this (NaN payloads are kept).
-    """
-    out = []
-    for x in tensors:
-        opmath, factor = (
-            (x.double(), inv.double()) if x.dtype == torch.float64 else (x.float(), inv)
-        )
-        wide = torch.where(inv == 1, opmath, opmath * factor)  # at 1 the kernel keeps NaN bits
-        narrow = wide.to(x.dtype)
-        if x.dtype in _NAN_BITS:  # c10's scalar casts write these NaNs; vectorized .to() differs
-            positive, negative = (
-                torch.tensor(b, dtype=torch.int16, device=x.device).view(x.dtype)
-                for b in _NAN_BITS[x.dtype]
-            )
-            # The sign of a NaN input (read off its bits: widening drops it), else the product's.
-            sign = torch.where(torch.isnan(x), x.view(torch.int16) < 0, torch.signbit(wide))
-            nan = torch.where(sign, negative, positive)
-            narrow = torch.where(torch.isnan(wide), nan, narrow)
-        out.append(narrow)
-        found = torch.maximum(found, torch.isfinite(x).all().logical_not().to(found.dtype))
-    return out, found
-
-
-# The NaN bit patterns (for a positive and a negative float32 NaN) of c10's float -> half/bfloat16.
-_NAN_BITS = {torch.float16: (0x7E00, -0x200), torch.bfloat16: (0x7FC0, 0x7FC0)}
 
 
 def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:

@@ -25,8 +25,8 @@ from famp._scaling.kernels import (
     differentiable_unscale,
     out_of_place,
     shared_memory,
-    where_program,
 )
+from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import check_state_first, keystr
 from famp._typing import PyTree, Tensor, TreeT

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given
 
 import famp
+from famp._scaling import fused
 from famp._scaling import kernels as unscale_module
 from famp._scaling import update as update_module
 from tests.helpers import assert_bitwise_equal
@@ -198,9 +200,25 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     return grads
 
 
-# famp unscales small tensors with the kernel itself and big ones (above _CHUNK_BYTES) with a
-# multiply plus a min/max check: run the differential tests through both paths.
-PATHS = [pytest.param(1 << 20, id="small-path"), pytest.param(0, id="big-path")]
+# Eagerly, famp unscales small tensors with the kernel itself; big ones (above _CHUNK_BYTES) with
+# the kernel a chunk at a time (float32/float64) or a min/max and a multiply (halves); and, where
+# the big float32/float64 ones total fused.MIN_BYTES, with its compiled one-pass program. Run the
+# differential tests through every path (fused.MIN_BYTES = 0: every big tensor takes it).
+PATHS = [
+    pytest.param((1 << 20, fused.MIN_BYTES), id="small-path"),
+    pytest.param((0, fused.MIN_BYTES), id="big-path"),
+    pytest.param((0, 0), id="fused-path"),
+]
+
+
+@contextlib.contextmanager
+def paths(chunk_bytes: int, fused_bytes: int) -> Iterator[None]:
+    """Where eager unscale's paths begin: `_CHUNK_BYTES` and `fused.MIN_BYTES`."""
+    with (
+        mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes),
+        mock.patch.object(fused, "MIN_BYTES", fused_bytes),
+    ):
+        yield
 
 
 @pytest.mark.parametrize("chunk_bytes", PATHS)
@@ -211,12 +229,12 @@ PATHS = [pytest.param(1 << 20, id="small-path"), pytest.param(0, id="big-path")]
     ),
 )
 def test_unscale_and_check_equals_gradscaler_unscale(
-    chunk_bytes: int, grads: list[torch.Tensor], scale_value: float
+    chunk_bytes: tuple[int, int], grads: list[torch.Tensor], scale_value: float
 ) -> None:
     expected, expected_found = torch_unscale(scale_value, grads)
     before = [g.clone() for g in grads]
     state = famp.init_scaler(scale_value)
-    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+    with paths(*chunk_bytes):
         out, found_inf = famp.unscale_and_check(state, grads)
     assert isinstance(out, list)
     assert len(out) == len(grads)
@@ -233,10 +251,10 @@ def test_unscale_and_check_equals_gradscaler_unscale(
 @pytest.mark.parametrize("chunk_bytes", PATHS)
 @given(grads=grad_lists((torch.float16, torch.float32)))
 def test_unscale_and_check_fp16_equals_torch_allow_fp16_path(
-    chunk_bytes: int, grads: list[torch.Tensor]
+    chunk_bytes: tuple[int, int], grads: list[torch.Tensor]
 ) -> None:
     expected, expected_found = torch_unscale(1024.0, grads, allow_fp16=True)
-    with mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes):
+    with paths(*chunk_bytes):
         out, found_inf = famp.unscale_and_check(famp.init_scaler(1024.0), grads)
     for o, e in zip(out, expected, strict=False):
         assert o.dtype == e.dtype

@@ -279,7 +279,7 @@ def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
     return torch.randint(info.min, info.max, shape, dtype=_INT_OF[dtype], generator=gen).view(dtype)
 
 
-@pytest.mark.parametrize("path", ["eager-small", "eager-big", "compiled"])
+@pytest.mark.parametrize("path", ["eager-small", "eager-big", "eager-fused", "compiled"])
 @given(
     seed=st.integers(0, 2**32 - 1),
     finite_share=st.sampled_from([0.0, 0.5, 0.999, 1.0]),
@@ -296,9 +296,12 @@ def test_unscale_of_random_bit_patterns_equals_gradscaler(
         grads.append(torch.where(keep_plain, plain, random_bits(shape, dtype, gen)))
     state = famp.init_scaler(scale_value)
     # Every tensor is "big" at _CHUNK_BYTES = 0: eagerly, float32/float64 take the kernel one
-    # element at a time (its scalar loop) and halves the min/max path; compiled, the fused plain
-    # ops (for float32/float64).
-    with mock.patch("famp._scaling.kernels._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0):
+    # element at a time (its scalar loop), or famp's compiled program at fused.MIN_BYTES = 0, and
+    # halves the min/max path; compiled, the fused plain ops (for float32/float64).
+    with (
+        mock.patch("famp._scaling.kernels._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0),
+        mock.patch("famp._scaling.fused.MIN_BYTES", 0 if path == "eager-fused" else 1 << 62),
+    ):
         if path == "compiled":
             out, found_inf = _COMPILED_UNSCALE_LIST(state, grads)
         else:
