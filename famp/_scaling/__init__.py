@@ -5,6 +5,7 @@ state's statics); `build.py` builds states (`init_scaler`), `state_dict.py` conv
 from `GradScaler`'s dict; `update.py` advances the scale. `trees.py` and `unscale.py` apply the
 scale to trees (`kernels.py`: the kernel's exact results out of place, with `program.py` and
 `fused.py`); `step.py` and `optimizer_step.py` compose them into training steps; `report.py`
-says where an overflow came from. Data flows one way: state -> scale -> unscale_and_check -> update_scale. This room never
-imports autocast or FSDP; collectives go through `famp/_collectives.py`.
+says where an overflow came from. Data flows one way: state -> scale -> unscale_and_check ->
+update_scale. This room never imports autocast or FSDP; collectives go through
+`famp/_collectives.py`.
 """

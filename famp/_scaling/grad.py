@@ -83,15 +83,18 @@ def _reaches_other_leaves(output: torch.Tensor, fresh: list[torch.Tensor]) -> bo
     if output.grad_fn is None:
         return output.requires_grad and all(output is not x for x in fresh)
     mine = {id(x) for x in fresh}
-    seen: set[Any] = set()
+    seen: set[Any] = {output.grad_fn}
     stack: list[Any] = [output.grad_fn]
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
+        children = node.next_functions
+        if not children:  # a leaf's AccumulateGrad node, or a node whose inputs need no grad
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) not in mine:
+                return True
             continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in mine:
-            return True
-        stack.extend(child for child, _ in node.next_functions)
+        for child, _ in children:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
     return False

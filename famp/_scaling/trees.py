@@ -12,6 +12,7 @@ from typing import Any, cast
 import optree
 import torch
 
+from famp._compat import functorch_transforms_active
 from famp._scaling.state import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
 
@@ -23,8 +24,10 @@ def keystr(path: Sequence[Any]) -> str:
 
 def tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """`tree`'s leaves and structure; a TypeError naming `famp.<fn>` and a non-tensor's path."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=True):
+    leaves, spec = optree.tree_flatten(tree)
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return leaves, spec
+    for path, leaf in zip(spec.paths(), leaves, strict=True):  # the paths only for the error
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"famp.{fn}: the leaf at {keystr(path)} must be a Tensor or None, "
@@ -113,6 +116,12 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
     the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
 
+    Eagerly, with `pred` on the CPU, outside `torch.compile` and `torch.func` transforms and
+    with no leaf that requires grad, famp reads `pred` (a memory read, not a device sync) and
+    returns the chosen tree's leaves themselves: `torch.where`'s values without a pass over
+    memory, and no new tensors, as `GradScaler` leaves parameters untouched on a skipped step.
+    A result leaf is then the chosen input leaf, so an in-place write to one is seen by both.
+
     Args:
         pred: A 0-d (or one-element) `torch.bool` tensor.
         on_true: The tree chosen where `pred` is `True`.
@@ -143,18 +152,44 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         raise ValueError(
             f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
         )
-    paths = spec.paths()
-    out = []
-    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
+    for i, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
         if a.dtype != b.dtype:
             raise TypeError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in dtype: "
+                f"famp.select_tree: the leaves at {keystr(spec.paths()[i])} differ in dtype: "
                 f"{a.dtype} and {b.dtype}"
             )
         if a.shape != b.shape:
             raise ValueError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in shape: "
+                f"famp.select_tree: the leaves at {keystr(spec.paths()[i])} differ in shape: "
                 f"{tuple(a.shape)} and {tuple(b.shape)}"
             )
-        out.append(torch.where(pred.reshape(()).to(a.device, non_blocking=True), a, b))
+    if _reads_pred(pred, true_leaves, false_leaves):
+        chosen = true_leaves if pred.item() else false_leaves
+        return cast(TreeT, optree.tree_unflatten(spec, chosen))
+    scalar = pred.reshape(())
+    on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
+    out = []
+    for a, b in zip(true_leaves, false_leaves, strict=True):
+        where = on_device.get(a.device)
+        if where is None:
+            where = on_device[a.device] = scalar.to(a.device, non_blocking=True)
+        out.append(torch.where(where, a, b))
     return cast(TreeT, optree.tree_unflatten(spec, out))
+
+
+def _reads_pred(pred: Tensor, on_true: list[Tensor], on_false: list[Tensor]) -> bool:
+    """Whether `select_tree` may read `pred` and return one tree's leaves (see its docstring).
+
+    Not while compiling (a guard on data) or under `torch.func` transforms (a batched `pred`),
+    not for a `pred` off the CPU (a sync), a fake or a subclass, and not where a leaf requires
+    grad: `torch.where` gives both trees gradients (zeros for the one not chosen).
+    """
+    if torch.compiler.is_compiling() or type(pred) is not torch.Tensor or pred.device.type != "cpu":
+        return False
+    if functorch_transforms_active():
+        return False
+    if torch.is_grad_enabled():
+        return not any(x.requires_grad for x in on_true) and not any(
+            x.requires_grad for x in on_false
+        )
+    return True

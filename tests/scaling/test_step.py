@@ -16,6 +16,7 @@ from torch.nn import functional
 
 import famp
 from tests.helpers import assert_bitwise_equal
+from tests.scaling.test_scaler_unscale import random_bits
 
 LR = 0.1
 
@@ -334,6 +335,76 @@ def test_skip_on_overflow_bad_input() -> None:
         famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(3)}, tree)
     with pytest.raises(TypeError, match="must be a Tensor or None, got float"):
         famp.skip_on_overflow(torch.zeros(()), {"w": 1.0}, {"w": 2.0})
+
+
+# --- select_tree eagerly: the chosen leaves themselves, torch.where's values --------------------
+
+
+@settings(deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    pred=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+)
+def test_select_tree_eagerly_returns_the_chosen_leaves_with_torch_where_values(
+    seed: int, pred: bool, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    on_true = {"w": random_bits((5, 3), dtype, gen), "n": torch.tensor(seed % 7), "none": None}
+    on_false = {"w": random_bits((5, 3), dtype, gen), "n": torch.tensor(1), "none": None}
+    flag = torch.tensor(pred)
+    out = famp.select_tree(flag, on_true, on_false)
+    chosen = on_true if pred else on_false
+    assert out["none"] is None
+    for key in ("w", "n"):
+        assert out[key] is chosen[key]  # no copy eagerly
+        assert_bitwise_equal(out[key], torch.where(flag, on_true[key], on_false[key]))
+
+
+def test_select_tree_keeps_torch_where_for_leaves_that_require_grad() -> None:
+    # torch.where gives both trees gradients, zeros for the one not chosen.
+    a = torch.randn(4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    for pred in (True, False):
+        out = famp.select_tree(torch.tensor(pred), {"w": a * 2}, {"w": b * 3})
+        got = torch.autograd.grad(out["w"].sum(), (a, b))
+        where = torch.where(torch.tensor(pred), a * 2, b * 3)
+        expected = torch.autograd.grad(where.sum(), (a, b))
+        for g, e in zip(got, expected, strict=True):
+            assert_bitwise_equal(g, e)
+
+
+def test_select_tree_under_vmap_selects_per_sample() -> None:
+    preds = torch.tensor([True, False, True])
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    out = torch.func.vmap(lambda p, x, y: famp.select_tree(p, {"w": x}, {"w": y}))(preds, a, b)
+    assert_bitwise_equal(out["w"], torch.where(preds[:, None], a, b))
+
+
+def test_skip_on_overflow_with_in_place_writes_gives_torch_where_numbers() -> None:
+    # EMA-style in-place writes into the parameters famp returns, and an EMA read from them,
+    # over steps with overflows: eagerly famp returns the chosen leaves themselves, and the
+    # numbers equal a loop that skips with torch.where copies.
+    def run(skip: Callable[[torch.Tensor, Any, Any], Any]) -> list[torch.Tensor]:
+        params = {"w": torch.linspace(-1, 1, 6), "b": torch.ones(2)}
+        ema = [torch.zeros(6), torch.zeros(2)]
+        for step in range(6):
+            grads = {k: torch.full_like(v, 0.1 * (step + 1)) for k, v in params.items()}
+            found_inf = torch.tensor(float(step in (2, 3)))
+            new = {k: v - LR * grads[k] for k, v in params.items()}
+            params = skip(found_inf, new, params)
+            with torch.no_grad():
+                for p in params.values():
+                    p.mul_(0.999)  # in place into the result: decoupled weight decay
+                torch._foreach_lerp_(ema, list(params.values()), 0.1)
+        return [*params.values(), *ema]
+
+    def where_skip(found_inf: torch.Tensor, new: Any, old: Any) -> Any:
+        keep = found_inf == 0
+        return {k: torch.where(keep, new[k], old[k]) for k in new}
+
+    for got, expected in zip(run(famp.skip_on_overflow), run(where_skip), strict=True):
+        assert_bitwise_equal(got, expected)
 
 
 # --- optimizer_step: the bridge to fused torch.optim optimizers ---------------------------------
