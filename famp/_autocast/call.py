@@ -260,8 +260,13 @@ class CallRecord:
     # One op call (from FampMode, when there are overrides or module rules).
 
     def run_op(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        track: bool,
     ) -> Any:
+        """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
         dev = self.device_type
         scope = self.scopes[-1] if self.scopes else None
         state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -270,8 +275,7 @@ class CallRecord:
         enabled, lower = scope or state
         packet, overload = op_name(func)
         # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
-        # graph's casts are explicit: nothing to watch.
-        track = self.track and not torch.compiler.is_compiling()
+        # graph's casts are explicit: nothing to watch (`track` is False).
         if track:
             self.casts.watch(args, kwargs)
         rule = None

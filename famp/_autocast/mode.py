@@ -56,21 +56,27 @@ class FampMode(TorchFunctionMode):
             kwargs = {}
         owner = self.owner
         if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping
-            return self._op(owner, func, args, kwargs)
+            return self._op(owner, func, args, kwargs, False)
         if owner.recompute_only and saved_tensors_hooks_top() is None:
             return call(func, args, kwargs)  # a custom backward, not the recomputation
         block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
-        out = self._op(owner, func, args, kwargs)
+        out = self._op(owner, func, args, kwargs, True)
         if block is not None:
             bracket_outputs(out, block)
         return out
 
     def _op(
-        self, owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        owner: Any,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        track: bool,
     ) -> Any:
+        """One op call; `track`: eager bookkeeping (the call tracks, and nothing is compiling)."""
         if owner.suspended:
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
-        if owner.track and not torch.compiler.is_compiling():
+        if track:
             # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
             # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
             dtype = torch.get_autocast_dtype(owner.device_type)
@@ -95,4 +101,4 @@ class FampMode(TorchFunctionMode):
                         return body(*args, **kwargs)
                 finally:
                     self.inside.discard(func)
-        return owner.run_op(func, args, kwargs)
+        return owner.run_op(func, args, kwargs, track)

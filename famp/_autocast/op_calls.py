@@ -135,7 +135,28 @@ _OP_TYPES = (OpOverload, OpOverloadPacket)
 
 
 def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
-    """(aten packet, overload or None if the call does not name one) of a torch function."""
+    """(aten packet, overload or None if the call does not name one) of a torch function.
+
+    Memoized: the mode asks for every op call, and torch's functions are a finite set.
+    """
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
+    name = _op_name(func)
+    try:
+        if len(_NAMES) > 4096:  # functions made on the fly: keep the memo bounded
+            _NAMES.clear()
+        _NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+_NAMES: dict[Any, tuple[str, str | None]] = {}
+
+
+def _op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     if isinstance(func, _OP_TYPES):
         if isinstance(func, OpOverload):
             return op_schema(func).name.partition("::")[2], overload_name(func)
