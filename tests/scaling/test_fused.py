@@ -31,12 +31,18 @@ def every_big_tensor_takes_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "MIN_BYTES", 0)
 
 
-def failing_program(calls: list[int]) -> Any:
+def install_failing_program(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A fresh process's state whose program raises; returns the argument count of each call."""
+    calls: list[int] = []
+
     def program(*args: Any) -> Any:
         calls.append(len(args))
         raise RuntimeError("no C++ compiler here\nsecond line")
 
-    return program
+    monkeypatch.setattr(fused, "_program", [program])
+    monkeypatch.setattr(fused, "_warmed", set())
+    monkeypatch.setattr(fused, "_failure", [])
+    return calls
 
 
 def no_kernel_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,10 +141,7 @@ def test_thread_counts_and_grad_modes_are_traced_and_exact(
 def test_a_failure_warns_once_and_torch_kernel_gives_the_same_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(fused, "_program", [failing_program(calls)])
-    monkeypatch.setattr(fused, "_warmed", set())
-    monkeypatch.setattr(fused, "_failure", [])
+    calls = install_failing_program(monkeypatch)
     grads = [torch.randn(n) * 64 for n in (40, 3, 9)]
     grads[2][0] = math.nan
     with pytest.warns(RuntimeWarning, match=r"RuntimeError: no C\+\+ compiler here\)") as caught:
@@ -160,10 +163,7 @@ class PassThrough(TorchFunctionMode):
 def test_modes_and_disabled_dynamo_take_the_kernel(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(fused, "_program", [failing_program(calls)])
-    monkeypatch.setattr(fused, "_warmed", set())
-    monkeypatch.setattr(fused, "_failure", [])
+    calls = install_failing_program(monkeypatch)
     grads = [torch.randn(n) * 8 for n in (33, 2)]
     grads[0][5] = -math.inf
     expected, expected_found = torch_unscale(8.0, grads)
@@ -194,10 +194,7 @@ def test_the_same_grad_twice_and_views_of_one_storage_are_exact(
 def test_tensors_the_program_would_recompile_for_take_the_kernel(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(fused, "_program", [failing_program(calls)])
-    monkeypatch.setattr(fused, "_warmed", set())
-    monkeypatch.setattr(fused, "_failure", [])
+    calls = install_failing_program(monkeypatch)
     if kind == "requires grad":
         grads = [torch.randn(50, requires_grad=True) * 4, torch.randn(9) * 4]
     else:
