@@ -24,6 +24,9 @@ from famp._scaling import fused, kernels
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_scaler import torch_unscale
 
+REAL_MIN_BYTES = fused.MIN_BYTES
+REAL_CHUNK_BYTES = kernels._CHUNK_BYTES
+
 
 @pytest.fixture(autouse=True)
 def every_big_tensor_takes_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,3 +210,24 @@ def test_tensors_the_program_would_recompile_for_take_the_kernel(
     for o, e in zip(out, expected, strict=True):
         assert_bitwise_equal(o, e)
     assert_bitwise_equal(found, expected_found)
+
+
+@pytest.mark.parametrize("over", [True, False])
+def test_real_thresholds_take_the_program_from_min_bytes_on(
+    monkeypatch: pytest.MonkeyPatch, over: bool
+) -> None:
+    # Unpatched thresholds: a call whose big float32 grads total MIN_BYTES takes the program,
+    # one a few bytes short the chunked kernel; both give GradScaler's bits.
+    monkeypatch.setattr(fused, "MIN_BYTES", REAL_MIN_BYTES)
+    monkeypatch.setattr(kernels, "_CHUNK_BYTES", REAL_CHUNK_BYTES)
+    half = REAL_MIN_BYTES // 2 // 4 + (1 if over else -1)  # float32 elements per tensor
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(half, generator=gen) * 4096, torch.randn(half, generator=gen) * 4096]
+    grads[1][half // 2] = math.nan
+    if over:
+        no_kernel_fallback(monkeypatch)
+    else:
+        calls = install_failing_program(monkeypatch)
+    unscale_equals_gradscaler([*grads, torch.randn(3)], 4096.0)
+    if not over:
+        assert calls == []
