@@ -69,7 +69,7 @@ def unscale(
     try:
         program = _warmed_program(dtype, found, inv)
         if dtype not in _padding:  # distinct tensors: Dynamo guards on which inputs are one
-            _padding[dtype] = [torch.zeros(2, dtype=dtype) for _ in range(ARITY - 1)]
+            _padding[dtype] = [torch.zeros(2, dtype=dtype, device="cpu") for _ in range(ARITY - 1)]
         padding = _padding[dtype]
         with torch.no_grad():  # one grad mode to compile for; the results carry no graph
             for start in range(0, len(flats), ARITY):
@@ -97,7 +97,11 @@ def _warmed_program(dtype: torch.dtype, found: Tensor, inv: Tensor) -> _Program:
         if key not in _warmed:
             size = (1 << 20) // dtype.itemsize + 1
             with torch.no_grad():
-                _program[0](found, inv, *(torch.zeros(size + i, dtype=dtype) for i in range(ARITY)))
+                _program[0](
+                    found,
+                    inv,
+                    *(torch.zeros(size + i, dtype=dtype, device="cpu") for i in range(ARITY)),
+                )
             _warmed.add(key)
     return _program[0]
 

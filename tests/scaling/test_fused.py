@@ -162,7 +162,9 @@ class PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", ["torch function", "dispatch", "dynamo disabled"])
+@pytest.mark.parametrize(
+    "mode", ["torch function", "dispatch", "default device", "dynamo disabled"]
+)
 def test_modes_and_disabled_dynamo_take_the_kernel(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
@@ -173,11 +175,13 @@ def test_modes_and_disabled_dynamo_take_the_kernel(
     context = {
         "torch function": PassThrough,
         "dispatch": lambda: FlopCounterMode(display=False),
+        "default device": lambda: torch.device("meta"),  # torch.set_default_device's mode
         "dynamo disabled": lambda: torch._dynamo.config.patch(disable=True),
     }[mode]
+    state = famp.init_scaler(8.0)
     with warnings.catch_warnings(), context():
         warnings.simplefilter("error")
-        out, found = famp.unscale_and_check(famp.init_scaler(8.0), grads)
+        out, found = famp.unscale_and_check(state, grads)
     assert calls == []
     for o, e in zip(out, expected, strict=True):
         assert_bitwise_equal(o, e)
