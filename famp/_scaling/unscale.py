@@ -54,6 +54,11 @@ def unscale_and_check(
     backward is that of torch's gradient-penalty recipe, `g * (1.0 / scaler.get_scale())`: the
     incoming gradient times `1 / scale` (in float32 for float32 and narrower grads).
 
+    Eagerly on the CPU, where one call's big float32 (or float64) grads total 128 MiB or more,
+    famp unscales them with a program it compiles with `torch.compile` on the first such call
+    (a few seconds, once per process, dtype and thread count), one pass over memory instead of
+    two; where compiling fails it warns once and keeps torch's kernel. Same bits either way.
+
     Args:
         state: The `famp.ScalerState` whose scale produced the gradients.
         grads: A pytree of float16/bfloat16/float32/float64 tensors, dense or sparse COO.
