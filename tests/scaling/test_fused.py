@@ -9,6 +9,7 @@ failure of `torch.compile` leaves torch's kernel with the same bits and one warn
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import Any
 
@@ -235,3 +236,30 @@ def test_real_thresholds_take_the_program_from_min_bytes_on(
     unscale_equals_gradscaler([*grads, torch.randn(3)], 4096.0)
     if not over:
         assert calls == []
+
+
+def test_threads_calling_at_once_get_gradscaler_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Data-parallel loops in threads: the program's first trace is locked, its calls are not.
+    no_kernel_fallback(monkeypatch)
+    monkeypatch.setattr(fused, "_warmed", set())  # every thread may find it untraced
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for step in range(8):
+                sizes = torch.randint(2, 5000, (1 + (seed + step) % 11,), generator=gen)
+                grads = [torch.randn(int(n), generator=gen) * 100 for n in sizes]
+                if step % 3 == 0:
+                    grads[-1][0] = math.nan
+                unscale_equals_gradscaler(grads, 100.0)
+        except Exception as error:  # reported below, with its thread
+            failures.append(f"thread {seed}: {error!r}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
