@@ -30,7 +30,7 @@ from famp._compat import dynamo_disabled, python_modes_active
 from famp._scaling.program import where_program
 
 ARITY = 8  # tensors per call: fewer calls of the compiled program's fixed cost (about 50 µs)
-MIN_BYTES = 128 << 20  # per call: compiling (seconds) is repaid within a few thousand steps
+MIN_BYTES = 128 << 20  # per call: compiling (seconds) is repaid within about a thousand steps
 
 _Program = Callable[..., tuple[list[Tensor], Tensor]]
 _lock = threading.Lock()
