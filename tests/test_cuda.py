@@ -140,3 +140,23 @@ def test_compiled_autocast_step_on_cuda_equals_compiled_torch_autocast_bitwise()
     assert_bitwise_equal(actual, expected)
     for g, e in zip(grads, e_grads, strict=True):
         assert_bitwise_equal(g, e)
+
+
+def test_mixed_devices_read_no_copy_before_it_arrives() -> None:
+    # CPU-offloaded grads with a CUDA scale (and the reverse): every value that crosses to the CPU
+    # must have arrived before a CPU op reads it. A kernel that keeps the GPU busy runs first, so
+    # an asynchronous device-to-host copy would still be pending when the CPU op reads its target.
+    grads = {"w": torch.tensor([8.0, 16.0]), "b": torch.tensor([math.inf, 4.0])}
+    for scale_on, grads_on in ((CUDA, "cpu"), ("cpu", CUDA)):
+        state = famp.init_scaler(4.0, growth_interval=1, device=scale_on)
+        tree = {k: v.to(grads_on) for k, v in grads.items()}
+        torch.cuda._sleep(1 << 30)  # about a second of GPU time, queued ahead of the copies
+        out, found_inf = famp.unscale_and_check(state, tree)
+        new_state = famp.update_scale(state, found_inf)
+        kept = famp.skip_on_overflow(found_inf, out, tree)
+        scaled = famp.scale(state, tree)
+        assert out["w"].tolist() == [2.0, 4.0]
+        assert found_inf.item() == 1.0
+        assert new_state.scale.item() == 2.0
+        assert kept["w"].tolist() == [8.0, 16.0]
+        assert scaled["w"].tolist() == [32.0, 64.0]

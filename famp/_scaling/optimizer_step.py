@@ -27,6 +27,7 @@ import torch
 from famp import _compat
 from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.state import ScalerState
+from famp._scaling.trees import to_device
 from famp._scaling.unscale import unscale_and_check
 from famp._typing import Tensor
 
@@ -106,7 +107,7 @@ def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, ski
             setattr(optimizer, name, value)
     for p in fresh:  # torch's fused SGD leaves torch.empty_like buffers after a skipped first step
         buffer = optimizer.state[p]["momentum_buffer"]
-        buffer.masked_fill_(skip.to(buffer.device, non_blocking=True) != 0, 0.0)
+        buffer.masked_fill_(to_device(skip, buffer.device) != 0, 0.0)
 
 
 def _tensor_like(new: object, old: object) -> bool:
@@ -140,8 +141,8 @@ def _step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     skips: dict[torch.device, Tensor] = {}
 
     def on(device: torch.device) -> Tensor:
-        if device not in skips:  # to the CPU from an accelerator this copy waits for the device
-            skips[device] = skip.to(device, non_blocking=device.type != "cpu")
+        if device not in skips:
+            skips[device] = to_device(skip, device)
         return skips[device]
 
     untensorlike = False  # state that a tensor choice cannot restore

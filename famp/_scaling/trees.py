@@ -36,6 +36,18 @@ def tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpe
     return leaves, spec
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """`t` on `device`, for an op there to read next: asynchronously only to a CUDA device.
+
+    A copy to the CPU with `non_blocking=True` returns before the data arrives (into pinned
+    memory), and the CPU op that reads it next would read whatever was there before: found_inf
+    or a scale from an accelerator would be garbage, silently. torch orders a copy to a CUDA
+    device on its stream, so there it need not wait; to any other device it does (a sync only
+    where a device's value must be read on another, which the result needs anyway).
+    """
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 def check_state_first(fn: str, state: object, other: str, value: object) -> None:
     """A TypeError in public terms when `state` is not a `ScalerState` (swapped, or None)."""
     if isinstance(state, ScalerState):
@@ -78,7 +90,7 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
     if not state.enabled:
         return tree
     leaves, spec = tensor_leaves("scale", tree)
-    out = [x * state.scale.to(x.device, non_blocking=True) for x in leaves]
+    out = [x * to_device(state.scale, x.device) for x in leaves]
     return cast(TreeT, optree.tree_unflatten(spec, out))
 
 
@@ -172,7 +184,7 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     for a, b in zip(true_leaves, false_leaves, strict=True):
         where = on_device.get(a.device)
         if where is None:
-            where = on_device[a.device] = scalar.to(a.device, non_blocking=True)
+            where = on_device[a.device] = to_device(scalar, a.device)
         out.append(torch.where(where, a, b))
     return cast(TreeT, optree.tree_unflatten(spec, out))
 

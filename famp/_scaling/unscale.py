@@ -28,7 +28,7 @@ from famp._scaling.kernels import (
 )
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import check_state_first, keystr
+from famp._scaling.trees import check_state_first, keystr, to_device
 from famp._typing import PyTree, Tensor, TreeT
 
 
@@ -162,7 +162,7 @@ def unscale_and_check(
     write_back: dict[int, Tensor] = {}
     out = list(dense)
     for device, by_dtype in groups.items():
-        inv = inv_scale.to(device, non_blocking=True)
+        inv = to_device(inv_scale, device)
         found = torch.zeros((), dtype=torch.float32, device=device)
         for index in by_dtype.values():
             tensors = [dense[i] for i in index]
@@ -184,7 +184,7 @@ def unscale_and_check(
             for i, t in zip(index, new, strict=True):
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
-        found_inf = torch.maximum(found_inf, found.to(found_inf.device, non_blocking=True))
+        found_inf = torch.maximum(found_inf, to_device(found, found_inf.device))
     for i in sorted(write_back):  # in leaf order, after every result was computed
         dense[i].copy_(write_back[i])
     dtensors = []

@@ -15,6 +15,7 @@ import torch
 
 from famp._compat import amp_update_scale, functorch_transforms_active
 from famp._scaling.state import ScalerState, with_leaves
+from famp._scaling.trees import to_device
 from famp._typing import Tensor
 
 
@@ -62,7 +63,7 @@ def update_scale(state: ScalerState, found_inf: Tensor) -> ScalerState:
         return state
     scale = state.scale
     if found_inf.device != scale.device:
-        found_inf = found_inf.to(scale.device, non_blocking=True)
+        found_inf = to_device(found_inf, scale.device)
     if (
         state.overflow_count is not None
         or state.min_scale is not None
