@@ -158,35 +158,66 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         raise TypeError(f"pred must be a torch.bool tensor, got {what}")
     if pred.numel() != 1:
         raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
-    true_leaves, spec = tensor_leaves("select_tree", on_true)
-    false_leaves, false_spec = tensor_leaves("select_tree", on_false)
-    if spec != false_spec:
-        raise ValueError(
-            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
-        )
-    for i, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
+    if not torch.compiler.is_compiling():  # eagerly: errors first, then maybe no where at all
+        true_leaves, spec = tensor_leaves("select_tree", on_true)
+        false_leaves, false_spec = tensor_leaves("select_tree", on_false)
+        if spec != false_spec:
+            raise ValueError(
+                f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+            )
+        if [(a.dtype, a.shape) for a in true_leaves] != [(b.dtype, b.shape) for b in false_leaves]:
+            _raise_mismatch(on_true, on_false)
+        if _reads_pred(pred, true_leaves, false_leaves):
+            chosen = true_leaves if pred.item() else false_leaves
+            return cast(TreeT, optree.tree_unflatten(spec, chosen))
+    scalar = pred.reshape(())
+    on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
+    mismatched: list[bool] = []
+
+    def pick(a: object, b: object) -> object:
+        if not (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+        ):
+            mismatched.append(True)  # named below, with its path
+            return a
+        where = on_device.get(a.device)
+        if where is None:
+            where = on_device[a.device] = to_device(scalar, a.device)
+        return torch.where(where, a, b)
+
+    # One tree_map, not a flatten and an unflatten: Dynamo traces optree's flatten op by op
+    # (seconds for a few hundred leaves) but maps dicts, lists and tuples itself. The paths are
+    # looked up only for an error.
+    mapped = optree.tree_map(pick, cast(Any, on_true), cast(Any, on_false))
+    if mismatched:
+        _raise_mismatch(on_true, on_false)
+    return cast(TreeT, mapped)
+
+
+def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
+    """`select_tree`'s error for the first pair of leaves that differ, naming its path."""
+    paths, true_leaves, _ = optree.tree_flatten_with_path(on_true)
+    false_leaves = optree.tree_leaves(on_false)
+    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
+        for leaf in (a, b):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"famp.select_tree: the leaf at {keystr(path)} must be a Tensor or None, "
+                    f"got {type(leaf).__name__} {leaf!r}"
+                )
         if a.dtype != b.dtype:
             raise TypeError(
-                f"famp.select_tree: the leaves at {keystr(spec.paths()[i])} differ in dtype: "
+                f"famp.select_tree: the leaves at {keystr(path)} differ in dtype: "
                 f"{a.dtype} and {b.dtype}"
             )
         if a.shape != b.shape:
             raise ValueError(
-                f"famp.select_tree: the leaves at {keystr(spec.paths()[i])} differ in shape: "
+                f"famp.select_tree: the leaves at {keystr(path)} differ in shape: "
                 f"{tuple(a.shape)} and {tuple(b.shape)}"
             )
-    if _reads_pred(pred, true_leaves, false_leaves):
-        chosen = true_leaves if pred.item() else false_leaves
-        return cast(TreeT, optree.tree_unflatten(spec, chosen))
-    scalar = pred.reshape(())
-    on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
-    out = []
-    for a, b in zip(true_leaves, false_leaves, strict=True):
-        where = on_device.get(a.device)
-        if where is None:
-            where = on_device[a.device] = to_device(scalar, a.device)
-        out.append(torch.where(where, a, b))
-    return cast(TreeT, optree.tree_unflatten(spec, out))
 
 
 def _reads_pred(pred: Tensor, on_true: list[Tensor], on_false: list[Tensor]) -> bool:

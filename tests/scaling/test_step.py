@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -405,6 +407,73 @@ def test_skip_on_overflow_with_in_place_writes_gives_torch_where_numbers() -> No
 
     for got, expected in zip(run(famp.skip_on_overflow), run(where_skip), strict=True):
         assert_bitwise_equal(got, expected)
+
+
+def _rich_trees() -> tuple[Any, Any]:
+    """Two trees of every container kind famp meets: dicts in other key orders, None leaves,
+    a namedtuple, nested lists and tuples, and a famp.ScalerState (an optree node)."""
+    pair = collections.namedtuple("pair", "x y")
+    gen = torch.Generator().manual_seed(3)
+    new = {
+        "w": torch.randn(3, generator=gen),
+        "n": None,
+        "p": pair(torch.randn(2, generator=gen), torch.randn(1, dtype=torch.float64)),
+        "l": [torch.randn(2, generator=gen), (torch.tensor(7),)],
+        "s": famp.init_scaler(8.0),
+    }
+    old = {
+        "s": famp.init_scaler(2.0),
+        "l": [torch.randn(2, generator=gen), (torch.tensor(1),)],
+        "p": pair(torch.randn(2, generator=gen), torch.randn(1, dtype=torch.float64)),
+        "n": None,
+        "w": torch.randn(3, generator=gen),
+    }
+    return new, old
+
+
+_COMPILED_SKIP = torch.compile(famp.skip_on_overflow, fullgraph=True)
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0, math.nan])
+def test_skip_on_overflow_compiled_over_every_container_equals_torch_where(
+    found_inf: float,
+) -> None:
+    new, old = _rich_trees()
+    found = torch.tensor(found_inf)
+    out = _COMPILED_SKIP(found, new, old)
+    keep = found == 0
+    expected = optree.tree_map(lambda a, b: torch.where(keep, a, b), new, old)
+    assert optree.tree_structure(out) == optree.tree_structure(expected)
+    assert list(out) == list(new)  # the updated tree's key order
+    for got, want in zip(optree.tree_leaves(out), optree.tree_leaves(expected), strict=True):
+        assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("other", "error", "message"),
+    [
+        ({"w": torch.ones(2, dtype=torch.float64)}, TypeError, r"tree\['w'\] differ in dtype"),
+        ({"w": torch.ones(3)}, ValueError, r"tree\['w'\] differ in shape"),
+        ({"w": 1.0}, TypeError, r"tree\['w'\] must be a Tensor or None, got float"),
+        ({"v": torch.ones(2)}, ValueError, "key"),
+    ],
+)
+def test_select_tree_compiled_names_the_bad_leaf(
+    other: dict[str, Any], error: type, message: str
+) -> None:
+    def select(pred: torch.Tensor, a: Any, b: Any) -> Any:
+        return famp.select_tree(pred, a, b)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(select, fullgraph=True, backend="eager")  # errors raise while tracing
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Dynamo wraps the error; its cause is famp's
+        compiled(torch.tensor(True), {"w": torch.ones(2)}, other)
+    chain, seen = "", info.value  # Dynamo reports it as an "observed" error: famp's is inside
+    while seen is not None:
+        chain += f"{type(seen).__name__}: {seen}\n"
+        seen = seen.__cause__
+    assert re.search(message, chain)
+    assert error.__name__ in chain
 
 
 # --- optimizer_step: the bridge to fused torch.optim optimizers ---------------------------------
