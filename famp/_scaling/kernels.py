@@ -105,7 +105,8 @@ def _unscale_wide(out: list[Tensor], wides: list[int], found: Tensor, inv: Tenso
                 new, found = result
                 for i, t in zip(picked, new, strict=True):
                     out[i] = t
-                wides = [i for i in wides if i not in picked]
+                done = set(picked)
+                wides = [i for i in wides if i not in done]
     for i in wides:
         out[i] = _chunked(out[i], found, inv)
     return found
