@@ -1,12 +1,12 @@
 """Tree-wide operations of loss scaling: `famp.scale`, `famp.all_finite`, `famp.select_tree`.
 
-Each flattens its trees with optree (`None` leaves pass through) and names the path of a bad
+Each takes its trees' leaves with optree (`None` leaves pass through) and names the path of a bad
 leaf in its error; the helpers here do the same for `unscale.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
@@ -22,18 +22,49 @@ def keystr(path: Sequence[Any]) -> str:
     return "tree" + "".join(f"[{k!r}]" for k in path)
 
 
+def leaves_and_rebuild(tree: TreeT) -> tuple[list[Any], Callable[[Sequence[Any]], TreeT]]:
+    """`tree`'s leaves (`None` passes through) and a function that puts new leaves in their place.
+
+    Eagerly, optree's flatten and unflatten. While `torch.compile` traces, one `optree.tree_map`
+    gathers the leaves and another puts the new ones back: Dynamo maps dicts, lists and tuples
+    itself, where it would trace optree's flatten and unflatten bytecode by bytecode (about 400
+    traced steps a leaf: over a second for a model's gradients). Both visit the leaves in the
+    same order, so the i-th new leaf takes the i-th leaf's place.
+    """
+    if not torch.compiler.is_compiling():
+        leaves, spec = optree.tree_flatten(cast(PyTree, tree))
+        return leaves, lambda new: cast(TreeT, optree.tree_unflatten(spec, new))
+    gathered: list[Any] = []
+    optree.tree_map(gathered.append, cast(PyTree, tree))
+
+    def rebuild(new: Sequence[Any]) -> TreeT:
+        placed = iter(new)
+        return cast(TreeT, optree.tree_map(lambda _: next(placed), cast(PyTree, tree)))
+
+    return gathered, rebuild
+
+
+def path_of(tree: PyTree, leaf: object) -> str:
+    """The path of `leaf` (found by identity) in `tree`, as errors print it; for errors only."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return next((keystr(p) for p, x in zip(paths, leaves, strict=True) if x is leaf), "tree")
+
+
+def check_tensors(fn: str, tree: PyTree, leaves: list[Any]) -> list[Tensor]:
+    """`leaves` of `tree`, all tensors; else a TypeError naming `famp.<fn>` and the path."""
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"famp.{fn}: the leaf at {path_of(tree, leaf)} must be a Tensor or None, "
+                f"got {type(leaf).__name__} {leaf!r}"
+            )
+    return leaves
+
+
 def tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """`tree`'s leaves and structure; a TypeError naming `famp.<fn>` and a non-tensor's path."""
     leaves, spec = optree.tree_flatten(tree)
-    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        return leaves, spec
-    for path, leaf in zip(spec.paths(), leaves, strict=True):  # the paths only for the error
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"famp.{fn}: the leaf at {keystr(path)} must be a Tensor or None, "
-                f"got {type(leaf).__name__} {leaf!r}"
-            )
-    return leaves, spec
+    return check_tensors(fn, tree, leaves), spec
 
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -89,9 +120,9 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
     check_state_first("scale", state, "loss", tree)
     if not state.enabled:
         return tree
-    leaves, spec = tensor_leaves("scale", tree)
-    out = [x * to_device(state.scale, x.device) for x in leaves]
-    return cast(TreeT, optree.tree_unflatten(spec, out))
+    leaves, rebuild = leaves_and_rebuild(tree)
+    check_tensors("scale", cast(PyTree, tree), leaves)
+    return rebuild([x * to_device(state.scale, x.device) for x in leaves])
 
 
 def all_finite(tree: PyTree) -> Tensor:
@@ -113,7 +144,7 @@ def all_finite(tree: PyTree) -> Tensor:
         >>> famp.all_finite({"w": torch.ones(3), "b": torch.tensor([1.0, float("nan")])})
         tensor(False)
     """
-    leaves, _ = tensor_leaves("all_finite", tree)
+    leaves = check_tensors("all_finite", tree, leaves_and_rebuild(tree)[0])
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device

@@ -11,10 +11,8 @@ in `GradScaler.unscale_`, see docs/loss-scaling.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, cast
 
-import optree
 import torch
 
 from famp import _collectives
@@ -28,7 +26,7 @@ from famp._scaling.kernels import (
 )
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import check_state_first, keystr, to_device
+from famp._scaling.trees import check_state_first, leaves_and_rebuild, path_of, to_device
 from famp._typing import PyTree, Tensor, TreeT
 
 
@@ -99,20 +97,21 @@ def unscale_and_check(
     found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
     if not state.enabled:
         return grads, found_inf
-    paths, leaves, spec = optree.tree_flatten_with_path(cast(PyTree, grads))
+    leaves, rebuild = leaves_and_rebuild(grads)
+    tree = cast(PyTree, grads)  # for error messages: the paths are looked up only for an error
     scale_device = state.scale.device
     # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
     # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
     # entries may overflow float16; torch's _unscale_grads_ does the same).
     dense: list[Tensor] = []
     special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
-    for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+    for i, leaf in enumerate(leaves):
         if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
             if leaf.dtype not in FLOAT_DTYPES or leaf.is_nested or leaf.is_meta:
-                _check_leaf(path, leaf, scale_device)
+                _check_leaf(tree, leaf, scale_device)
             dense.append(leaf)
             continue
-        _check_leaf(path, leaf, scale_device)
+        _check_leaf(tree, leaf, scale_device)
         source = _collectives.local_shard(leaf) if _collectives.is_dtensor(leaf) else leaf
         if source.is_sparse:
             source = source.coalesce() if source.dtype == torch.float16 else source
@@ -124,10 +123,10 @@ def unscale_and_check(
     # no derivative, so the same results through an autograd Function with the recipe's backward.
     differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in dense)
     if differentiable and donate:
-        path = next(p for p, x in zip(paths, dense, strict=True) if x.requires_grad)
+        path = path_of(tree, next(x for x, d in zip(leaves, dense, strict=True) if d.requires_grad))
         raise ValueError(
             f"famp.unscale_and_check: donate=True cannot unscale in place the leaf at "
-            f"{keystr(path)}, which requires grad (create_graph=True); pass donate=False"
+            f"{path}, which requires grad (create_graph=True); pass donate=False"
         )
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, x in enumerate(dense):
@@ -146,16 +145,17 @@ def unscale_and_check(
         clusters, self_overlapping = shared_memory(dense)
         for cluster in clusters:
             if len({dense[i].dtype for i in cluster}) > 1:
+                named = ", ".join(path_of(tree, leaves[i]) for i in cluster)
                 raise ValueError(
                     f"famp.unscale_and_check: with donate=True, the leaves at "
-                    f"{', '.join(keystr(paths[i]) for i in cluster)} share memory with different "
+                    f"{named} share memory with different "
                     f"dtypes ({', '.join(str(dense[i].dtype) for i in cluster)}); pass donate=False"
                 )
             shared.update(cluster)
         if self_overlapping:
             raise ValueError(
                 f"famp.unscale_and_check: with donate=True, the leaf at "
-                f"{keystr(paths[self_overlapping[0]])} has elements that share memory (an "
+                f"{path_of(tree, leaves[self_overlapping[0]])} has elements that share memory (an "
                 f"expanded tensor), which in place would be unscaled more than once; pass "
                 f"donate=False"
             )
@@ -200,30 +200,30 @@ def unscale_and_check(
         found_inf = _collectives.reduce_found_inf_over_meshes(found_inf, dtensors)
     if group is not None:
         found_inf = _collectives.all_reduce_max(found_inf, group)
-    return cast(TreeT, optree.tree_unflatten(spec, out)), found_inf
+    return rebuild(out), found_inf
 
 
-def _check_leaf(path: Sequence[Any], leaf: object, scale_device: torch.device) -> None:
+def _check_leaf(tree: PyTree, leaf: object, scale_device: torch.device) -> None:
     if not isinstance(leaf, torch.Tensor) or leaf.dtype not in FLOAT_DTYPES:
         what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {keystr(path)} must be a "
+            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} must be a "
             f"float16/bfloat16/float32/float64 tensor or None, got {what}"
         )
     if leaf.is_nested:
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {keystr(path)} is a nested tensor "
+            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} is a nested tensor "
             f"(layout {leaf.layout}); only strided and sparse_coo tensors are supported, as in "
             f"GradScaler"
         )
     if leaf.layout not in (torch.strided, torch.sparse_coo):
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {keystr(path)} has layout "
+            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} has layout "
             f"{leaf.layout}; only strided and sparse_coo are supported"
         )
     if leaf.is_meta and scale_device.type != "meta":
         raise ValueError(
-            f"famp.unscale_and_check: the leaf at {keystr(path)} is on the meta device (no "
+            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} is on the meta device (no "
             f"data), so found_inf on {scale_device} cannot be computed from it; meta gradients "
             f"need a meta scale: famp.init_scaler(..., device='meta')"
         )

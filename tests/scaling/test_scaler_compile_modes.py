@@ -10,7 +10,9 @@ recording backend checks that each mode really compiled the graph it names.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 import types
 from collections.abc import Callable
 from typing import Any
@@ -262,3 +264,75 @@ def test_value_and_grad_compiled_in_every_shape_mode_equals_gradscaler(mode: str
             scaler.step(opt)
             scaler.update()
             assert_bitwise_equal(new_state.scale, scaler._scale)
+
+
+# --- containers: compiled, leaves are gathered and put back by tree_map --------------------------
+
+
+def _rich_grads() -> dict[str, Any]:
+    """Grads in every container kind: dict keys out of order, None, a namedtuple, nested lists
+    and tuples, three dtypes, a leaf over 1 MiB (traced as plain ops) and an infinity."""
+    pair = collections.namedtuple("pair", "x y")
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(300_000, generator=gen) * 1024
+    return {
+        "z": torch.randn(3, 2, generator=gen) * 1024,
+        "n": None,
+        "p": pair(torch.randn(4, generator=gen).to(torch.float64), big),
+        "l": [torch.randn(5, generator=gen).to(torch.bfloat16), (torch.tensor([1.0, math.inf]),)],
+        "a": [],
+    }
+
+
+@pytest.mark.parametrize("fn", ["unscale_and_check", "scale", "all_finite"])
+def test_tree_functions_compiled_over_every_container_equal_torch(fn: str) -> None:
+    grads = _rich_grads()
+    state = famp.init_scaler(1024.0)
+    calls = {
+        "unscale_and_check": lambda s, g: famp.unscale_and_check(s, g),
+        "scale": lambda s, g: famp.scale(s, g),
+        "all_finite": lambda s, g: famp.all_finite(g),
+    }
+    out = torch.compile(calls[fn], fullgraph=True)(state, grads)
+    leaves = optree.tree_leaves(grads)
+    if fn == "all_finite":
+        assert_bitwise_equal(out, torch.tensor(False))
+        return
+    tree = out[0] if fn == "unscale_and_check" else out
+    assert optree.tree_structure(tree) == optree.tree_structure(grads)
+    assert list(tree) == list(grads)  # the key order of the tree given
+    if fn == "unscale_and_check":
+        expected, found_inf = torch_unscale(1024.0, leaves, allow_fp16=True)
+        assert_bitwise_equal(out[1], found_inf)
+        assert found_inf.item() == 1.0
+    else:
+        expected = [x * state.scale for x in leaves]
+    for got, want in zip(optree.tree_leaves(tree), expected, strict=True):
+        assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("unscale_and_check", r"unscale_and_check: the leaf at tree\['b'\]\[1\]\[1\] must be"),
+        ("scale", r"scale: the leaf at tree\['b'\]\[1\]\[1\] must be a Tensor or None, got int"),
+        ("all_finite", r"all_finite: the leaf at tree\['b'\]\[1\]\[1\] must be a Tensor"),
+    ],
+)
+def test_tree_functions_compiled_name_the_bad_leaf(fn: str, message: str) -> None:
+    pair = collections.namedtuple("pair", "x y")
+    bad = {"b": [None, pair(torch.ones(2), 3)], "a": torch.ones(1)}
+    calls = {
+        "unscale_and_check": lambda s, g: famp.unscale_and_check(s, g),
+        "scale": lambda s, g: famp.scale(s, g),
+        "all_finite": lambda s, g: famp.all_finite(g),
+    }
+    compiled = torch.compile(calls[fn], fullgraph=True, backend="eager")  # raises while tracing
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Dynamo wraps it; famp's is the cause
+        compiled(famp.init_scaler(2.0), bad)
+    chain, seen = "", info.value
+    while seen is not None:
+        chain += f"{type(seen).__name__}: {seen}\n"
+        seen = seen.__cause__
+    assert re.search(message, chain), chain
+    assert "TypeError" in chain
