@@ -273,7 +273,7 @@ class CallRecord:
         if state != self.base:
             scope = None  # the function entered its own torch.autocast: it governs its body
         enabled, lower = scope or state
-        packet, overload = op_name(func)
+        packet, overload = op_name(func, memo=track)  # `track` is False while compiling
         # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
         # graph's casts are explicit: nothing to watch (`track` is False).
         if track:

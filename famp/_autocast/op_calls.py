@@ -134,11 +134,16 @@ _WRITES = frozenset({"__setitem__", "__set__", "set_"})
 _OP_TYPES = (OpOverload, OpOverloadPacket)
 
 
-def op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
+def op_name(func: Callable[..., Any], memo: bool = True) -> tuple[str, str | None]:
     """(aten packet, overload or None if the call does not name one) of a torch function.
 
-    Memoized: the mode asks for every op call, and torch's functions are a finite set.
+    Memoized: the mode asks for every op call, and torch's functions are a finite set. Not
+    while Dynamo traces (`memo=False`): a write there is a side effect Dynamo must replay, which
+    fails for a function made during tracing, and a read is a guard on the memo, which every
+    eager call that adds a name would break (a recompile).
     """
+    if not memo:
+        return _op_name(func)
     try:
         return _NAMES[func]
     except (KeyError, TypeError):  # not seen yet, or unhashable

@@ -671,3 +671,39 @@ def test_every_transform_compiles_however_many_a_process_compiles() -> None:
             expected = (lin(x) * k).float()
         assert_bitwise_equal(out, expected)
     assert len(graphs) == 12
+
+
+def test_compiled_override_reaching_torchs_python_functions_gives_eager_bits() -> None:
+    """A softmax override inside `nn.TransformerEncoderLayer` (famp enters its copy of
+    `F.multi_head_attention_forward`), compiled with fullgraph=True: eager famp's bits. The op
+    names famp memoizes eagerly must not be written while Dynamo traces (a function made during
+    tracing cannot be put back into the memo: Dynamo failed), nor read (a guard on the memo
+    would recompile whenever an eager call added a name)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    rules = famp.default_rules("cpu").override({"softmax": "float32"})
+    transform = famp.autocast(layer, "c=bf16,o=f32", rules=rules)
+    frames: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        frames.append(1)
+        return gm.forward
+
+    compiled = torch.compile(transform, backend=counting_backend, fullgraph=True)
+    x = torch.randn(3, 5, 16)
+
+    def loss_and_grads(f: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        for p in layer.parameters():
+            p.grad = None
+        out = f(x)
+        out.pow(2).sum().backward()
+        return [out.detach(), *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    actual = loss_and_grads(compiled)
+    expected = loss_and_grads(transform)  # eagerly: famp memoizes names the trace did not see
+    famp.autocast(nn.Sequential(nn.Softmax(-1)), "c=bf16", rules=rules)(x)  # and more names
+    again = loss_and_grads(compiled)
+    assert len(frames) == 1  # one graph, never recompiled by the memo's growth
+    for a, e, b in zip(actual, expected, again, strict=True):
+        assert_bitwise_equal(a, e)
+        assert_bitwise_equal(b, e)
