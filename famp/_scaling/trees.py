@@ -76,6 +76,8 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     device on its stream, so there it need not wait; to any other device it does (a sync only
     where a device's value must be read on another, which the result needs anyway).
     """
+    if t.device == device:  # the common case, without a call into torch
+        return t
     return t.to(device, non_blocking=device.type == "cuda")
 
 

@@ -94,9 +94,8 @@ def unscale_and_check(
     check_state_first("unscale_and_check", state, "grads", grads)
     if not isinstance(donate, bool):
         raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
-    found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
     if not state.enabled:
-        return grads, found_inf
+        return grads, torch.zeros((), dtype=torch.float32, device=state.scale.device)
     leaves, rebuild = leaves_and_rebuild(grads)
     tree = cast(PyTree, grads)  # for error messages: the paths are looked up only for an error
     scale_device = state.scale.device
@@ -161,6 +160,7 @@ def unscale_and_check(
             )
     write_back: dict[int, Tensor] = {}
     out = list(dense)
+    found_inf: Tensor | None = None
     for device, by_dtype in groups.items():
         inv = to_device(inv_scale, device)
         found = torch.zeros((), dtype=torch.float32, device=device)
@@ -184,7 +184,10 @@ def unscale_and_check(
             for i, t in zip(index, new, strict=True):
                 out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
-        found_inf = torch.maximum(found_inf, to_device(found, found_inf.device))
+        found = to_device(found, scale_device)  # new in this call: one device's is the result
+        found_inf = found if found_inf is None else torch.maximum(found_inf, found)
+    if found_inf is None:  # no gradients
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale_device)
     for i in sorted(write_back):  # in leaf order, after every result was computed
         dense[i].copy_(write_back[i])
     dtensors = []
