@@ -673,14 +673,35 @@ def test_every_transform_compiles_however_many_a_process_compiles() -> None:
     assert len(graphs) == 12
 
 
-def test_compiled_override_reaching_torchs_python_functions_gives_eager_bits() -> None:
-    """A softmax override inside `nn.TransformerEncoderLayer` (famp enters its copy of
-    `F.multi_head_attention_forward`), compiled with fullgraph=True: eager famp's bits. The op
+class _TiedAttention(nn.Module):
+    """Attention by einsum and a logit head through `weight.T`, the tied-embedding pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.qk = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        attn = torch.einsum("bid,bjd->bij", q, k).softmax(-1)
+        return torch.bmm(attn, x) @ self.emb.weight.T
+
+
+@pytest.mark.parametrize("model", ["encoder_layer", "tied_attention"])
+def test_compiled_override_reaching_torchs_python_functions_gives_eager_bits(model: str) -> None:
+    """A softmax override, compiled with fullgraph=True, gives eager famp's bits: inside
+    `nn.TransformerEncoderLayer` (famp enters its copy of `F.multi_head_attention_forward`), and
+    next to `weight.T` (which torch 2.15's Dynamo hands to the mode as `aten.numpy_T`). The op
     names famp memoizes eagerly must not be written while Dynamo traces (a function made during
     tracing cannot be put back into the memo: Dynamo failed), nor read (a guard on the memo
-    would recompile whenever an eager call added a name)."""
+    would recompile whenever an eager call added a name), and a name is computed, not traced
+    (torch 2.15 could not trace its string handling)."""
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    layer = (
+        nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        if model == "encoder_layer"
+        else _TiedAttention()
+    )
     rules = famp.default_rules("cpu").override({"softmax": "float32"})
     transform = famp.autocast(layer, "c=bf16,o=f32", rules=rules)
     frames: list[int] = []
