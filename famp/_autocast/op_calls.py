@@ -12,11 +12,18 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from famp._compat import OpOverload, OpOverloadPacket, op_schema, overload_name, packet_name
+from famp._compat import (
+    OpOverload,
+    OpOverloadPacket,
+    assume_constant_result,
+    op_schema,
+    overload_name,
+    packet_name,
+)
 
 # --- entering torch's own Python functions with the mode still active ----------------------------
 # torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
@@ -159,20 +166,13 @@ def op_name(func: Callable[..., Any], memo: bool = True) -> tuple[str, str | Non
 
 
 _NAMES: dict[Any, tuple[str, str | None]] = {}
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _constant_while_traced(fn: _F) -> _F:
-    """`torch.compiler.assume_constant_result` (public; untyped in torch 2.13), typed."""
-    marked: _F = torch.compiler.assume_constant_result(fn)  # type: ignore[no-untyped-call]
-    return marked
 
 
 # While Dynamo traces, the name is computed by calling this function, not by tracing it: its
 # result depends only on `func`, and some releases cannot trace its string handling (torch 2.15
 # fails on `str.partition` of a packet's name, as for `Tensor.T`, which it hands over as
 # `aten.numpy_T`).
-@_constant_while_traced
+@assume_constant_result
 def _op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     if isinstance(func, _OP_TYPES):
         if isinstance(func, OpOverload):
