@@ -336,3 +336,30 @@ def test_tree_functions_compiled_name_the_bad_leaf(fn: str, message: str) -> Non
         seen = seen.__cause__
     assert re.search(message, chain), chain
     assert "TypeError" in chain
+
+
+@pytest.mark.parametrize(
+    "grads", [[], {"n": None}, ([], {"a": None})], ids=["list", "none", "nested"]
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_unscale_and_check_of_a_tree_without_tensors_equals_gradscaler(
+    grads: Any, compiled: bool
+) -> None:
+    state = famp.init_scaler(1024.0)
+    fn = famp.unscale_and_check
+    if compiled:
+        fn = torch.compile(lambda s, g: famp.unscale_and_check(s, g), fullgraph=True)
+    out, found_inf = fn(state, grads)
+    # GradScaler over a parameter without a gradient: it records no found_inf, which reads as 0.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    per_device = scaler._found_inf_per_device(opt)
+    assert per_device == {}
+    expected = torch.zeros(())
+    assert optree.tree_structure(out) == optree.tree_structure(grads)
+    assert_bitwise_equal(found_inf, expected)
+    assert found_inf.device == state.scale.device
+    again = fn(state, grads)[1]
+    assert again is not found_inf  # a new tensor each call, never one the caller may hold
