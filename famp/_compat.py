@@ -186,6 +186,11 @@ torch_pytree = torch_pytree_module
 # The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
 # calls it (there is no public functional name for it).
 amp_update_scale = torch.ops.aten._amp_update_scale
+# Its in-place form, the one `GradScaler.update` calls, through torch's Python binding: eagerly,
+# `update_scale` runs it on fresh copies of the scale and tracker. The functional operator above
+# is exactly that (copies, then this kernel), but its operator call costs about 4.4 µs against
+# 1.2 µs for the binding and 1.2 µs per copy.
+amp_update_scale_ = torch._amp_update_scale_
 
 
 def fsdp1_flat_params(module: Any) -> Any:
