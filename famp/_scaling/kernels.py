@@ -189,9 +189,16 @@ def _kernel(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Ten
 
 
 def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tensor) -> Tensor:
-    """Unscale a run of small tensors with the kernel's functional variant, appending to out."""
+    """Unscale a run of small tensors as the kernel's functional variant does, appending to out.
+
+    Eagerly on the CPU (the only caller): what that variant is, a clone of every tensor and the
+    in-place kernel on the clones, through torch's Python bindings rather than the operator
+    call (a third of the time of `unscale_and_check` of 14 small grads). `found` is this call's
+    own, updated in place.
+    """
     if run:
-        new, found = _kernel(run, found, inv)
+        new = torch._foreach_clone(run)  # strides as the variant's clones (`clone` preserves)
+        amp_foreach_non_finite_check_and_unscale_(new, found, inv)
         out.extend(new)
     return found
 
