@@ -21,7 +21,7 @@ import torch
 from famp._autocast import hooks
 from famp._autocast.casts import apply_rule
 from famp._autocast.mode import FampMode
-from famp._autocast.op_calls import call, op_name, writes_first_arg
+from famp._autocast.op_calls import call, op_name, writes_first_arg, written
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
@@ -291,7 +291,7 @@ class CallRecord:
         else:
             out = call(func, args, kwargs)
         if track and writes_first_arg(packet, kwargs):
-            self.casts.invalidate(args[0] if args else kwargs.get("out"))
+            self.casts.invalidate(written(args, kwargs))
         return out
 
     def _off(self) -> Any:

@@ -189,6 +189,12 @@ def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 
 
+def written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a call that `writes_first_arg` writes into: its `out=` tensor(s), else its first arg."""
+    out = kwargs.get("out") if kwargs else None
+    return out if out is not None else (args[0] if args else None)
+
+
 def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call a torch function; torch's Python `Tensor` methods are called as methods.
 

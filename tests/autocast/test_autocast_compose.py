@@ -60,7 +60,13 @@ def _write_swa(lin: nn.Linear) -> None:
     )
 
 
+def _write_out_kwarg(lin: nn.Linear) -> None:
+    # An `out=` write whose first argument is another tensor: the written tensor is `out`.
+    torch.add(torch.ones_like(lin.weight), lin.weight.data, out=lin.weight.data)
+
+
 ALIAS_WRITES: dict[str, Callable[[nn.Linear], None]] = {
+    "out_kwarg": _write_out_kwarg,
     "data": _write_data,
     "detach": _write_detach,
     "state_dict": _write_state_dict,
