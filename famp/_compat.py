@@ -274,7 +274,9 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def amp_foreach_non_finite_check_and_unscale_(
-    tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
 ) -> Any:
     """`GradScaler`'s fused check-and-unscale kernel, which has no public name."""
     return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
