@@ -109,6 +109,7 @@ class CallRecord:
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (self.intercepts and self.track)
+        self.plain_ops: dict[Any, bool] = transform.plain_ops
 
     # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
 
@@ -267,6 +268,12 @@ class CallRecord:
         track: bool,
     ) -> Any:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
+        if track and self.plain(func):  # eagerly, most op calls: torch's kernels do it all
+            self.casts.watch(args, kwargs)
+            out = call(func, args, kwargs)
+            if kwargs and kwargs.get("out") is not None:
+                self.casts.invalidate(kwargs["out"])
+            return out
         dev = self.device_type
         scope = self.scopes[-1] if self.scopes else None
         state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -293,6 +300,34 @@ class CallRecord:
         if track and writes_first_arg(packet, kwargs):
             self.casts.invalidate(written(args, kwargs))
         return out
+
+    def plain(self, func: Callable[..., Any]) -> bool:
+        """Whether an op call of `func` needs nothing of famp but the weight-cast watch.
+
+        True when no module rule is set (no scope to enter), `func` is not overridden and may
+        not call an overridden op (not entered), and its name writes into no argument (a write
+        through `out=` is checked per call). Eagerly only: memoized per transform.
+        """
+        if self.patterns:
+            return False
+        try:
+            known = self.plain_ops.get(func)
+        except TypeError:  # unhashable: asked each time
+            known = None
+        if known is not None:
+            return known
+        packet = op_name(func)[0]
+        overrides = self.overrides
+        known = not writes_first_arg(packet, {}) and (
+            overrides is None or (packet not in overrides.packets and func not in overrides.enter)
+        )
+        try:
+            if len(self.plain_ops) > 4096:  # functions made on the fly: keep the memo bounded
+                self.plain_ops.clear()
+            self.plain_ops[func] = known
+        except TypeError:
+            pass
+        return known
 
     def _off(self) -> Any:
         return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))

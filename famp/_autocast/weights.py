@@ -59,7 +59,7 @@ class WeightCasts:
         torch's version counter is shared by a tensor's views and `detach()`es, so this sees
         writes through any of them, wherever they were made (inside C++ ops, other threads).
         """
-        for t in _weights((*args, *kwargs.values())):
+        for t in _weights(args, kwargs):
             seen = self.weights.get(id(t))
             if seen is None or seen[0] is not t:
                 self.weights[id(t)] = (t, tensor_version(t))
@@ -92,20 +92,27 @@ class WeightCasts:
         self.storages = None
 
 
-def _weights(values: tuple[Any, ...]) -> list[torch.Tensor]:
-    """The tensors among the values (and in list values) that torch's cast cache may hold."""
+def _weights(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (and in list arguments) that torch's cast cache may
+    hold. Called before every op famp intercepts: the cheapest tests first."""
     found = []
-    for v in values:
-        for t in v if isinstance(v, (list, tuple)) else (v,):
-            if (
-                isinstance(t, torch.Tensor)
-                and t.requires_grad
-                and t.dtype == torch.float32
-                and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
-                and t.is_leaf
-            ):
-                found.append(t)
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                if _cacheable(v):
+                    found.append(v)
+            elif isinstance(v, (list, tuple)):
+                found.extend(t for t in v if isinstance(t, torch.Tensor) and _cacheable(t))
     return found
+
+
+def _cacheable(t: torch.Tensor) -> bool:
+    return (
+        t.requires_grad
+        and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
+        and t.is_leaf
+        and t.dtype == torch.float32
+    )
 
 
 def _storage(t: torch.Tensor) -> int:

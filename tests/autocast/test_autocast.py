@@ -250,6 +250,17 @@ def test_inner_transform_governs_its_ops_not_the_outer_rules() -> None:
     assert outer(x) == (F32, F16)
 
 
+def test_which_ops_need_famp_is_known_per_transform_not_per_process() -> None:
+    # Eagerly famp remembers, per transform, the op functions that need nothing of it: linear is
+    # such an op under the first transform and overridden under the second, whichever runs first.
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    plain = famp.autocast(lambda x: lin(x).dtype, "c=bf16", rules=_cpu_rules({"rms_norm": "lower"}))
+    overriding = famp.autocast(
+        lambda x: lin(x).dtype, "c=bf16", rules=_cpu_rules({"linear": "float32"})
+    )
+    assert [plain(x), overriding(x), plain(x), overriding(x)] == [BF16, F32, BF16, F32]
+
+
 def test_a_weight_cast_is_not_reused_after_an_in_place_update() -> None:
     w, x = nn.Parameter(torch.randn(4, 4)), torch.randn(2, 4)
 
