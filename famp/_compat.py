@@ -273,6 +273,16 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A clone of each tensor (strides kept, as `clone` keeps them), in one call.
+
+    No public multi-tensor clone exists. The functional variant of the unscale kernel is exactly
+    this followed by the in-place kernel; eagerly, `unscale_and_check` runs the two itself
+    through torch's Python bindings, without that variant's operator-call overhead.
+    """
+    return tuple(torch._foreach_clone(tensors))
+
+
 def amp_foreach_non_finite_check_and_unscale_(
     tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
     found_inf: torch.Tensor,

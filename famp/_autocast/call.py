@@ -22,6 +22,7 @@ from famp._autocast import hooks
 from famp._autocast.casts import apply_rule
 from famp._autocast.mode import FampMode
 from famp._autocast.op_calls import call, op_name, writes_first_arg, written
+from famp._autocast.overrides import plain
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
@@ -268,7 +269,8 @@ class CallRecord:
         track: bool,
     ) -> Any:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
-        if track and self.plain(func):  # eagerly, most op calls: torch's kernels do it all
+        # Eagerly, most op calls: torch's kernels do it all (no module rule: no scope to enter).
+        if track and not self.patterns and plain(func, self.overrides, self.plain_ops):
             self.casts.watch(args, kwargs)
             out = call(func, args, kwargs)
             if kwargs and kwargs.get("out") is not None:
@@ -300,34 +302,6 @@ class CallRecord:
         if track and writes_first_arg(packet, kwargs):
             self.casts.invalidate(written(args, kwargs))
         return out
-
-    def plain(self, func: Callable[..., Any]) -> bool:
-        """Whether an op call of `func` needs nothing of famp but the weight-cast watch.
-
-        True when no module rule is set (no scope to enter), `func` is not overridden and may
-        not call an overridden op (not entered), and its name writes into no argument (a write
-        through `out=` is checked per call). Eagerly only: memoized per transform.
-        """
-        if self.patterns:
-            return False
-        try:
-            known = self.plain_ops.get(func)
-        except TypeError:  # unhashable: asked each time
-            known = None
-        if known is not None:
-            return known
-        packet = op_name(func)[0]
-        overrides = self.overrides
-        known = not writes_first_arg(packet, {}) and (
-            overrides is None or (packet not in overrides.packets and func not in overrides.enter)
-        )
-        try:
-            if len(self.plain_ops) > 4096:  # functions made on the fly: keep the memo bounded
-                self.plain_ops.clear()
-            self.plain_ops[func] = known
-        except TypeError:
-            pass
-        return known
 
     def _off(self) -> Any:
         return region(self.device_type, False, torch.get_autocast_dtype(self.device_type))

