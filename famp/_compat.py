@@ -8,6 +8,7 @@ the tests that pin it across the supported window), never a user's numbers.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -127,14 +128,13 @@ def assume_constant_result(fn: _Fn) -> _Fn:
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
 
 
-def tensor_version(t: torch.Tensor) -> int:
-    """torch's version counter of a tensor: the only record of in-place writes to it."""
-    return int(t._version)
+# torch's version counter of a tensor: the only record of in-place writes to it. Read before
+# every op famp intercepts eagerly, so a C-level getter (an int), not a Python function.
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
-
-def is_view(t: torch.Tensor) -> bool:
-    """Whether a tensor is a view: torch's cast cache skips views; `is_leaf` may raise on them."""
-    return bool(t._is_view())
+# Whether a tensor is a view: torch's cast cache skips views, and `is_leaf` may raise on them.
+# The method itself (it returns a bool), for the same reason.
+is_view: Callable[[torch.Tensor], bool] = torch.Tensor._is_view
 
 
 def torch_function_modes() -> int:
