@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -139,6 +139,7 @@ _WRITES = frozenset({"__setitem__", "__set__", "set_"})
 
 
 _OP_TYPES = (OpOverload, OpOverloadPacket)
+T = TypeVar("T")
 
 
 def op_name(func: Callable[..., Any], memo: bool = True) -> tuple[str, str | None]:
@@ -151,21 +152,32 @@ def op_name(func: Callable[..., Any], memo: bool = True) -> tuple[str, str | Non
     """
     if not memo:
         return _op_name(func)
-    try:
-        return _NAMES[func]
-    except (KeyError, TypeError):  # not seen yet, or unhashable
-        pass
-    name = _op_name(func)
-    try:
-        if len(_NAMES) > 4096:  # functions made on the fly: keep the memo bounded
-            _NAMES.clear()
-        _NAMES[func] = name
-    except TypeError:
-        pass
+    name = recall(_NAMES, func)
+    if name is None:
+        name = _op_name(func)
+        remember(_NAMES, func, name)
     return name
 
 
 _NAMES: dict[Any, tuple[str, str | None]] = {}
+
+
+def recall(memo: dict[Any, T], func: object) -> T | None:
+    """What `memo` holds for a torch function, or None (not seen yet, or unhashable)."""
+    try:
+        return memo.get(func)
+    except TypeError:
+        return None
+
+
+def remember(memo: dict[Any, T], func: object, value: T) -> None:
+    """Keep `value` for a torch function; the memo stays bounded (functions made on the fly)."""
+    try:
+        if len(memo) > 4096:
+            memo.clear()
+        memo[func] = value
+    except TypeError:  # unhashable: computed each time
+        pass
 
 
 # While Dynamo traces, the name is computed by calling this function, not by tracing it: its

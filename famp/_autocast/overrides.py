@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from famp._autocast.defaults import default_rules
-from famp._autocast.op_calls import calls, copies, op_name, writes_first_arg
+from famp._autocast.op_calls import (
+    calls,
+    copies,
+    op_name,
+    recall,
+    remember,
+    writes_first_arg,
+)
 from famp._autocast.ops import functional_overloads
 from famp._autocast.rules import OpRules
 from famp._compat import assume_constant_result, op_schema
@@ -153,22 +160,13 @@ def plain(func: Callable[..., Any], overrides: Overrides | None, memo: dict[Any,
     and its name writes into no argument (a write through `out=` is checked per call). `memo`
     is the transform's: the answer depends only on `func` and `overrides`.
     """
-    try:
-        known = memo.get(func)
-    except TypeError:  # unhashable: asked each time
-        known = None
-    if known is not None:
-        return known
-    packet = op_name(func)[0]
-    known = not writes_first_arg(packet, {}) and (
-        overrides is None or (packet not in overrides.packets and func not in overrides.enter)
-    )
-    try:
-        if len(memo) > 4096:  # functions made on the fly: keep the memo bounded
-            memo.clear()
-        memo[func] = known
-    except TypeError:
-        pass
+    known = recall(memo, func)
+    if known is None:
+        packet = op_name(func)[0]
+        known = not writes_first_arg(packet, {}) and (
+            overrides is None or (packet not in overrides.packets and func not in overrides.enter)
+        )
+        remember(memo, func, known)
     return known
 
 
