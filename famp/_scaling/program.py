@@ -18,7 +18,11 @@ def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[li
     At `inv == 1` the kernel skips the multiply, and so does this (NaN payloads are kept).
     """
     out = []
-    for x in tensors:
+    copies = torch.compiler.is_compiling() and len(tensors) > READERS_PER_COPY
+    shared = inv
+    for i, x in enumerate(tensors):
+        if copies and i % READERS_PER_COPY == 0:
+            inv = own_copy(shared)
         opmath, factor = (
             (x.double(), inv.double()) if x.dtype == torch.float64 else (x.float(), inv)
         )
@@ -36,6 +40,32 @@ def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[li
         out.append(narrow)
         found = torch.maximum(found, torch.isfinite(x).all().logical_not().to(found.dtype))
     return out, found
+
+
+# Compiled, how many tensors' ops read one copy of a 0-d operand they all share (`own_copy`).
+READERS_PER_COPY = 8
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def own_copy(t: Tensor) -> Tensor:
+    """0-d `t`, bit for bit, as a tensor that inductor computes into a buffer of its own.
+
+    Inductor looks for fusions among the nodes that read one buffer, pair by pair (up to 64
+    partners each, in every fusion round), and each pair it rejects costs about half a
+    millisecond of compile time: one 0-d tensor read by the ops of every parameter (the
+    predicate of `famp.skip_on_overflow`, the inverse scale of a compiled unscale) made compile
+    time grow with the square of the parameter count (docs/benchmarks.md). Readers of a shared
+    0-d tensor therefore read it through copies, `READERS_PER_COPY` readers each. A copy is
+    `all` (bool) or `amax` (the value's bits as an integer) over 64 repeats of `t`: `t` itself,
+    computed by a reduction, which inductor does not inline into its readers as it would an
+    elementwise op (reductions of up to `unroll_reductions_threshold` elements, 8 by default,
+    it unrolls: hence 64).
+    """
+    if t.dtype == torch.bool:
+        return t.reshape(1).expand(64).all()
+    bits = _INT_OF_SIZE[t.element_size()]
+    return t.view(bits).reshape(1).expand(64).amax().view(t.dtype)
 
 
 # The NaN bit patterns (for a positive and a negative float32 NaN) of c10's float -> half/bfloat16.

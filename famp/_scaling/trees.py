@@ -13,6 +13,7 @@ import optree
 import torch
 
 from famp._compat import functorch_transforms_active
+from famp._scaling.program import READERS_PER_COPY, own_copy
 from famp._scaling.state import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
 
@@ -166,6 +167,9 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     returns the chosen tree's leaves themselves: `torch.where`'s values without a pass over
     memory, and no new tensors, as `GradScaler` leaves parameters untouched on a skipped step.
     A result leaf is then the chosen input leaf, so an in-place write to one is seen by both.
+    Compiled, the results keep eager `torch.where`'s bits for every dtype (float16 and bfloat16
+    leaves are selected as 16-bit integers: inductor would rewrite their NaN bit patterns), and
+    the compile time grows linearly with the number of leaves (`own_copy`).
 
     Args:
         pred: A 0-d (or one-element) `torch.bool` tensor.
@@ -205,6 +209,9 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
             return cast(TreeT, optree.tree_unflatten(spec, chosen))
     scalar = pred.reshape(())
     on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
+    compiling = torch.compiler.is_compiling()
+    # Compiled: a copy of the predicate per `READERS_PER_COPY` leaves (see `own_copy`).
+    copies: dict[torch.device, list[Any]] = {}
     mismatched: list[bool] = []
 
     def pick(a: object, b: object) -> object:
@@ -219,6 +226,17 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         where = on_device.get(a.device)
         if where is None:
             where = on_device[a.device] = to_device(scalar, a.device)
+        if compiling:
+            copy = copies.get(a.device)
+            if copy is None or copy[1] == READERS_PER_COPY:
+                copy = copies[a.device] = [own_copy(where), 0]
+            copy[1] += 1
+            where = copy[0]
+            bits = _HALF_BITS.get(a.dtype)
+            if bits is not None and not (a.requires_grad or b.requires_grad):
+                # Inductor selects float16/bfloat16 values through float32 and writes NaNs back
+                # in its own bit pattern; their bits as integers are selected as they are.
+                return torch.where(where, a.view(bits), b.view(bits)).view(a.dtype)
         return torch.where(where, a, b)
 
     # One tree_map, not a flatten and an unflatten: Dynamo traces optree's flatten op by op
@@ -228,6 +246,10 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     if mismatched:
         _raise_mismatch(on_true, on_false)
     return cast(TreeT, mapped)
+
+
+# Compiled, half-precision leaves are selected as integers of their width (`select_tree`).
+_HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:

@@ -449,6 +449,81 @@ def test_skip_on_overflow_compiled_over_every_container_equals_torch_where(
         assert_bitwise_equal(got, want)
 
 
+def _many_leaves(gen: torch.Generator, n: int) -> list[torch.Tensor]:
+    """n leaves of five dtypes and varied shapes: random bit patterns (NaN payloads, -0.0, infs)."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    out = []
+    for i in range(n):
+        shape = (i % 3 + 1, 5)
+        if i % 5 == 3:
+            out.append(torch.randint(-9, 9, shape, generator=gen))
+        elif i % 5 == 4:
+            out.append(torch.rand(shape, generator=gen) < 0.5)
+        else:
+            out.append(random_bits(shape, dtypes[i % 3], gen))
+    return out
+
+
+def _skip_many(found: torch.Tensor, new: Any, old: Any) -> Any:
+    return famp.skip_on_overflow(found, new, old)
+
+
+_SKIP_MANY = {
+    "static": torch.compile(_skip_many, fullgraph=True),
+    "dynamic": torch.compile(
+        lambda found, new, old: famp.skip_on_overflow(found, new, old), fullgraph=True, dynamic=True
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_SKIP_MANY))
+@pytest.mark.parametrize("found_inf", [0.0, 1.0, math.nan])
+def test_skip_on_overflow_compiled_over_many_leaves_equals_torch_where(
+    mode: str, found_inf: float
+) -> None:
+    # 21 leaves: compiled, each predicate copy serves 8 leaves, so three copies are read.
+    gen = torch.Generator().manual_seed(11)
+    new, old = _many_leaves(gen, 21), _many_leaves(gen, 21)
+    found = torch.tensor(found_inf)
+    out = _SKIP_MANY[mode](found, new, old)
+    keep = found == 0
+    assert len(out) == len(new)
+    for got, a, b in zip(out, new, old, strict=True):
+        assert_bitwise_equal(got, torch.where(keep, a, b))
+
+
+def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leaves() -> None:
+    """What keeps the compile time of a skip flat: no one predicate buffer read by every leaf.
+
+    Inductor pairs up the nodes that read one buffer to look for fusions; with one predicate
+    read by the `where` of 120 parameters that cost 13 of the 31 s a step took to compile. The
+    graph Dynamo hands the backend must read the predicate through copies, 8 leaves each, that
+    are reductions (which inductor does not inline into their readers).
+    """
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    select = torch.compile(famp.select_tree, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(5)
+    new, old = _many_leaves(gen, 40), _many_leaves(gen, 40)
+    out = select(torch.tensor(True), new, old)
+    for got, a in zip(out, new, strict=True):
+        assert_bitwise_equal(got, a)
+    (graph,) = graphs
+    wheres = [n for n in graph.graph.nodes if n.target in (torch.where, torch.ops.aten.where.self)]
+    assert len(wheres) == 40
+    readers = collections.Counter(n.args[0] for n in wheres)
+    assert len(readers) == 5
+    assert max(readers.values()) == 8
+    for copy in readers:  # each copy is `all` over an expansion: a reduction
+        assert copy.op == "call_method", copy.format_node()
+        assert copy.target == "all", copy.format_node()
+
+
 @pytest.mark.parametrize(
     ("other", "error", "message"),
     [
