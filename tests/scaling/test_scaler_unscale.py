@@ -279,6 +279,50 @@ def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
     return torch.randint(info.min, info.max, shape, dtype=_INT_OF[dtype], generator=gen).view(dtype)
 
 
+_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+def _recording(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    from torch._inductor.compile_fx import compile_fx  # imports inductor: only when compiling
+
+    _GRAPHS.append(gm)
+    return compile_fx(gm, example_inputs)
+
+
+def _unscale_many(state: famp.ScalerState, grads: list[torch.Tensor]) -> Any:
+    return famp.unscale_and_check(state, grads)
+
+
+_COMPILED_UNSCALE_MANY = torch.compile(_unscale_many, fullgraph=True, backend=_recording)
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    scale_value=st.sampled_from([3.0, 65536.0, 2.0**-20, 1.0, 0.1]),
+)
+def test_compiled_unscale_of_many_big_grads_reads_the_scale_through_copies_and_equals_gradscaler(
+    seed: int, scale_value: float
+) -> None:
+    # 19 float32/float64 grads that take the fused plain ops (_CHUNK_BYTES = 0), unscaled per
+    # dtype: compiled, the 15 float32 ones read the inverse scale through two copies
+    # (famp._scaling.program.own_copy), the 4 float64 ones read it directly.
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for i in range(19):
+        dtype = torch.float64 if i % 4 == 3 else torch.float32
+        plain = (torch.randn(i % 5 + 3, generator=gen) * 1e3).to(dtype)
+        keep_plain = torch.rand(plain.shape, generator=gen) < 0.5
+        grads.append(torch.where(keep_plain, plain, random_bits(plain.shape, dtype, gen)))
+    with mock.patch("famp._scaling.kernels._CHUNK_BYTES", 0):
+        out, found_inf = _COMPILED_UNSCALE_MANY(famp.init_scaler(scale_value), grads)
+    expected, expected_found = torch_unscale(scale_value, grads)
+    for o, e in zip(out, expected, strict=True):
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    copies = [n for g in _GRAPHS for n in g.graph.nodes if n.target in ("amax", torch.amax)]
+    assert len(copies) == 2 * len(_GRAPHS), [g.code for g in _GRAPHS]
+
+
 @pytest.mark.parametrize("path", ["eager-small", "eager-big", "eager-fused", "compiled"])
 @given(
     seed=st.integers(0, 2**32 - 1),
