@@ -496,7 +496,7 @@ def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leave
     """What keeps the compile time of a skip flat: no one predicate buffer read by every leaf.
 
     Inductor pairs up the nodes that read one buffer to look for fusions; with one predicate
-    read by the `where` of 120 parameters that cost 13 of the 31 s a step took to compile. The
+    read by the `where` of 120 parameters that search took 13 s of a step's compile. The
     graph Dynamo hands the backend must read the predicate through copies, 8 leaves each, that
     are reductions (which inductor does not inline into their readers).
     """
