@@ -18,11 +18,11 @@ def where_program(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[li
     At `inv == 1` the kernel skips the multiply, and so does this (NaN payloads are kept).
     """
     out = []
-    copies = torch.compiler.is_compiling() and len(tensors) > READERS_PER_COPY
+    compiling = torch.compiler.is_compiling()
     shared = inv
     for i, x in enumerate(tensors):
-        if copies and i % READERS_PER_COPY == 0:
-            inv = own_copy(shared)
+        if compiling:
+            inv = reader_operand(shared, inv, i)
         opmath, factor = (
             (x.double(), inv.double()) if x.dtype == torch.float64 else (x.float(), inv)
         )
@@ -56,16 +56,28 @@ def own_copy(t: Tensor) -> Tensor:
     millisecond of compile time: one 0-d tensor read by the ops of every parameter (the
     predicate of `famp.skip_on_overflow`, the inverse scale of a compiled unscale) made compile
     time grow with the square of the parameter count (docs/benchmarks.md). Readers of a shared
-    0-d tensor therefore read it through copies, `READERS_PER_COPY` readers each. A copy is
-    `all` (bool) or `amax` (the value's bits as an integer) over 64 repeats of `t`: `t` itself,
-    computed by a reduction, which inductor does not inline into its readers as it would an
-    elementwise op (reductions of up to `unroll_reductions_threshold` elements, 8 by default,
-    it unrolls: hence 64).
+    0-d tensor therefore read it through copies, `READERS_PER_COPY` readers each
+    (`reader_operand`). A copy is `all` (bool) or `amax` (the value's bits as an integer) over
+    64 repeats of `t`: `t` itself, computed by a reduction, which inductor does not inline into
+    its readers as it would an elementwise op (reductions of up to
+    `unroll_reductions_threshold` elements, 8 by default, it unrolls: hence 64).
     """
     if t.dtype == torch.bool:
         return t.reshape(1).expand(64).all()
     bits = _INT_OF_SIZE[t.element_size()]
     return t.view(bits).reshape(1).expand(64).amax().view(t.dtype)
+
+
+def reader_operand(shared: Tensor, current: Tensor, i: int) -> Tensor:
+    """What the `i`-th reader (from 0) of the 0-d `shared` reads, compiled.
+
+    The first `READERS_PER_COPY` readers read `shared` itself (a graph with few readers is
+    unchanged); each further `READERS_PER_COPY` read a new `own_copy`. `current` is what reader
+    `i - 1` read.
+    """
+    if i < READERS_PER_COPY:
+        return shared
+    return own_copy(shared) if i % READERS_PER_COPY == 0 else current
 
 
 # The NaN bit patterns (for a positive and a negative float32 NaN) of c10's float -> half/bfloat16.

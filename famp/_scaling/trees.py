@@ -13,7 +13,7 @@ import optree
 import torch
 
 from famp._compat import functorch_transforms_active
-from famp._scaling.program import READERS_PER_COPY, own_copy
+from famp._scaling.program import reader_operand
 from famp._scaling.state import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
 
@@ -169,7 +169,7 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     A result leaf is then the chosen input leaf, so an in-place write to one is seen by both.
     Compiled, the results keep eager `torch.where`'s bits for every dtype (float16 and bfloat16
     leaves are selected as 16-bit integers: inductor would rewrite their NaN bit patterns), and
-    the compile time grows linearly with the number of leaves (`own_copy`).
+    the compile time grows linearly with the number of leaves (`reader_operand`).
 
     Args:
         pred: A 0-d (or one-element) `torch.bool` tensor.
@@ -210,8 +210,8 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     scalar = pred.reshape(())
     on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
     compiling = torch.compiler.is_compiling()
-    # Compiled: a copy of the predicate per `READERS_PER_COPY` leaves (see `own_copy`).
-    copies: dict[torch.device, list[Any]] = {}
+    # Compiled, per device: what the last leaf read and how many leaves read (`reader_operand`).
+    readers: dict[torch.device, tuple[Tensor, int]] = {}
     mismatched: list[bool] = []
 
     def pick(a: object, b: object) -> object:
@@ -227,13 +227,12 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         if where is None:
             where = on_device[a.device] = to_device(scalar, a.device)
         if compiling:
-            copy = copies.get(a.device)
-            if copy is None or copy[1] == READERS_PER_COPY:
-                copy = copies[a.device] = [own_copy(where), 0]
-            copy[1] += 1
-            where = copy[0]
+            last, count = readers.get(a.device, (where, 0))
+            where = reader_operand(where, last, count)
+            readers[a.device] = (where, count + 1)
             bits = _HALF_BITS.get(a.dtype)
-            if bits is not None and not (a.requires_grad or b.requires_grad):
+            plain = type(a) is torch.Tensor and type(b) is torch.Tensor  # not a DTensor, say
+            if bits is not None and plain and not (a.requires_grad or b.requires_grad):
                 # Inductor selects float16/bfloat16 values through float32 and writes NaNs back
                 # in its own bit pattern; their bits as integers are selected as they are.
                 return torch.where(where, a.view(bits), b.view(bits)).view(a.dtype)

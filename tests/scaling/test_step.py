@@ -481,7 +481,7 @@ _SKIP_MANY = {
 def test_skip_on_overflow_compiled_over_many_leaves_equals_torch_where(
     mode: str, found_inf: float
 ) -> None:
-    # 21 leaves: compiled, each predicate copy serves 8 leaves, so three copies are read.
+    # 21 leaves: compiled, 8 read the predicate itself and each further 8 a copy of it (two).
     gen = torch.Generator().manual_seed(11)
     new, old = _many_leaves(gen, 21), _many_leaves(gen, 21)
     found = torch.tensor(found_inf)
@@ -497,8 +497,8 @@ def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leave
 
     Inductor pairs up the nodes that read one buffer to look for fusions; with one predicate
     read by the `where` of 120 parameters that search took 13 s of a step's compile. The
-    graph Dynamo hands the backend must read the predicate through copies, 8 leaves each, that
-    are reductions (which inductor does not inline into their readers).
+    graph Dynamo hands the backend must read the predicate itself from 8 leaves and copies of
+    it, 8 leaves each, that are reductions (which inductor does not inline into their readers).
     """
     graphs: list[torch.fx.GraphModule] = []
 
@@ -519,7 +519,9 @@ def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leave
     readers = collections.Counter(n.args[0] for n in wheres)
     assert len(readers) == 5
     assert max(readers.values()) == 8
-    for copy in readers:  # each copy is `all` over an expansion: a reduction
+    first, *copies = readers  # in the order the leaves read them
+    assert first.target != "all", first.format_node()  # the predicate itself
+    for copy in copies:  # each copy is `all` over an expansion: a reduction
         assert copy.op == "call_method", copy.format_node()
         assert copy.target == "all", copy.format_node()
 
