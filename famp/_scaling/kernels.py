@@ -5,10 +5,10 @@ there are five ways to its results, chosen per call: runs of the kernel's functi
 the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), famp's compiled
 one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
 (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
-`torch.func` transforms and inductor need. Each is tested against
+`torch.func` transforms and, off the CPU, inductor need. Compiled on the CPU, all of the eager
+choice is one opaque node (`unscale_op`). Each is tested against
 `GradScaler` bit for bit, NaN bit patterns included. `differentiable_unscale` gives the same
-results with the backward of torch's gradient-penalty recipe; `shared_memory` finds donated
-leaves that must not be unscaled in place.
+results with the backward of torch's gradient-penalty recipe.
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     exactly 1, the kernel: it skips the multiply). Where the big float32/float64 tensors of a
     call total `fused.MIN_BYTES`, famp's compiled program replaces the chunks: one read and one
     write per tensor, as a clone (`_unscale_wide`). Tensors that are not dense take the
-    functional variant, as on other devices. Compiled, big float32 and float64 tensors get
-    the kernel's arithmetic as plain ops, which inductor fuses into one pass per tensor
-    (`_compiled`). Results equal the kernel's bit for bit (tested on random bit patterns).
+    functional variant, as on other devices. Compiled, `_compiled` decides. Results equal the
+    kernel's bit for bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
         return _compiled(tensors, found, inv)
@@ -147,14 +146,19 @@ def _chunked(x: Tensor, found: Tensor, inv: Tensor) -> Tensor:
 
 
 def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """What `torch.compile` traces: big float32/float64 tensors as plain ops, the rest the kernel.
+    """What `torch.compile` traces: on the CPU one `famp::unscale` node, elsewhere kernel or ops.
 
-    Inductor fuses the kernel's arithmetic as plain ops into one read and one write per tensor,
-    where the kernel's functional variant makes two passes; but each tensor so traced adds about
-    0.18 s of compile time (measured: `unscale_and_check` of 200 tensors compiles in 10 s with
-    the kernel, 46 s as plain ops), so only tensors over `_CHUNK_BYTES` take it. Half dtypes
-    keep the kernel, whose NaN bit patterns inductor does not keep.
+    On the CPU, plain tensors that carry no graph go through `unscale_op`: the eager
+    `out_of_place` (about one pass over memory, as a clone) as one opaque node, whatever the
+    number of tensors, their sizes or symbolic shapes. Elsewhere big float32/float64 tensors
+    are traced as plain ops, which inductor fuses into one read and one write per tensor where
+    the kernel's functional variant makes two passes; but each tensor so traced adds about 0.1 s
+    of compile time (docs/benchmarks.md), so only tensors over `_CHUNK_BYTES` take it. Half
+    dtypes keep the kernel, whose NaN bit patterns inductor does not keep.
     """
+    if inv.device.type == "cpu" and _opaque(tensors):
+        new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
+        return list(new), found
     kernel: list[int] = []
     fused: list[int] = []
     for i, x in enumerate(tensors):  # total: every tensor takes exactly one of the two paths
@@ -166,6 +170,43 @@ def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[T
             for i, t in zip(picked, new, strict=True):
                 out[i] = t
     return out, found
+
+
+def _opaque(tensors: list[Tensor]) -> bool:
+    """Whether `unscale_op` may stand for the kernel on `tensors`, while tracing.
+
+    Not for tensor subclasses (a DTensor, say, has no sharding rule for famp's op: its local
+    shard is unscaled instead, see `unscale.py`) and not for tensors that carry a graph (the op
+    has no derivative; those go through `_Unscale`, whose forward runs without grad).
+    """
+    grad = torch.is_grad_enabled()
+    return all(
+        type(x) in (torch.Tensor, torch.nn.Parameter) and not (grad and x.requires_grad)
+        for x in tensors
+    )
+
+
+@torch.library.custom_op(
+    "famp::unscale",
+    mutates_args=(),
+    schema="(Tensor[] tensors, Tensor found, Tensor inv) -> (Tensor[], Tensor)",
+)
+def unscale_op(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
+    """The kernel's results on CPU tensors, out of place: compiled, one node running `out_of_place`.
+
+    Traced as plain ops, each tensor costs inductor about 0.1 s of compile time (its own
+    reduction and loop to schedule, fuse and generate); through torch's kernel, two passes over
+    memory a step. This op is opaque to the compiler (one node, whatever the tensors) and runs
+    famp's eager `out_of_place` at run time: about one pass, as a clone. Returns new tensors
+    and a new `found` (the kernel's: `found` itself, or 1.0 where any value is not finite).
+    """
+    new, found = out_of_place(list(tensors), found.clone(), inv)
+    return new, found
+
+
+@unscale_op.register_fake
+def _(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
+    return [torch.empty_like(x) for x in tensors], torch.empty_like(found)
 
 
 def _fuses(x: Tensor) -> bool:
@@ -205,51 +246,6 @@ def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tenso
 
 
 _CHUNK_BYTES = 1 << 20  # 1 MiB: what the second pass over a chunk or run still finds in cache
-
-
-def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
-    """Groups of tensors that share memory, and the tensors that overlap themselves, eagerly.
-
-    Compares the byte span each tensor's elements lie in (from its first to its last element);
-    spans that intersect count as shared. That is exact for the same tensor twice and for
-    overlapping views, and conservative for interleaved ones (`x[:, 0]` and `x[:, 1]`), which
-    are then handled as shared, correctly but without the in-place speed. A tensor whose span
-    holds fewer elements than it has (a stride 0, from `expand`) overlaps itself.
-    """
-    self_overlapping = []
-    readable = [type(x) is torch.Tensor and not x.is_meta for x in tensors]  # pointers to read
-    starts = [x.data_ptr() if ok else 0 for x, ok in zip(tensors, readable, strict=True)]
-    spans = [
-        (start, start + x.nbytes, i)  # contiguous (the common case): its bytes, no stride walk
-        for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True))
-        if ok and x.is_contiguous() and x.nbytes
-    ]
-    for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True)):
-        if not ok or x.is_contiguous() or x.numel() == 0:
-            continue
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride(), strict=True))
-        if extent < x.numel():
-            self_overlapping.append(i)
-        # Virtual addresses: distinct devices' memory never shares one (a false match would
-        # only cost the in-place speed).
-        spans.append((start, start + extent * x.element_size(), i))
-    shared: list[list[int]] = []
-    if len(spans) < 2:
-        return shared, self_overlapping
-    spans.sort()
-    cluster: list[int] = []
-    end = -1
-    for start, stop, i in spans:
-        if start < end:
-            cluster.append(i)
-            end = max(end, stop)
-            continue
-        if len(cluster) > 1:
-            shared.append(sorted(cluster))
-        cluster, end = [i], stop
-    if len(cluster) > 1:
-        shared.append(sorted(cluster))
-    return shared, self_overlapping
 
 
 class _Unscale(torch.autograd.Function):

@@ -18,12 +18,9 @@ import torch
 from famp import _collectives
 from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
+from famp._scaling.aliasing import shared_memory
 from famp._scaling.checks import FLOAT_DTYPES
-from famp._scaling.kernels import (
-    differentiable_unscale,
-    out_of_place,
-    shared_memory,
-)
+from famp._scaling.kernels import differentiable_unscale, out_of_place
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import check_state_first, leaves_and_rebuild, path_of, to_device

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import famp
+from famp._scaling.program import where_program
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_scaler import torch_unscale
 
@@ -247,6 +248,47 @@ def test_big_grads_in_any_layout_equal_gradscaler_and_keep_their_strides(
     assert_bitwise_equal(grad, before)
 
 
+def _unscale_and_flip(state: famp.ScalerState, grads: list[torch.Tensor]) -> Any:
+    out, found = famp.unscale_and_check(state, grads)
+    # Read by inductor's own loops, which index the unscaled grads with the strides famp::unscale
+    # declared while tracing: a wrong declaration would read the wrong elements here.
+    flipped = [o.view(_INT_OF[o.dtype]) ^ 1 for o in out]
+    return out, found, flipped
+
+
+_COMPILED_UNSCALE_AND_FLIP = torch.compile(_unscale_and_flip, fullgraph=True)
+
+
+@pytest.mark.parametrize("fused_bytes", [0, 1 << 62], ids=["fused", "chunks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_compiled_unscale_of_grads_in_any_layout_declares_their_strides(
+    monkeypatch: pytest.MonkeyPatch, fused_bytes: int, dtype: torch.dtype
+) -> None:
+    # Compiled on the CPU, grads are unscaled by famp::unscale, which runs out_of_place at run time
+    # (here with every grad "big": chunks, the min/max path, or famp's fused program); its
+    # outputs' strides must be the ones its fake declared to inductor (empty_like's).
+    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", 64)
+    monkeypatch.setattr("famp._scaling.fused.MIN_BYTES", fused_bytes)
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(2, 6, 5, 7, generator=gen) * 1e3).to(dtype)
+    base.view(-1)[[3, 100, 400]] = torch.tensor([math.inf, math.nan, -math.inf]).to(dtype)
+    grads = [
+        base,
+        base.to(memory_format=torch.channels_last),
+        base.transpose(1, 3),
+        base.view(-1)[5:].view(415, 1),
+        base[:, 1:, :, ::2],
+        base[0, 0, 0].expand(60, 7),
+    ]
+    expected, expected_found = torch_unscale(1024.0, [g.clone() for g in grads])
+    out, found, flipped = _COMPILED_UNSCALE_AND_FLIP(famp.init_scaler(1024.0), grads)
+    for g, o, f, e in zip(grads, out, flipped, expected, strict=True):
+        assert_bitwise_equal(o, e)
+        assert o.stride() == torch.empty_like(g).stride()
+        assert torch.equal(f, e.view(_INT_OF[dtype]) ^ 1)
+    assert_bitwise_equal(found, expected_found)
+
+
 # Random bit patterns, so every NaN payload and sign, infinity, subnormal and signed zero can turn
 # up, in tensors long enough for vectorized loops and their tails. Eagerly famp has two CPU paths
 # (the kernel on runs of small tensors; a min/max and a multiply for big ones); compiled, big
@@ -293,34 +335,77 @@ def _unscale_many(state: famp.ScalerState, grads: list[torch.Tensor]) -> Any:
     return famp.unscale_and_check(state, grads)
 
 
-_COMPILED_UNSCALE_MANY = torch.compile(_unscale_many, fullgraph=True, backend=_recording)
+_COMPILED_UNSCALE_MANY = {
+    dynamic: torch.compile(_unscale_many, fullgraph=True, dynamic=dynamic, backend=_recording)
+    for dynamic in (False, True)
+}
+
+
+def _many_grads(gen: torch.Generator, sizes: list[int]) -> list[torch.Tensor]:
+    """Grads of the given sizes, every fourth float64, half their values random bit patterns."""
+    grads = []
+    for i, size in enumerate(sizes):
+        dtype = torch.float64 if i % 4 == 3 else torch.float32
+        plain = (torch.randn(size, generator=gen) * 1e3).to(dtype)
+        keep_plain = torch.rand(plain.shape, generator=gen) < 0.5
+        grads.append(torch.where(keep_plain, plain, random_bits(plain.shape, dtype, gen)))
+    return grads
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    scale_value=st.sampled_from([3.0, 65536.0, 2.0**-20, 1.0, 0.1]),
+)
+def test_compiled_cpu_unscale_is_one_famp_op_per_dtype_and_equals_gradscaler(
+    dynamic: bool, seed: int, scale_value: float
+) -> None:
+    # 19 grads, 3 of them over 1 MiB: compiled on the CPU, each dtype's are one famp::unscale node
+    # (famp._scaling.kernels.unscale_op), none traced as plain ops or torch's kernel, whatever
+    # their number, size or shape symbols; the bits are GradScaler's.
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [(i % 5 + 3) * (70_001 if i in (1, 6, 11) else 1) for i in range(19)]
+    grads = _many_grads(gen, sizes)
+    _GRAPHS.clear()
+    out, found_inf = _COMPILED_UNSCALE_MANY[dynamic](famp.init_scaler(scale_value), grads)
+    expected, expected_found = torch_unscale(scale_value, grads)
+    for o, e in zip(out, expected, strict=True):
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    for graph in _GRAPHS:  # empty after the first example: the graph was compiled then
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        ops = [t for t in targets if t is torch.ops.famp.unscale.default]
+        assert len(ops) == 2, graph.code
+        assert not [t for t in targets if "non_finite" in str(t) or t is torch.where], graph.code
+
+
+_COMPILED_WHERE_PROGRAM = torch.compile(where_program, fullgraph=True, backend=_recording)
 
 
 @given(
     seed=st.integers(0, 2**32 - 1),
     scale_value=st.sampled_from([3.0, 65536.0, 2.0**-20, 1.0, 0.1]),
 )
-def test_compiled_unscale_of_many_big_grads_reads_the_scale_through_copies_and_equals_gradscaler(
+def test_compiled_where_program_reads_the_scale_through_copies_and_equals_gradscaler(
     seed: int, scale_value: float
 ) -> None:
-    # 19 float32/float64 grads that take the fused plain ops (_CHUNK_BYTES = 0), unscaled per
-    # dtype: compiled, 8 of the 15 float32 ones read the inverse scale itself and 7 a copy
-    # (famp._scaling.program.reader_operand), the 4 float64 ones read it itself.
+    # Off the CPU, compiled unscale traces big float32/float64 grads as where_program's plain ops.
+    # Compiled over 15 float32 grads, 8 read the inverse scale itself and 7 a copy
+    # (famp._scaling.program.reader_operand), and the flags of the first 8 are folded into a copy
+    # of found_inf before the next 7: two amax copies in the graph; GradScaler's bits.
     gen = torch.Generator().manual_seed(seed)
-    grads = []
-    for i in range(19):
-        dtype = torch.float64 if i % 4 == 3 else torch.float32
-        plain = (torch.randn(i % 5 + 3, generator=gen) * 1e3).to(dtype)
-        keep_plain = torch.rand(plain.shape, generator=gen) < 0.5
-        grads.append(torch.where(keep_plain, plain, random_bits(plain.shape, dtype, gen)))
-    with mock.patch("famp._scaling.kernels._CHUNK_BYTES", 0):
-        out, found_inf = _COMPILED_UNSCALE_MANY(famp.init_scaler(scale_value), grads)
+    grads = _many_grads(gen, [i % 5 + 3 for i in range(19)])
+    grads = [g for g in grads if g.dtype == torch.float32]
+    inv = torch.tensor(scale_value, dtype=torch.float64).reciprocal().float()
+    _GRAPHS.clear()
+    out, found_inf = _COMPILED_WHERE_PROGRAM(grads, torch.zeros(()), inv)
     expected, expected_found = torch_unscale(scale_value, grads)
     for o, e in zip(out, expected, strict=True):
         assert_bitwise_equal(o, e)
     assert_bitwise_equal(found_inf, expected_found)
-    copies = [n for g in _GRAPHS for n in g.graph.nodes if n.target in ("amax", torch.amax)]
-    assert len(copies) == len(_GRAPHS), [g.code for g in _GRAPHS]
+    for graph in _GRAPHS:
+        copies = [n for n in graph.graph.nodes if n.target in ("amax", torch.amax)]
+        assert len(copies) == 2, graph.code
 
 
 @pytest.mark.parametrize("path", ["eager-small", "eager-big", "eager-fused", "compiled"])
