@@ -152,7 +152,7 @@ def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[T
     `out_of_place` (about one pass over memory, as a clone) as one opaque node, whatever the
     number of tensors, their sizes or symbolic shapes. Elsewhere big float32/float64 tensors
     are traced as plain ops, which inductor fuses into one read and one write per tensor where
-    the kernel's functional variant makes two passes; but each tensor so traced adds about 0.1 s
+    the kernel's functional variant makes two passes; but each tensor so traced adds about 0.15 s
     of compile time (docs/benchmarks.md), so only tensors over `_CHUNK_BYTES` take it. Half
     dtypes keep the kernel, whose NaN bit patterns inductor does not keep.
     """
@@ -194,7 +194,7 @@ def _opaque(tensors: list[Tensor]) -> bool:
 def unscale_op(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
     """The kernel's results on CPU tensors, out of place: compiled, one node running `out_of_place`.
 
-    Traced as plain ops, each tensor costs inductor about 0.1 s of compile time (its own
+    Traced as plain ops, each tensor costs inductor about 0.15 s of compile time (its own
     reduction and loop to schedule, fuse and generate); through torch's kernel, two passes over
     memory a step. This op is opaque to the compiler (one node, whatever the tensors) and runs
     famp's eager `out_of_place` at run time: about one pass, as a clone. Returns new tensors
