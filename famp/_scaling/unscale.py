@@ -53,6 +53,9 @@ def unscale_and_check(
     famp unscales them with a program it compiles with `torch.compile` on the first such call
     (a few seconds, once per process, dtype and thread count), one pass over memory instead of
     two; where compiling fails it warns once and keeps torch's kernel. Same bits either way.
+    Inside a step compiled on the CPU, the unscale is one `famp::unscale` operator that runs
+    this eager path when the step runs: its compile time does not grow with the number of
+    grads.
 
     Args:
         state: The `famp.ScalerState` whose scale produced the gradients.

@@ -56,7 +56,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
         dist.destroy_process_group()
 
 
-def _dtensor_case(rank: int) -> tuple[float, float, bool, bool, bool]:
+def _dtensor_case(rank: int) -> tuple[float, float, bool, bool, bool, bool]:
     """FSDP2-style DTensor grads, an inf on rank 1 only: famp against GradScaler.unscale_."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -94,7 +94,17 @@ def _dtensor_case(rank: int) -> tuple[float, float, bool, bool, bool]:
         for o, p in zip(out, params, strict=True)
     )
     untouched = ours[0].to_local()[0].item() == 8.0 * rank
-    return found.item(), expected_found.item(), same, untouched, found.dtype == torch.float32
+    # Compiled (fullgraph): the local shards go through famp::unscale, found_inf over the mesh.
+    unscale = torch.compile(famp.unscale_and_check, fullgraph=True)
+    compiled_out, compiled_found = unscale(famp.init_scaler(3.0), grads())
+    compiled_same = compiled_found.item() == found.item() and all(
+        isinstance(c, DTensor)
+        and c.placements == o.placements
+        and torch.equal(c.to_local().view(-1), o.to_local().view(-1))
+        for c, o in zip(compiled_out, out, strict=True)
+    )
+    is_f32 = found.dtype == torch.float32
+    return found.item(), expected_found.item(), same, untouched, is_f32, compiled_same
 
 
 @pytest.mark.slow
@@ -124,11 +134,12 @@ def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
         assert same_grads  # the reduction touches found_inf only
         assert w1 == (math.inf if has_inf[rank] and rank == 1 else 8.0)  # input not modified
     assert len(dtensor_rows) == WORLD_SIZE
-    for _, _, found, expected_found, same, untouched, is_f32 in dtensor_rows:
+    for _, _, found, expected_found, same, untouched, is_f32, compiled_same in dtensor_rows:
         assert found == expected_found == 1.0  # reduced over the mesh, as GradScaler's dispatch
         assert same  # placements, shapes and local values equal GradScaler.unscale_'s
         assert untouched
         assert is_f32
+        assert compiled_same  # compiled: the same DTensors, bit for bit, and found_inf
 
 
 def test_group_must_be_a_process_group() -> None:
