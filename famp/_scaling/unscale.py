@@ -54,8 +54,8 @@ def unscale_and_check(
     (a few seconds, once per process, dtype and thread count), one pass over memory instead of
     two; where compiling fails it warns once and keeps torch's kernel. Same bits either way.
     Inside a step compiled on the CPU, the unscale is one `famp::unscale` operator that runs
-    this eager path when the step runs: its compile time does not grow with the number of
-    grads.
+    this eager path when the step runs: inductor compiles one node for it, not a loop per
+    gradient.
 
     Args:
         state: The `famp.ScalerState` whose scale produced the gradients.
