@@ -493,7 +493,7 @@ def test_skip_on_overflow_compiled_over_many_leaves_equals_torch_where(
 
 
 def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leaves() -> None:
-    """What keeps the compile time of a skip flat: no one predicate buffer read by every leaf.
+    """What keeps a skip's compile time linear: no one predicate buffer read by every leaf.
 
     Inductor pairs up the nodes that read one buffer to look for fusions; with one predicate
     read by the `where` of 120 parameters that search took 13 s of a step's compile. The
