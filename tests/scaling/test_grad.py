@@ -7,6 +7,7 @@ that require grad outside the call, zeros for unused inputs, one forward).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,55 @@ def test_unused_inputs_and_a_loss_independent_of_them_get_zeros_as_torch_func_gr
         assert_trees_bitwise_equal(value, expected_value, autograd=True)
         assert_trees_bitwise_equal(grads, expected_grads, autograd=True)
         assert_bitwise_equal(found_inf, expected_found)
+
+
+def skeleton(tree: Any) -> Any:
+    """A tree's containers as they are: types, and dict keys in their order (optree sorts them)."""
+    if isinstance(tree, dict):
+        return (type(tree), [(k, skeleton(v)) for k, v in tree.items()])
+    if isinstance(tree, (list, tuple)):
+        return (type(tree), [skeleton(v) for v in tree])
+    return type(tree)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: {"z": t(3), "a": t(2), "m": t(1)},  # insertion order, not sorted
+        lambda t: {"b": [t(2), (t(3), {"y": t(1), "x": t(2)})], "a": ()},
+        lambda t: (t(2), [t(3)], {}),
+        lambda t: [t(4)],
+        lambda t: {"p": Point(t(2), t(3)), "q": [t(1)]},  # a namedtuple: torch's pytree walks it
+        lambda t: collections.OrderedDict([("w", t(2)), ("b", t(1))]),
+        lambda t: t(5),
+    ],
+)
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_argument_containers_come_back_as_torch_func_grad_returns_them(
+    make: Callable[[Callable[[int], torch.Tensor]], Any], has_aux: bool
+) -> None:
+    # The eager path walks plain dicts, lists and tuples by hand and the rest with torch's
+    # pytree; both must give torch.func.grad's containers, key order and leaf order.
+    gen = torch.Generator().manual_seed(0)
+    tree = make(lambda n: torch.randn(n, generator=gen))
+    weights = optree.tree_map(lambda x: torch.rand(x.shape, generator=gen), tree)
+    state = famp.init_scaler(2.0**4)
+
+    def loss_fn(params: Any) -> Any:
+        pairs = zip(optree.tree_leaves(params), optree.tree_leaves(weights), strict=True)
+        loss = sum((p * w).sum() for p, w in pairs)
+        return (loss, {"b": [params], "a": (loss,)}) if has_aux else loss
+
+    value, grads, found_inf, _ = famp.value_and_grad(loss_fn, has_aux=has_aux)(state, tree)
+    expected_value, expected_grads, expected_found = oracle(loss_fn, state, 0, has_aux, tree)
+    assert skeleton(grads) == skeleton(expected_grads) == skeleton(tree)
+    assert skeleton(value) == skeleton(expected_value)
+    assert_trees_bitwise_equal(grads, expected_grads, autograd=True)
+    assert_trees_bitwise_equal(value, expected_value, autograd=True)
+    assert_bitwise_equal(found_inf, expected_found)
 
 
 def test_a_closure_that_requires_grad_keeps_torch_func_grads_graphs() -> None:
