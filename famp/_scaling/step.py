@@ -19,7 +19,7 @@ import torch
 from famp._compat import torch_pytree
 from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import scale, select_tree
+from famp._scaling.trees import scaled, select_tree
 from famp._scaling.unscale import unscale_and_check
 from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT
@@ -93,7 +93,7 @@ def value_and_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
 
-    def scaled(state: ScalerState, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+    def scaled_loss(state: ScalerState, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         # torch.func.grad's aux must hold tensors only, so "no aux" is the empty tuple here.
         out = fn(*args, **kwargs)
         if has_aux:
@@ -119,8 +119,11 @@ def value_and_grad(
                 else type(loss).__name__
             )
             raise TypeError(f"fn must return a one-element floating tensor as loss, got {what}")
-        # torch.func.grad differentiates a 0-d output: a one-element loss of any shape becomes one.
-        return scale(state, loss).reshape(()), (loss, aux)
+        # What famp.scale does to one tensor, without walking a tree (the state was checked, the
+        # loss just now). torch.func.grad differentiates a 0-d output: a one-element loss of any
+        # shape becomes one.
+        out = scaled(state, loss) if state.enabled else loss
+        return (out if out.dim() == 0 else out.reshape(())), (loss, aux)
 
     @functools.wraps(fn)
     def step(state: ScalerState, *args: Any, **kwargs: Any) -> tuple[Any, Any, Tensor, ScalerState]:
@@ -128,7 +131,7 @@ def value_and_grad(
             raise TypeError(
                 f"the first argument must be a famp.ScalerState, got {type(state).__name__}"
             )
-        loss_fn = functools.partial(scaled, state)
+        loss_fn = functools.partial(scaled_loss, state)
         result = eager_grad(loss_fn, argnums, args, kwargs)  # torch.func.grad's, faster eagerly
         if result is None:
             result = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(*args, **kwargs)

@@ -125,7 +125,12 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
         return tree
     leaves, rebuild = leaves_and_rebuild(tree)
     check_tensors("scale", cast(PyTree, tree), leaves)
-    return rebuild([x * to_device(state.scale, x.device) for x in leaves])
+    return rebuild([scaled(state, x) for x in leaves])
+
+
+def scaled(state: ScalerState, x: Tensor) -> Tensor:
+    """One tensor times the scale of an enabled `state`: what `scale` does to each leaf."""
+    return x * to_device(state.scale, x.device)
 
 
 def all_finite(tree: PyTree) -> Tensor:
