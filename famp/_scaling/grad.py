@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from famp._compat import functorch_transforms_active, torch_pytree
 
@@ -32,8 +33,11 @@ def eager_grad(
     argnums: int | tuple[int, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Any, Any] | None:
+) -> tuple[list[Tensor], Callable[[list[Any]], Any], Any] | None:
     """`torch.func.grad(fn, argnums, has_aux=True)(*args, **kwargs)`, or `None` where it must run.
+
+    The gradients come as a list with the function that builds their tree (the differentiated
+    arguments' structure) from it, then the aux: `(leaves, rebuild, aux)`.
 
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
     active, in inference mode, for an `argnums` out of range or repeated, and when a
@@ -75,7 +79,7 @@ def eager_grad(
             grads = tuple(torch.zeros_like(x) for x in fresh)
     if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
         aux = _detached(aux)
-    return rebuild(list(grads)), aux
+    return list(grads), rebuild, aux
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

@@ -20,7 +20,7 @@ from famp._compat import torch_pytree
 from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import scaled, select_tree
-from famp._scaling.unscale import unscale_and_check
+from famp._scaling.unscale import unscale_and_check, unscale_leaves
 from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT
 
@@ -134,9 +134,14 @@ def value_and_grad(
         loss_fn = functools.partial(scaled_loss, state)
         result = eager_grad(loss_fn, argnums, args, kwargs)  # torch.func.grad's, faster eagerly
         if result is None:
-            result = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(*args, **kwargs)
-        grads, (loss, aux) = result
-        grads, found_inf = unscale_and_check(state, grads, group=group)
+            grads, (loss, aux) = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(
+                *args, **kwargs
+            )
+            grads, found_inf = unscale_and_check(state, grads, group=group)
+        else:  # a list of gradients: unscaled before their tree is built, which is built once
+            leaves, rebuild, (loss, aux) = result
+            leaves, found_inf = unscale_leaves(state, leaves, lambda: rebuild(leaves), group=group)
+            grads = rebuild(leaves)
         value = (loss, aux) if has_aux else loss
         return value, grads, found_inf, update_scale(state, found_inf)
 

@@ -11,6 +11,7 @@ in `GradScaler.unscale_`, see docs/loss-scaling.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -95,9 +96,30 @@ def unscale_and_check(
     if not isinstance(donate, bool):
         raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
     if not state.enabled:
-        return grads, torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        return grads, _no_overflow(state)
     leaves, rebuild = leaves_and_rebuild(grads)
-    tree = cast(PyTree, grads)  # for error messages: the paths are looked up only for an error
+    out, found_inf = unscale_leaves(
+        state, leaves, lambda: cast(PyTree, grads), group=group, donate=donate
+    )
+    return rebuild(out), found_inf
+
+
+def unscale_leaves(
+    state: ScalerState,
+    leaves: list[Any],
+    tree: Callable[[], PyTree],
+    *,
+    group: Any = None,
+    donate: bool = False,
+) -> tuple[list[Any], Tensor]:
+    """`unscale_and_check` of a tree's leaves: the unscaled leaves, in order, and `found_inf`.
+
+    `famp.value_and_grad` calls it eagerly on the gradients as `torch.autograd.grad` lists them,
+    before it builds their tree (a flatten and an unflatten less). `tree` gives the tree of
+    `leaves`, only for the paths that errors name.
+    """
+    if not state.enabled:
+        return leaves, _no_overflow(state)
     scale_device = state.scale.device
     # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
     # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
@@ -122,7 +144,9 @@ def unscale_and_check(
     # no derivative, so the same results through an autograd Function with the recipe's backward.
     differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in dense)
     if differentiable and donate:
-        path = path_of(tree, next(x for x, d in zip(leaves, dense, strict=True) if d.requires_grad))
+        path = path_of(
+            tree(), next(x for x, d in zip(leaves, dense, strict=True) if d.requires_grad)
+        )
         raise ValueError(
             f"famp.unscale_and_check: donate=True cannot unscale in place the leaf at "
             f"{path}, which requires grad (create_graph=True); pass donate=False"
@@ -144,7 +168,7 @@ def unscale_and_check(
         clusters, self_overlapping = shared_memory(dense)
         for cluster in clusters:
             if len({dense[i].dtype for i in cluster}) > 1:
-                named = ", ".join(path_of(tree, leaves[i]) for i in cluster)
+                named = ", ".join(path_of(tree(), leaves[i]) for i in cluster)
                 raise ValueError(
                     f"famp.unscale_and_check: with donate=True, the leaves at "
                     f"{named} share memory with different "
@@ -154,8 +178,8 @@ def unscale_and_check(
         if self_overlapping:
             raise ValueError(
                 f"famp.unscale_and_check: with donate=True, the leaf at "
-                f"{path_of(tree, leaves[self_overlapping[0]])} has elements that share memory (an "
-                f"expanded tensor), which in place would be unscaled more than once; pass "
+                f"{path_of(tree(), leaves[self_overlapping[0]])} has elements that share memory "
+                f"(an expanded tensor), which in place would be unscaled more than once; pass "
                 f"donate=False"
             )
     write_back: dict[int, Tensor] = {}
@@ -203,31 +227,36 @@ def unscale_and_check(
         found_inf = _collectives.reduce_found_inf_over_meshes(found_inf, dtensors)
     if group is not None:
         found_inf = _collectives.all_reduce_max(found_inf, group)
-    return rebuild(out), found_inf
+    return out, found_inf
 
 
-def _check_leaf(tree: PyTree, leaf: object, scale_device: torch.device) -> None:
+def _no_overflow(state: ScalerState) -> Tensor:
+    """The `found_inf` of a disabled state: 0.0 on the scale's device."""
+    return torch.zeros((), dtype=torch.float32, device=state.scale.device)
+
+
+def _check_leaf(tree: Callable[[], PyTree], leaf: object, scale_device: torch.device) -> None:
     if not isinstance(leaf, torch.Tensor) or leaf.dtype not in FLOAT_DTYPES:
         what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} must be a "
+            f"famp.unscale_and_check: the leaf at {path_of(tree(), leaf)} must be a "
             f"float16/bfloat16/float32/float64 tensor or None, got {what}"
         )
     if leaf.is_nested:
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} is a nested tensor "
+            f"famp.unscale_and_check: the leaf at {path_of(tree(), leaf)} is a nested tensor "
             f"(layout {leaf.layout}); only strided and sparse_coo tensors are supported, as in "
             f"GradScaler"
         )
     if leaf.layout not in (torch.strided, torch.sparse_coo):
         raise TypeError(
-            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} has layout "
+            f"famp.unscale_and_check: the leaf at {path_of(tree(), leaf)} has layout "
             f"{leaf.layout}; only strided and sparse_coo are supported"
         )
     if leaf.is_meta and scale_device.type != "meta":
         raise ValueError(
-            f"famp.unscale_and_check: the leaf at {path_of(tree, leaf)} is on the meta device (no "
-            f"data), so found_inf on {scale_device} cannot be computed from it; meta gradients "
+            f"famp.unscale_and_check: the leaf at {path_of(tree(), leaf)} is on the meta device "
+            f"(no data), so found_inf on {scale_device} cannot be computed from it; meta gradients "
             f"need a meta scale: famp.init_scaler(..., device='meta')"
         )
 
