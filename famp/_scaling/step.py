@@ -19,7 +19,7 @@ import torch
 from famp._compat import torch_pytree
 from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import scaled, select_tree
+from famp._scaling.trees import readable, scaled, select
 from famp._scaling.unscale import unscale_and_check, unscale_leaves
 from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT
@@ -185,4 +185,6 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
         raise ValueError(
             f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
         )
-    return select_tree(found_inf.reshape(()) == 0, updated, current)
+    # Read eagerly as select_tree reads its pred: no predicate tensor is made unless one is used.
+    take = found_inf.item() == 0 if readable(found_inf) else None  # NaN: False, as `== 0`
+    return select(lambda: found_inf.reshape(()) == 0, take, updated, current)

@@ -167,11 +167,12 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
     the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
 
-    Eagerly, with `pred` on the CPU, outside `torch.compile` and `torch.func` transforms and
-    with no leaf that requires grad, famp reads `pred` (a memory read, not a device sync) and
-    returns the chosen tree's leaves themselves: `torch.where`'s values without a pass over
-    memory, and no new tensors, as `GradScaler` leaves parameters untouched on a skipped step.
-    A result leaf is then the chosen input leaf, so an in-place write to one is seen by both.
+    Eagerly, with `pred` on the CPU, outside `torch.compile` and `torch.func` transforms, famp
+    reads `pred` (a memory read, not a device sync) and each result leaf is the chosen input
+    leaf itself: `torch.where`'s values without a pass over memory, and no new tensors, as
+    `GradScaler` leaves parameters untouched on a skipped step. An in-place write to a result
+    leaf is then seen by the input leaf too. Pairs where a leaf requires grad (with grad
+    enabled) still go through `torch.where`, which gives both trees gradients.
     Compiled, the results keep eager `torch.where`'s bits for every dtype (float16 and bfloat16
     leaves are selected as 16-bit integers: inductor would rewrite their NaN bit patterns), and
     the compile time grows linearly with the number of leaves (`reader_operand`).
@@ -200,20 +201,22 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         raise TypeError(f"pred must be a torch.bool tensor, got {what}")
     if pred.numel() != 1:
         raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
-    if not torch.compiler.is_compiling():  # eagerly: errors first, then maybe no where at all
-        true_leaves, spec = tensor_leaves("select_tree", on_true)
-        false_leaves, false_spec = tensor_leaves("select_tree", on_false)
-        if spec != false_spec:
-            raise ValueError(
-                f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
-            )
-        if [(a.dtype, a.shape) for a in true_leaves] != [(b.dtype, b.shape) for b in false_leaves]:
-            _raise_mismatch(on_true, on_false)
-        if _reads_pred(pred, true_leaves, false_leaves):
-            chosen = true_leaves if pred.item() else false_leaves
-            return cast(TreeT, optree.tree_unflatten(spec, chosen))
-    scalar = pred.reshape(())
-    on_device = {scalar.device: scalar}  # the predicate moved once per device, not per leaf
+    take = bool(pred.item()) if readable(pred) else None
+    return select(lambda: pred.reshape(()), take, on_true, on_false)
+
+
+def select(
+    make_pred: Callable[[], Tensor], take: bool | None, on_true: TreeT, on_false: TreeT
+) -> TreeT:
+    """`select_tree` after its checks of the predicate: `take` is its value where it was read.
+
+    `take` (True: `on_true`) comes from `readable` predicates, eagerly; `None` elsewhere, where
+    `make_pred()` gives the 0-d bool predicate that `torch.where` reads. It runs only where a
+    `where` needs it, once per leaf device, so an eager read makes no tensor
+    (`skip_on_overflow` builds the predicate from `found_inf` only then).
+    """
+    grad = torch.is_grad_enabled()
+    on_device: dict[torch.device, Tensor] = {}  # the predicate moved once per device, not per leaf
     compiling = torch.compiler.is_compiling()
     # Compiled, per device: what the last leaf read and how many leaves read (`reader_operand`).
     readers: dict[torch.device, tuple[Tensor, int]] = {}
@@ -228,9 +231,11 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         ):
             mismatched.append(True)  # named below, with its path
             return a
+        if take is not None and not (grad and (a.requires_grad or b.requires_grad)):
+            return a if take else b
         where = on_device.get(a.device)
         if where is None:
-            where = on_device[a.device] = to_device(scalar, a.device)
+            where = on_device[a.device] = to_device(make_pred(), a.device)
         if compiling:
             last, count = readers.get(a.device, (where, 0))
             where = reader_operand(where, last, count)
@@ -243,13 +248,29 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
                 return torch.where(where, a.view(bits), b.view(bits)).view(a.dtype)
         return torch.where(where, a, b)
 
-    # One tree_map, not a flatten and an unflatten: Dynamo traces optree's flatten op by op
-    # (seconds for a few hundred leaves) but maps dicts, lists and tuples itself. The paths are
-    # looked up only for an error.
-    mapped = optree.tree_map(pick, cast(Any, on_true), cast(Any, on_false))
+    # One tree_map, not a flatten and an unflatten: it checks the structures, and Dynamo traces
+    # optree's flatten op by op (seconds for a few hundred leaves) but maps dicts, lists and
+    # tuples itself. The paths are looked up only for an error.
+    try:
+        mapped = optree.tree_map(pick, cast(Any, on_true), cast(Any, on_false))
+    except ValueError:
+        if not compiling:  # optree's error, in select_tree's words
+            _check_structures(on_true, on_false)
+        raise
     if mismatched:
+        if not compiling:  # on_false may hold a subtree where on_true has a leaf
+            _check_structures(on_true, on_false)
         _raise_mismatch(on_true, on_false)
     return cast(TreeT, mapped)
+
+
+def _check_structures(on_true: PyTree, on_false: PyTree) -> None:
+    """`select_tree`'s error for trees of different structures."""
+    spec, false_spec = optree.tree_structure(on_true), optree.tree_structure(on_false)
+    if spec != false_spec:
+        raise ValueError(
+            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+        ) from None
 
 
 # Compiled, half-precision leaves are selected as integers of their width (`select_tree`).
@@ -259,7 +280,8 @@ _HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
     """`select_tree`'s error for the first pair of leaves that differ, naming its path."""
     paths, true_leaves, _ = optree.tree_flatten_with_path(on_true)
-    false_leaves = optree.tree_leaves(on_false)
+    false_leaves: list[Any] = []  # what pairs with each leaf of on_true (a subtree, maybe)
+    optree.tree_map(lambda _, b: false_leaves.append(b), on_true, on_false)
     for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
         for leaf in (a, b):
             if not isinstance(leaf, torch.Tensor):
@@ -279,19 +301,13 @@ def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
             )
 
 
-def _reads_pred(pred: Tensor, on_true: list[Tensor], on_false: list[Tensor]) -> bool:
-    """Whether `select_tree` may read `pred` and return one tree's leaves (see its docstring).
+def readable(pred: Tensor) -> bool:
+    """Whether `select_tree` may read `pred` and return chosen leaves (see its docstring).
 
     Not while compiling (a guard on data) or under `torch.func` transforms (a batched `pred`),
-    not for a `pred` off the CPU (a sync), a fake or a subclass, and not where a leaf requires
-    grad: `torch.where` gives both trees gradients (zeros for the one not chosen).
+    and not for a `pred` off the CPU (a sync), a fake or a subclass. Leaves that require grad
+    take `torch.where` even so: it gives both trees gradients (zeros for the one not chosen).
     """
     if torch.compiler.is_compiling() or type(pred) is not torch.Tensor or pred.device.type != "cpu":
         return False
-    if functorch_transforms_active():
-        return False
-    if torch.is_grad_enabled():
-        return not any(x.requires_grad for x in on_true) and not any(
-            x.requires_grad for x in on_false
-        )
-    return True
+    return not functorch_transforms_active()

@@ -311,16 +311,30 @@ def test_skipped_steps_never_happened_for_the_optimizer(pattern: list[bool], by:
     assert state.scale.item() == 2.0 ** (10 - sum(pattern))
 
 
-@pytest.mark.parametrize("found_inf", [0.0, 1.0, 2.0, -1.0, math.nan, math.inf])
-def test_skip_on_overflow_treats_any_nonzero_found_inf_as_overflow(found_inf: float) -> None:
+@pytest.mark.parametrize("found_inf", [0.0, -0.0, 1.0, 2.0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_skip_on_overflow_treats_any_nonzero_found_inf_as_overflow(
+    found_inf: float, dtype: torch.dtype
+) -> None:
     new, old = (
         {"w": torch.zeros(3), "n": torch.tensor(1)},
         {"w": torch.ones(3), "n": torch.tensor(0)},
     )
-    out = famp.skip_on_overflow(torch.tensor([found_inf]), new, old)
+    flag = torch.tensor([found_inf], dtype=dtype)
+    out = famp.skip_on_overflow(flag, new, old)
     expected = new if found_inf == 0.0 else old
-    assert_bitwise_equal(out["w"], expected["w"])
-    assert_bitwise_equal(out["n"], expected["n"])
+    for key in ("w", "n"):
+        assert out[key] is expected[key]  # eagerly famp reads found_inf: no copy
+        assert_bitwise_equal(out[key], torch.where(flag.reshape(()) == 0, new[key], old[key]))
+
+
+@pytest.mark.parametrize("found_inf", [torch.tensor(0), torch.tensor(3), torch.tensor([True])])
+def test_skip_on_overflow_reads_integer_and_bool_found_inf_as_torch_where_does(
+    found_inf: torch.Tensor,
+) -> None:
+    new, old = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    out = famp.skip_on_overflow(found_inf, new, old)
+    assert_bitwise_equal(out["w"], torch.where(found_inf.reshape(()) == 0, new["w"], old["w"]))
 
 
 def test_skip_on_overflow_bad_input() -> None:
@@ -331,6 +345,8 @@ def test_skip_on_overflow_bad_input() -> None:
         famp.skip_on_overflow(torch.zeros(2), tree, tree)
     with pytest.raises(ValueError, match="same structure"):
         famp.skip_on_overflow(torch.zeros(()), tree, {"v": torch.zeros(2)})
+    with pytest.raises(ValueError, match="same structure"):  # a subtree where a leaf should be
+        famp.skip_on_overflow(torch.zeros(()), tree, {"w": [torch.zeros(2)]})
     with pytest.raises(TypeError, match=r"differ in dtype: torch\.float64 and torch\.float32"):
         famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(2, dtype=torch.float64)}, tree)
     with pytest.raises(ValueError, match=r"differ in shape: \(3,\) and \(2,\)"):
@@ -364,16 +380,23 @@ def test_select_tree_eagerly_returns_the_chosen_leaves_with_torch_where_values(
 
 
 def test_select_tree_keeps_torch_where_for_leaves_that_require_grad() -> None:
-    # torch.where gives both trees gradients, zeros for the one not chosen.
+    # torch.where gives both trees gradients, zeros for the one not chosen; the pairs of the
+    # same trees that carry no graph are the chosen leaves themselves.
     a = torch.randn(4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
+    c, d = torch.randn(2), torch.randn(2)
     for pred in (True, False):
-        out = famp.select_tree(torch.tensor(pred), {"w": a * 2}, {"w": b * 3})
+        out = famp.select_tree(torch.tensor(pred), {"w": a * 2, "n": c}, {"w": b * 3, "n": d})
+        assert out["n"] is (c if pred else d)
         got = torch.autograd.grad(out["w"].sum(), (a, b))
         where = torch.where(torch.tensor(pred), a * 2, b * 3)
         expected = torch.autograd.grad(where.sum(), (a, b))
         for g, e in zip(got, expected, strict=True):
             assert_bitwise_equal(g, e)
+        with torch.no_grad():  # no graph to keep: chosen leaves, whatever requires grad
+            assert famp.select_tree(torch.tensor(pred), {"w": a}, {"w": b})["w"] is (
+                a if pred else b
+            )
 
 
 def test_select_tree_under_vmap_selects_per_sample() -> None:
