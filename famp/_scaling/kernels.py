@@ -52,25 +52,28 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     on_cpu = inv.device.type == "cpu" and type(inv) is torch.Tensor  # not a fake or meta scale
     if not on_cpu:
         return _kernel(tensors, found, inv)
-    at_one = inv.item() == 1.0  # a memory read on the CPU, not a device sync
+    at_one = None  # whether inv is exactly 1, read (a memory read, not a sync) where needed
     out: list[Tensor] = []
     extremes: list[Tensor] = []
     run: list[Tensor] = []
     wides: list[int] = []  # where big dense float32/float64 tensors go in `out`
     size = 0
     for x in tensors:
-        nbytes = x.numel() * x.element_size()
-        wide = x.dtype in (torch.float32, torch.float64)
-        if nbytes > _CHUNK_BYTES and x.dim() > 0 and (wide or not at_one) and _dense(x):
-            found = _unscale_run(run, out, found, inv)
-            run, size = [], 0
-            if wide:
-                wides.append(len(out))
-                out.append(x)  # a placeholder: unscaled below, all of them together
+        nbytes = x.nbytes  # numel × element size, whatever the strides
+        if nbytes > _CHUNK_BYTES and x.dim() > 0 and _dense(x):
+            wide = x.dtype in (torch.float32, torch.float64)
+            if not wide and at_one is None:
+                at_one = inv.item() == 1.0
+            if wide or not at_one:  # else a half tensor at scale 1: the kernel, in a run
+                found = _unscale_run(run, out, found, inv)
+                run, size = [], 0
+                if wide:
+                    wides.append(len(out))
+                    out.append(x)  # a placeholder: unscaled below, all of them together
+                    continue
+                extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
+                out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32
                 continue
-            extremes.extend(torch.aminmax(x))  # first: the multiply then reads x from cache
-            out.append(torch.mul(x, inv))  # n-d: keeps x's dtype, computes in float32
-            continue
         if size + nbytes > _CHUNK_BYTES:
             found = _unscale_run(run, out, found, inv)
             run, size = [], 0

@@ -126,20 +126,28 @@ def unscale_leaves(
     # entries may overflow float16; torch's _unscale_grads_ does the same).
     dense: list[Tensor] = []
     special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
+    # What the kernel reads, grouped by device and dtype as GradScaler groups it.
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, leaf in enumerate(leaves):
         if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
-            if leaf.dtype not in FLOAT_DTYPES or leaf.is_nested or leaf.is_meta:
+            read = leaf
+            if read.dtype not in FLOAT_DTYPES or read.is_nested:
                 _check_leaf(tree, leaf, scale_device)
-            dense.append(leaf)
-            continue
-        _check_leaf(tree, leaf, scale_device)
-        source = _collectives.local_shard(leaf) if _collectives.is_dtensor(leaf) else leaf
-        if source.is_sparse:
-            source = source.coalesce() if source.dtype == torch.float16 else source
-            dense.append(source._values())
         else:
-            dense.append(source)
-        special[i] = (leaf, source)
+            _check_leaf(tree, leaf, scale_device)
+            source = _collectives.local_shard(leaf) if _collectives.is_dtensor(leaf) else leaf
+            if source.is_sparse:
+                source = source.coalesce() if source.dtype == torch.float16 else source
+                read = source._values()
+            else:
+                read = source
+            special[i] = (leaf, source)
+        dense.append(read)
+        groups.setdefault(read.device, {}).setdefault(read.dtype, []).append(i)
+    for device, by_dtype in groups.items():  # meta leaves: once per device, not per leaf
+        if device.type == "meta":
+            first = min(i for index in by_dtype.values() for i in index)
+            _check_leaf(tree, leaves[first], scale_device)
     # Gradients that carry a graph (create_graph=True, an outer torch.func.grad): the kernel has
     # no derivative, so the same results through an autograd Function with the recipe's backward.
     differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in dense)
@@ -151,9 +159,6 @@ def unscale_leaves(
             f"famp.unscale_and_check: donate=True cannot unscale in place the leaf at "
             f"{path}, which requires grad (create_graph=True); pass donate=False"
         )
-    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    for i, x in enumerate(dense):
-        groups.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
     inv_scale64 = state.scale.double().reciprocal()
     inv_scale = inv_scale64.float()
     # The fused kernel has no vmap batching rule: under torch.func transforms, the same arithmetic
