@@ -47,17 +47,25 @@ def own_code(fn: Callable[..., Any]) -> Any:
 
 def _devices(tree: Any, found: set[str]) -> None:
     # The common containers directly (fast); anything else through torch's pytree registry.
-    if isinstance(tree, torch.Tensor):
-        found.add(tree.device.type)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            _devices(item, found)
+    if isinstance(tree, (list, tuple)):
+        items: Any = tree
     elif isinstance(tree, dict):
-        for item in tree.values():
+        items = tree.values()
+    else:
+        items = (tree,)
+    for item in items:
+        if type(item) in _PLAIN:  # a plain tensor's is_cpu: no device object to build
+            found.add("cpu" if item.is_cpu else item.device.type)
+        elif isinstance(item, torch.Tensor):
+            found.add(item.device.type)
+        elif isinstance(item, (list, tuple, dict)):
             _devices(item, found)
-    elif tree is not None and not isinstance(tree, (int, float, str, bool)):
-        leaves = tree_leaves(tree)
-        found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+        elif item is not None and not isinstance(item, (int, float, str, bool)):
+            leaves = tree_leaves(item)
+            found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -79,8 +80,13 @@ def test_device_inference() -> None:
 
     f = famp.autocast(dev, "c=bf16")
     assert f({"a": [torch.ones(1)], "b": 2}) == "cpu"
+    assert f((nn.Parameter(torch.ones(1)), "s", None)) == "cpu"
+    pair = collections.namedtuple("pair", "a b")
+    assert f([{"k": pair(3, (torch.ones(1, device="meta"), torch.ones(1)))}]) == "cpu"
     with pytest.raises(ValueError, match="needs a tensor among the arguments"):
         f(3)
+    with pytest.raises(ValueError, match="needs a tensor among the arguments"):  # meta is no device
+        f({"w": torch.ones(2, device="meta"), "p": nn.Parameter(torch.ones(1, device="meta"))})
     rules = famp.default_rules("cuda").override({"mm": "float32"})
     g = famp.autocast(dev, "c=bf16", rules=rules)
     with pytest.raises(ValueError, match="rules are for device_type 'cuda' but the call runs on"):
