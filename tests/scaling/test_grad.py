@@ -175,6 +175,42 @@ def test_argument_containers_come_back_as_torch_func_grad_returns_them(
     assert_bitwise_equal(found_inf, expected_found)
 
 
+@pytest.mark.parametrize("overflow", [False, True])
+def test_sparse_embedding_grads_equal_torch_func_grads(overflow: bool) -> None:
+    # Embedding(sparse=True) gives a sparse COO gradient: the eager path unscales it among the
+    # dense ones, as the list autograd returns, and builds the same tree as torch.func.grad.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if overflow:
+        params["0.weight"][2, 1] = torch.inf
+    idx = torch.tensor([[1, 2, 2], [7, 1, 0]])
+
+    def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return functional_call(model, p, (idx,)).square().mean()
+
+    state = famp.init_scaler(2.0**12)
+    value, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, params)
+    expected_value, expected_grads, expected_found = oracle(loss_fn, state, 0, False, params)
+    assert grads["0.weight"].layout == expected_grads["0.weight"].layout == torch.sparse_coo
+    assert list(grads) == list(expected_grads) == list(params)
+    for key in params:
+        assert_bitwise_equal(grads[key], expected_grads[key])
+    assert_bitwise_equal(value, expected_value)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.item() == float(overflow)
+    # And GradScaler's own unscale of the module's .grad, after scaler.scale(loss).backward().
+    model.load_state_dict(params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(idx).square().mean()).backward()
+    scaler.unscale_(opt)
+    for key, param in model.named_parameters():
+        assert param.grad is not None
+        assert_bitwise_equal(grads[key], param.grad)
+    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
+
+
 def test_a_closure_that_requires_grad_keeps_torch_func_grads_graphs() -> None:
     # MAML-style: the outer parameter w is a closure of the loss; torch.func.grad's gradients,
     # loss and aux carry graphs to w, and second-order gradients flow through them.
