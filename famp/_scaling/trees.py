@@ -62,12 +62,6 @@ def check_tensors(fn: str, tree: PyTree, leaves: list[Any]) -> list[Tensor]:
     return leaves
 
 
-def tensor_leaves(fn: str, tree: PyTree) -> tuple[list[Tensor], optree.PyTreeSpec]:
-    """`tree`'s leaves and structure; a TypeError naming `famp.<fn>` and a non-tensor's path."""
-    leaves, spec = optree.tree_flatten(tree)
-    return check_tensors(fn, tree, leaves), spec
-
-
 def to_device(t: Tensor, device: torch.device) -> Tensor:
     """`t` on `device`, for an op there to read next: asynchronously only to a CUDA device.
 
