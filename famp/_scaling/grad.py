@@ -87,8 +87,9 @@ def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 
     A tensor, or dicts, lists and tuples (exactly those types, nested) of tensors, are walked by
     hand: the leaves in torch's order (a dict's in its key order) and the same containers rebuilt,
-    without torch's generic pytree machinery (about 50 µs of an eager step of a transformer
-    block's 43 parameters, measured on an Intel Xeon). Any other tree goes to torch's pytree.
+    without torch's generic pytree machinery. On a transformer block's 43 parameters this took
+    `eager_grad`'s own time over plain autograd from about 0.21 to 0.14 ms a step (an Intel Xeon,
+    one in-process A/B). Any other tree goes to torch's pytree.
     """
     leaves: list[Any] = []
     if _gather(tree, leaves):
