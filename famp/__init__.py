@@ -11,9 +11,10 @@ import types as _types
 # --- loss scaling: _scaling/ --------------------------------------------------------------------
 # isort: split
 from famp._scaling.build import init_scaler
+from famp._scaling.choice import select_tree
 from famp._scaling.state import ScalerState
 from famp._scaling.state_dict import from_state_dict, to_state_dict
-from famp._scaling.trees import all_finite, scale, select_tree
+from famp._scaling.trees import all_finite, scale
 from famp._scaling.unscale import unscale_and_check
 from famp._scaling.update import update_scale
 

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from famp._compat import torch_pytree
+from famp._scaling.choice import readable, select
 from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import readable, scaled, select
+from famp._scaling.trees import scaled
 from famp._scaling.unscale import unscale_and_check, unscale_leaves
 from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT

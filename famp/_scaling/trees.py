@@ -1,7 +1,8 @@
-"""Tree-wide operations of loss scaling: `famp.scale`, `famp.all_finite`, `famp.select_tree`.
+"""Tree-wide operations of loss scaling: `famp.scale`, `famp.all_finite`.
 
 Each takes its trees' leaves with optree (`None` leaves pass through) and names the path of a bad
-leaf in its error; the helpers here do the same for `unscale.py`.
+leaf in its error; the helpers here do the same for `unscale.py` and `choice.py`
+(`famp.select_tree`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from typing import Any, cast
 import optree
 import torch
 
-from famp._compat import functorch_transforms_active
-from famp._scaling.program import reader_operand
 from famp._scaling.state import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
 
@@ -152,156 +151,3 @@ def all_finite(tree: PyTree) -> Tensor:
     device = leaves[0].device
     checks = [torch.isfinite(x._values() if x.is_sparse else x).all().to(device) for x in leaves]
     return torch.stack(checks).all()
-
-
-def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
-    """Choose between two trees elementwise with a 0-d bool tensor, without a host sync.
-
-    Each leaf becomes `torch.where(pred, a, b)`; use it to skip an update after an overflow:
-    `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
-    the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
-
-    Eagerly, with `pred` on the CPU, outside `torch.compile` and `torch.func` transforms, famp
-    reads `pred` (a memory read, not a device sync) and each result leaf is the chosen input
-    leaf itself: `torch.where`'s values without a pass over memory, and no new tensors, as
-    `GradScaler` leaves parameters untouched on a skipped step. An in-place write to a result
-    leaf is then seen by the input leaf too. Pairs where a leaf requires grad (with grad
-    enabled) still go through `torch.where`, which gives both trees gradients.
-    Compiled, the results keep eager `torch.where`'s bits for every dtype (float16 and bfloat16
-    leaves are selected as 16-bit integers: inductor would rewrite their NaN bit patterns), and
-    the compile time grows linearly with the number of leaves (`reader_operand`).
-
-    Args:
-        pred: A 0-d (or one-element) `torch.bool` tensor.
-        on_true: The tree chosen where `pred` is `True`.
-        on_false: The tree chosen where `pred` is `False`.
-
-    Returns:
-        A tree with `on_true`'s structure.
-
-    Raises:
-        TypeError: `pred` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
-            in dtype; the message names the path.
-        ValueError: The structures differ, `pred` has more than one element, or paired leaves
-            differ in shape.
-
-    Examples:
-        >>> import famp, torch
-        >>> famp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
-        {'w': tensor([0., 0.])}
-    """
-    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
-        what = pred.dtype if isinstance(pred, torch.Tensor) else type(pred).__name__
-        raise TypeError(f"pred must be a torch.bool tensor, got {what}")
-    if pred.numel() != 1:
-        raise ValueError(f"pred must have exactly one element, got shape {tuple(pred.shape)}")
-    take = bool(pred.item()) if readable(pred) else None
-    return select(lambda: pred.reshape(()), take, on_true, on_false)
-
-
-def select(
-    make_pred: Callable[[], Tensor], take: bool | None, on_true: TreeT, on_false: TreeT
-) -> TreeT:
-    """`select_tree` after its checks of the predicate: `take` is its value where it was read.
-
-    `take` (True: `on_true`) comes from `readable` predicates, eagerly; `None` elsewhere, where
-    `make_pred()` gives the 0-d bool predicate that `torch.where` reads. It runs only where a
-    `where` needs it, once per leaf device, so an eager read makes no tensor
-    (`skip_on_overflow` builds the predicate from `found_inf` only then).
-    """
-    grad = torch.is_grad_enabled()
-    on_device: dict[torch.device, Tensor] = {}  # the predicate moved once per device, not per leaf
-    compiling = torch.compiler.is_compiling()
-    # Compiled, per device: what the last leaf read and how many leaves read (`reader_operand`).
-    readers: dict[torch.device, tuple[Tensor, int]] = {}
-    mismatched: list[bool] = []
-
-    def pick(a: object, b: object) -> object:
-        if not (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-        ):
-            mismatched.append(True)  # named below, with its path
-            return a
-        if take is not None and not (grad and (a.requires_grad or b.requires_grad)):
-            return a if take else b
-        where = on_device.get(a.device)
-        if where is None:
-            where = on_device[a.device] = to_device(make_pred(), a.device)
-        if compiling:
-            last, count = readers.get(a.device, (where, 0))
-            where = reader_operand(where, last, count)
-            readers[a.device] = (where, count + 1)
-            bits = _HALF_BITS.get(a.dtype)
-            plain = type(a) is torch.Tensor and type(b) is torch.Tensor  # not a DTensor, say
-            if bits is not None and plain and not (a.requires_grad or b.requires_grad):
-                # Inductor selects float16/bfloat16 values through float32 and writes NaNs back
-                # in its own bit pattern; their bits as integers are selected as they are.
-                return torch.where(where, a.view(bits), b.view(bits)).view(a.dtype)
-        return torch.where(where, a, b)
-
-    # One tree_map, not a flatten and an unflatten: it checks the structures, and Dynamo traces
-    # optree's flatten op by op (seconds for a few hundred leaves) but maps dicts, lists and
-    # tuples itself. The paths are looked up only for an error.
-    try:
-        mapped = optree.tree_map(pick, cast(Any, on_true), cast(Any, on_false))
-    except ValueError:
-        if not compiling:  # optree's error, in select_tree's words
-            _check_structures(on_true, on_false)
-        raise
-    if mismatched:
-        if not compiling:  # on_false may hold a subtree where on_true has a leaf
-            _check_structures(on_true, on_false)
-        _raise_mismatch(on_true, on_false)
-    return cast(TreeT, mapped)
-
-
-def _check_structures(on_true: PyTree, on_false: PyTree) -> None:
-    """`select_tree`'s error for trees of different structures."""
-    spec, false_spec = optree.tree_structure(on_true), optree.tree_structure(on_false)
-    if spec != false_spec:
-        raise ValueError(
-            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
-        ) from None
-
-
-# Compiled, half-precision leaves are selected as integers of their width (`select_tree`).
-_HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
-    """`select_tree`'s error for the first pair of leaves that differ, naming its path."""
-    paths, true_leaves, _ = optree.tree_flatten_with_path(on_true)
-    false_leaves: list[Any] = []  # what pairs with each leaf of on_true (a subtree, maybe)
-    optree.tree_map(lambda _, b: false_leaves.append(b), on_true, on_false)
-    for path, a, b in zip(paths, true_leaves, false_leaves, strict=True):
-        for leaf in (a, b):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"famp.select_tree: the leaf at {keystr(path)} must be a Tensor or None, "
-                    f"got {type(leaf).__name__} {leaf!r}"
-                )
-        if a.dtype != b.dtype:
-            raise TypeError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in dtype: "
-                f"{a.dtype} and {b.dtype}"
-            )
-        if a.shape != b.shape:
-            raise ValueError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in shape: "
-                f"{tuple(a.shape)} and {tuple(b.shape)}"
-            )
-
-
-def readable(pred: Tensor) -> bool:
-    """Whether `select_tree` may read `pred` and return chosen leaves (see its docstring).
-
-    Not while compiling (a guard on data) or under `torch.func` transforms (a batched `pred`),
-    and not for a `pred` off the CPU (a sync), a fake or a subclass. Leaves that require grad
-    take `torch.where` even so: it gives both trees gradients (zeros for the one not chosen).
-    """
-    if torch.compiler.is_compiling() or type(pred) is not torch.Tensor or pred.device.type != "cpu":
-        return False
-    return not functorch_transforms_active()

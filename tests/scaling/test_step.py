@@ -473,8 +473,8 @@ def test_skip_on_overflow_compiled_over_every_container_equals_torch_where(
 
 
 def _many_leaves(gen: torch.Generator, n: int) -> list[torch.Tensor]:
-    """n leaves of five dtypes and varied shapes: random bit patterns (NaN payloads, -0.0, infs)."""
-    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    """n leaves of six dtypes and varied shapes: random bit patterns (NaN payloads, -0.0, infs)."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
     out = []
     for i in range(n):
         shape = (i % 3 + 1, 5)
@@ -483,7 +483,7 @@ def _many_leaves(gen: torch.Generator, n: int) -> list[torch.Tensor]:
         elif i % 5 == 4:
             out.append(torch.rand(shape, generator=gen) < 0.5)
         else:
-            out.append(random_bits(shape, dtypes[i % 3], gen))
+            out.append(random_bits(shape, dtypes[i % 4], gen))
     return out
 
 
@@ -504,7 +504,7 @@ _SKIP_MANY = {
 def test_skip_on_overflow_compiled_over_many_leaves_equals_torch_where(
     mode: str, found_inf: float
 ) -> None:
-    # 21 leaves: compiled, 8 read the predicate itself and each further 8 a copy of it (two).
+    # 21 leaves of six dtypes, chosen compiled by one famp::select_ (tests/scaling/test_choice.py).
     gen = torch.Generator().manual_seed(11)
     new, old = _many_leaves(gen, 21), _many_leaves(gen, 21)
     found = torch.tensor(found_inf)
@@ -516,12 +516,14 @@ def test_skip_on_overflow_compiled_over_many_leaves_equals_torch_where(
 
 
 def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leaves() -> None:
-    """What keeps a skip's compile time linear: no one predicate buffer read by every leaf.
+    """What keeps a `torch.where` skip's compile time linear: no one predicate read by every leaf.
 
     Inductor pairs up the nodes that read one buffer to look for fusions; with one predicate
     read by the `where` of 120 parameters that search took 13 s of a step's compile. The
     graph Dynamo hands the backend must read the predicate itself from 8 leaves and copies of
     it, 8 leaves each, that are reductions (which inductor does not inline into their readers).
+    Leaves that require grad take `torch.where` (plain CPU leaves take `famp::select_`, see
+    tests/scaling/test_choice.py).
     """
     graphs: list[torch.fx.GraphModule] = []
 
@@ -532,7 +534,8 @@ def test_select_tree_compiled_reads_each_predicate_copy_from_at_most_eight_leave
     torch._dynamo.reset()
     select = torch.compile(famp.select_tree, fullgraph=True, backend=backend)
     gen = torch.Generator().manual_seed(5)
-    new, old = _many_leaves(gen, 40), _many_leaves(gen, 40)
+    new = [torch.randn(i % 3 + 1, 5, generator=gen, requires_grad=True) for i in range(40)]
+    old = [torch.randn(i % 3 + 1, 5, generator=gen) for i in range(40)]
     out = select(torch.tensor(True), new, old)
     for got, a in zip(out, new, strict=True):
         assert_bitwise_equal(got, a)

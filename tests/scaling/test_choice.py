@@ -1,0 +1,174 @@
+"""select_tree compiled on the CPU: one `famp::select_` for the plain leaves, torch.where's bits.
+
+The values are checked against eager `torch.where` bit for bit (random bit patterns, NaN payloads
+of every floating dtype), with static and dynamic shapes and after a recompile; what the
+compiled program does is checked on the graph Dynamo traces and on the code inductor writes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.scaling.test_scaler_unscale import random_bits
+
+SELECT_OP = torch.ops.famp.select_.default
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.bool]
+
+
+def _leaves(gen: torch.Generator, n: int, shape: tuple[int, ...] = (3, 5)) -> list[torch.Tensor]:
+    """n leaves of six dtypes: random bit patterns for the floating ones."""
+    out = []
+    for i in range(n):
+        dtype = DTYPES[i % len(DTYPES)]
+        if dtype == torch.int64:
+            out.append(torch.randint(-9, 9, shape, generator=gen))
+        elif dtype == torch.bool:
+            out.append(torch.rand(shape, generator=gen) < 0.5)
+        else:
+            out.append(random_bits(shape, dtype, gen))
+    return out
+
+
+def _where(pred: torch.Tensor, new: Any, old: Any) -> Any:
+    return optree.tree_map(lambda a, b: torch.where(pred, a, b), new, old)
+
+
+def _select(pred: torch.Tensor, new: Any, old: Any) -> Any:
+    return famp.select_tree(pred, new, old)
+
+
+_COMPILED = {
+    "static": torch.compile(_select, fullgraph=True),
+    "dynamic": torch.compile(
+        lambda pred, new, old: famp.select_tree(pred, new, old), fullgraph=True, dynamic=True
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_COMPILED))
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_equals_torch_where_and_leaves_its_inputs_untouched(
+    mode: str, pred: bool
+) -> None:
+    """Bits of eager `torch.where`; new tensors; no input written, whichever tree is chosen.
+
+    The trees share leaves (a tied leaf twice in `on_true`, one tensor on both sides), and the
+    second call's shapes differ from the first's: a recompile under static shapes.
+    """
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((3, 5), (2, 7)):
+        new, old = _leaves(gen, 12, shape), _leaves(gen, 12, shape)
+        new[6] = new[0]  # tied: one tensor twice in on_true (both float32)
+        old[7] = new[7]  # one tensor on both sides (bfloat16)
+        before = [x.clone() for x in new + old]
+        out = _COMPILED[mode](torch.tensor(pred), new, old)
+        expected = _where(torch.tensor(pred), new, old)
+        for got, want in zip(out, expected, strict=True):
+            assert_bitwise_equal(got, want)
+        for x, kept in zip(new + old, before, strict=True):
+            assert_bitwise_equal(x, kept)
+        inputs = {x.data_ptr() for x in new + old}
+        assert not inputs & {x.data_ptr() for x in out}, "a result shares an input's memory"
+        assert out[0].data_ptr() != out[6].data_ptr()  # a tied leaf gives two results, as where
+
+
+def _dynamo_graph(fn: Any, *args: Any) -> tuple[Any, torch.fx.GraphModule]:
+    """`fn(*args)` compiled with a backend that keeps the graph Dynamo traced."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    (graph,) = graphs
+    return out, graph
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_on_the_cpu_is_one_operator_and_where_for_leaves_with_a_graph(
+    pred: bool,
+) -> None:
+    """40 plain leaves: one `famp::select_` call. Leaves that require grad: one where each.
+
+    A `torch.where` per leaf cost inductor about 3 s of fusion search and code for a
+    120-parameter step (docs/benchmarks.md). The operator has no derivative, so pairs in which a
+    leaf requires grad (grad enabled) keep `torch.where`, which gives both trees gradients.
+    """
+    gen = torch.Generator().manual_seed(5)
+    new, old = _leaves(gen, 40), _leaves(gen, 40)
+    new += [torch.randn(4, generator=gen, requires_grad=True) for _ in range(3)]
+    old += [torch.randn(4, generator=gen) for _ in range(3)]
+    out, graph = _dynamo_graph(_select, torch.tensor(pred), new, old)
+    for got, want in zip(out, _where(torch.tensor(pred), new, old), strict=True):
+        assert_bitwise_equal(got, want)
+    assert [x.requires_grad for x in out] == [False] * 40 + [True] * 3
+    calls = [n for n in graph.graph.nodes if n.target is SELECT_OP]
+    wheres = [n for n in graph.graph.nodes if n.target in (torch.where, torch.ops.aten.where.self)]
+    assert len(calls) == 1
+    assert len(calls[0].args[1]) == 40
+    assert len(wheres) == 3
+
+
+def test_compiled_select_of_one_tensor_on_two_devices_takes_where_off_the_cpu() -> None:
+    """Meta leaves (another device) are not the operator's: they take `torch.where`."""
+    new = {"cpu": torch.ones(3), "meta": torch.ones(3, device="meta")}
+    old = {"cpu": torch.zeros(3), "meta": torch.zeros(3, device="meta")}
+    out, graph = _dynamo_graph(_select, torch.tensor(False), new, old)
+    assert_bitwise_equal(out["cpu"], torch.zeros(3))
+    assert out["meta"].device.type == "meta"
+    calls = [n for n in graph.graph.nodes if n.target is SELECT_OP]
+    wheres = [n for n in graph.graph.nodes if n.target in (torch.where, torch.ops.aten.where.self)]
+    assert (len(calls), len(calls[0].args[1]), len(wheres)) == (1, 1, 1)
+
+
+def test_compiled_select_under_vmap_selects_per_sample() -> None:
+    """Under `torch.func.vmap` (no batching rule for the operator) each pair is a where."""
+    preds = torch.tensor([True, False, True])
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+
+    def per_sample(p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> Any:
+        return famp.select_tree(p, {"w": x}, {"w": y})
+
+    torch._dynamo.reset()
+    out = torch.compile(torch.func.vmap(per_sample), fullgraph=True)(preds, a, b)
+    assert_bitwise_equal(out["w"], torch.where(preds[:, None], a, b))
+
+
+def _sgd_and_skip(params: Any, grads: Any, found_inf: torch.Tensor) -> Any:
+    new = {k: params[k] - 0.1 * grads[k] for k in params}
+    return famp.skip_on_overflow(found_inf, new, params)
+
+
+def test_compiled_skip_writes_the_update_once_and_chooses_in_place() -> None:
+    """The update is written into the buffers the step returns, and the skip chooses in them.
+
+    Inductor's code allocates one buffer per parameter (and the predicate): the choice makes no
+    copy of its own, and a step that is not skipped makes no pass over memory for it.
+    """
+    gen = torch.Generator().manual_seed(9)
+    params = {f"w{i}": random_bits((4, 3), torch.float32, gen) for i in range(5)}
+    params["h"] = random_bits((6,), torch.bfloat16, gen)
+    grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
+    compiled = torch.compile(_sgd_and_skip, fullgraph=True)
+    _, (code,) = run_and_get_code(compiled, params, grads, torch.tensor(0.0))
+    call = code[code.index("def call(") :]
+    assert call.count("torch.ops.famp.select_.default(") == 1
+    allocated = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", call)
+    assert len(allocated) == len(params) + 1, allocated  # the outputs and the 0-d predicate
+    for found_inf in (0.0, 1.0, math.nan, -0.0):
+        found = torch.tensor(found_inf)
+        out = compiled(params, grads, found)
+        for key, got in out.items():
+            new = params[key] - 0.1 * grads[key]
+            assert_bitwise_equal(got, torch.where(found == 0, new, params[key]))
