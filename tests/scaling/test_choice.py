@@ -120,7 +120,7 @@ def test_compiled_select_on_the_cpu_is_one_operator_and_where_for_leaves_with_a_
     assert len(wheres) == 3
 
 
-def test_compiled_select_of_one_tensor_on_two_devices_takes_where_off_the_cpu() -> None:
+def test_compiled_select_takes_where_for_leaves_off_the_cpu() -> None:
     """Meta leaves (another device) are not the operator's: they take `torch.where`."""
     new = {"cpu": torch.ones(3), "meta": torch.ones(3, device="meta")}
     old = {"cpu": torch.zeros(3), "meta": torch.zeros(3, device="meta")}
@@ -172,3 +172,29 @@ def test_compiled_skip_writes_the_update_once_and_chooses_in_place() -> None:
         for key, got in out.items():
             new = params[key] - 0.1 * grads[key]
             assert_bitwise_equal(got, torch.where(found == 0, new, params[key]))
+
+
+def _select_then_write(pred: torch.Tensor, new: Any, old: Any) -> Any:
+    out = famp.select_tree(pred, new, old)
+    for tree in (new, old):  # EMA-style in-place writes to both inputs after the choice
+        for x in tree.values():
+            x.mul_(2)
+    return out
+
+
+_COMPILED_WRITE = torch.compile(_select_then_write, fullgraph=True)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_is_not_changed_by_later_in_place_writes_to_its_inputs(pred: bool) -> None:
+    """The results are the inputs' values when `select_tree` ran, as `torch.where`'s are."""
+    gen = torch.Generator().manual_seed(13)
+    floats = DTYPES[:4]  # finite values: doubling them is exact, compiled or not
+    new = {f"w{i}": torch.randn(3, 5, generator=gen).to(t) for i, t in enumerate(floats)}
+    old = {f"w{i}": torch.randn(3, 5, generator=gen).to(t) for i, t in enumerate(floats)}
+    expected = _where(torch.tensor(pred), new, old)
+    doubled = {k: v * 2 for k, v in new.items()}
+    out = _COMPILED_WRITE(torch.tensor(pred), new, old)
+    for key in expected:
+        assert_bitwise_equal(out[key], expected[key])
+        assert_bitwise_equal(new[key], doubled[key])  # the writes happened
