@@ -37,9 +37,10 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
     Compiled, the results keep eager `torch.where`'s bits for every dtype and are new tensors.
     On the CPU, pairs of plain tensors that carry no graph are chosen by one operator for the
     whole tree: each result is a copy of its `on_true` leaf, overwritten with the `on_false`
-    leaf only where `pred` is false, so a step that is not skipped makes no pass over memory
-    for the choice. Other pairs take `torch.where` (float16 and bfloat16 leaves as 16-bit
-    integers: inductor would rewrite their NaN bit patterns).
+    leaf only where `pred` is false. Inductor writes an `on_true` leaf computed in the same
+    compiled function (an update) straight into its copy, so a step that is not skipped makes
+    no pass over memory for the choice. Other pairs take `torch.where` (float16 and bfloat16
+    leaves as 16-bit integers: inductor would rewrite their NaN bit patterns).
 
     Args:
         pred: A 0-d (or one-element) `torch.bool` tensor.
