@@ -198,3 +198,31 @@ def test_compiled_select_is_not_changed_by_later_in_place_writes_to_its_inputs(p
     for key in expected:
         assert_bitwise_equal(out[key], expected[key])
         assert_bitwise_equal(new[key], doubled[key])  # the writes happened
+
+
+def _loss_and_moment(
+    w: torch.Tensor, x: torch.Tensor, m: torch.Tensor, pred: torch.Tensor
+) -> tuple[torch.Tensor, Any]:
+    loss = (w * x).square().sum()
+    return loss, famp.select_tree(pred, {"m": m * 0.9 + x}, {"m": m})
+
+
+_COMPILED_TRAINING = torch.compile(_loss_and_moment, fullgraph=True)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_in_a_graph_that_is_differentiated(pred: bool) -> None:
+    """An input requires grad, so the graph is compiled for training: the choice (of tensors
+    that carry no graph) is the operator's, and the backward is autograd's, unchanged."""
+    gen = torch.Generator().manual_seed(17)
+    w = torch.randn(5, generator=gen, requires_grad=True)
+    x, m = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    loss, out = _COMPILED_TRAINING(w, x, m, torch.tensor(pred))
+    loss.backward()
+    expected = w.detach().clone().requires_grad_()
+    (expected * x).square().sum().backward()
+    assert expected.grad is not None
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, expected.grad, rtol=0, atol=1e-6)
+    assert_bitwise_equal(out["m"], torch.where(torch.tensor(pred), m * 0.9 + x, m))
+    assert not out["m"].requires_grad
