@@ -76,9 +76,10 @@ def select(
     """`select_tree` after its checks of the predicate: `take` is its value where it was read.
 
     `take` (True: `on_true`) comes from `readable` predicates, eagerly; `None` elsewhere, where
-    `make_pred()` gives the 0-d bool predicate that `torch.where` reads. It runs only where a
-    `where` needs it, once per leaf device, so an eager read makes no tensor
-    (`skip_on_overflow` builds the predicate from `found_inf` only then).
+    `make_pred()` gives the 0-d bool predicate that `torch.where` and `famp::select_` read. It
+    runs only where one of them needs it (once per leaf device for `where`, once for the
+    operator), so an eager read makes no tensor (`skip_on_overflow` builds the predicate from
+    `found_inf` only then).
     """
     grad = torch.is_grad_enabled()
     on_device: dict[torch.device, Tensor] = {}  # the predicate moved once per device, not per leaf
