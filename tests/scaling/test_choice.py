@@ -226,3 +226,28 @@ def test_compiled_select_in_a_graph_that_is_differentiated(pred: bool) -> None:
     torch.testing.assert_close(w.grad, expected.grad, rtol=0, atol=1e-6)
     assert_bitwise_equal(out["m"], torch.where(torch.tensor(pred), m * 0.9 + x, m))
     assert not out["m"].requires_grad
+
+
+def _layouts(gen: torch.Generator) -> list[torch.Tensor]:
+    """Leaves in the layouts a tree may hold: transposed, strided slice, expanded, 0-d, empty."""
+    base = random_bits((6, 4), torch.float32, gen)
+    return [
+        base.t(),
+        base[::2, 1:],
+        random_bits((1, 4), torch.bfloat16, gen).expand(3, 4),
+        random_bits((), torch.float64, gen),
+        torch.empty(0, 3),
+    ]
+
+
+_COMPILED_LAYOUTS = torch.compile(_select, fullgraph=True)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_of_leaves_in_any_layout_equals_torch_where(pred: bool) -> None:
+    gen = torch.Generator().manual_seed(19)
+    new, old = _layouts(gen), _layouts(gen)
+    old[0] = old[0].contiguous()  # paired leaves of different layouts
+    out = _COMPILED_LAYOUTS(torch.tensor(pred), new, old)
+    for got, want in zip(out, _where(torch.tensor(pred), new, old), strict=True):
+        assert_bitwise_equal(got, want)
