@@ -101,7 +101,7 @@ def test_compiled_select_on_the_cpu_is_one_operator_and_where_for_leaves_with_a_
 ) -> None:
     """40 plain leaves: one `famp::select_` call. Leaves that require grad: one where each.
 
-    A `torch.where` per leaf cost inductor about 3 s of fusion search and code for a
+    A `torch.where` per leaf cost 3.0-4.4 s of compile time (Dynamo and inductor) for a
     120-parameter step (docs/benchmarks.md). The operator has no derivative, so pairs in which a
     leaf requires grad (grad enabled) keep `torch.where`, which gives both trees gradients.
     """
