@@ -90,10 +90,7 @@ def traced_module_hooks(pre: object | None, post: object | None) -> None:
 
 
 def tree_leaves(tree: object) -> list[object]:
-    """The leaves of a pytree by torch's registry (device inference of `famp.autocast`).
-
-    The user's containers are registered with torch's pytree, whose module is private.
-    """
+    """A pytree's leaves by torch's registry (its module is private): `famp.autocast`'s device."""
     from torch.utils import _pytree
 
     return _pytree.tree_leaves(tree)
@@ -290,3 +287,22 @@ def amp_foreach_non_finite_check_and_unscale_(
 ) -> Any:
     """`GradScaler`'s fused check-and-unscale kernel, which has no public name."""
     return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+# Eager `famp.value_and_grad` unscales autograd's fresh gradients in place only where no other
+# tensor holds their memory (torch counts a storage's holders; no public query of the count) and
+# no post-accumulate-grad hook (a private field) watches the leaf's `.grad`.
+def storage_unshared(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor (nor a Python storage object) holds `tensor`'s memory."""
+    return _storage_holders(tensor) <= _FRESH_HOLDERS
+
+
+def _storage_holders(tensor: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+_FRESH_HOLDERS = _storage_holders(torch.empty(1))  # the tensor and this query's storage object
+
+
+def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
+    return tensor._post_accumulate_grad_hooks is not None

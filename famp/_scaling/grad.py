@@ -5,9 +5,11 @@ forward and backward for its own autograd level: that is what lets a step compos
 `vmap`, nested `grad` and `torch.compile`, and it costs a third to a half of an eager step of a
 small model. Eagerly, outside any transform, the same gradients come from plain autograd:
 the differentiated inputs are detached into fresh leaves, the function runs once, and
-`torch.autograd.grad` differentiates the loss with respect to those leaves (unused inputs get
-zeros, as `torch.func.grad` gives them). The arithmetic is the same autograd formulas, so the
-values are the same bits (tested on models with autocast, against `torch.func.grad` itself).
+`torch.autograd.backward` differentiates the loss with respect to those leaves (unused inputs
+get zeros, as `torch.func.grad` gives them). The arithmetic is the same autograd formulas, so
+the values are the same bits (tested on models with autocast, against `torch.func.grad`
+itself). The gradients that share memory with no other tensor are autograd's own results,
+which `famp.value_and_grad` then unscales in place (`_accumulated`).
 
 What `torch.func.grad` adds beyond the values is kept too. Tensors that require grad outside the
 call (a closure's parameters, other arguments) are recorded by torch's ordinary autograd under
@@ -25,7 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from famp._compat import functorch_transforms_active, torch_pytree
+from famp._compat import (
+    functorch_transforms_active,
+    grad_hooked,
+    storage_unshared,
+    torch_pytree,
+)
 
 
 def eager_grad(
@@ -33,11 +40,12 @@ def eager_grad(
     argnums: int | tuple[int, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[list[Tensor], Callable[[list[Any]], Any], Any] | None:
+) -> tuple[list[Tensor], Callable[[list[Any]], Any], Any, list[bool]] | None:
     """`torch.func.grad(fn, argnums, has_aux=True)(*args, **kwargs)`, or `None` where it must run.
 
     The gradients come as a list with the function that builds their tree (the differentiated
-    arguments' structure) from it, then the aux: `(leaves, rebuild, aux)`.
+    arguments' structure) from it, then the aux, then which gradients no other tensor shares
+    memory with (`_accumulated`): `(leaves, rebuild, aux, owned)`.
 
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
     active, in inference mode, for an `argnums` out of range or repeated, and when a
@@ -71,15 +79,59 @@ def eager_grad(
     with torch.enable_grad():
         output, aux = fn(*new_args, **kwargs)
         outer = _reaches_other_leaves(output, fresh)
-        if output.requires_grad:
-            grads = torch.autograd.grad(
-                output, fresh, allow_unused=True, materialize_grads=True, create_graph=outer
+        if not output.requires_grad:  # the loss does not depend on the inputs: zero gradients,
+            grads = [torch.zeros_like(x) for x in fresh]  # as torch.func.grad gives
+            owned = [True] * len(grads)
+        elif outer or not all(_accumulates(x) for x in fresh):
+            grads = list(
+                torch.autograd.grad(
+                    output, fresh, allow_unused=True, materialize_grads=True, create_graph=outer
+                )
             )
-        else:  # the loss does not depend on the inputs: zero gradients, as torch.func.grad gives
-            grads = tuple(torch.zeros_like(x) for x in fresh)
+            owned = [False] * len(grads)
+        else:
+            grads, owned = _accumulated(output, fresh)
     if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
         aux = _detached(aux)
-    return list(grads), rebuild, aux
+    return grads, rebuild, aux, owned
+
+
+def _accumulates(leaf: Tensor) -> bool:
+    """Whether `_accumulated` may take `leaf`'s gradient: a plain tensor whose `.grad` no hook
+    watches (`torch.func.grad` runs no post-accumulate-grad hook, and neither does famp)."""
+    return type(leaf) is torch.Tensor and not grad_hooked(leaf)
+
+
+def _accumulated(output: Tensor, fresh: list[Tensor]) -> tuple[list[Tensor], list[bool]]:
+    """The gradients of `output` for the `fresh` leaves, and which of them famp alone holds.
+
+    `torch.autograd.backward` leaves each gradient in its leaf's `.grad`, through torch's
+    `AccumulateGrad`: that keeps autograd's result only where no other tensor references it
+    (otherwise it stores a copy), and gives it the leaf's strides. A gradient is then famp's
+    alone, to unscale in place, unless it shares its memory with another tensor (a view that a
+    hook or a custom Function returned, the gradients of `torch.cat`'s inputs). The values
+    are those `torch.autograd.grad` returns; the leaves' `.grad` are reset to `None`.
+    """
+    torch.autograd.backward(output, inputs=fresh)
+    grads: list[Tensor] = []
+    owned: list[bool] = []
+    for x in fresh:
+        g = x.grad
+        x.grad = None
+        if g is None:  # not reached: zeros, as materialize_grads gives
+            grads.append(torch.zeros_like(x))
+            owned.append(True)
+            continue
+        grads.append(g)
+        owned.append(
+            type(g) is torch.Tensor
+            and g.layout == torch.strided
+            and not g.is_meta
+            and storage_unshared(g)
+        )
+    if len({id(g) for g in grads}) < len(grads):  # one tensor twice: torch copies, never seen
+        owned = [False] * len(grads)
+    return grads, owned
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

@@ -53,7 +53,9 @@ def value_and_grad(
     updated (`famp.update_scale`): torch's growth timing, bit for bit. `value` is the loss as
     `fn` returned it, never scaled. The gradients are returned even after an overflow (they then
     hold inf or NaN): skip the update with `famp.skip_on_overflow`. Composes with
-    `torch.compile(fullgraph=True)` and `torch.func.vmap`.
+    `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, the
+    gradients come from plain autograd, and those that share memory with no other tensor are
+    unscaled in place, at `GradScaler.unscale_`'s speed.
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,
@@ -140,8 +142,10 @@ def value_and_grad(
             )
             grads, found_inf = unscale_and_check(state, grads, group=group)
         else:  # a list of gradients: unscaled before their tree is built, which is built once
-            leaves, rebuild, (loss, aux) = result
-            leaves, found_inf = unscale_leaves(state, leaves, lambda: rebuild(leaves), group=group)
+            leaves, rebuild, (loss, aux), owned = result
+            leaves, found_inf = unscale_leaves(
+                state, leaves, lambda: rebuild(leaves), group=group, owned=owned
+            )
             grads = rebuild(leaves)
         value = (loss, aux) if has_aux else loss
         return value, grads, found_inf, update_scale(state, found_inf)

@@ -111,12 +111,14 @@ def unscale_leaves(
     *,
     group: Any = None,
     donate: bool = False,
+    owned: list[bool] | None = None,
 ) -> tuple[list[Any], Tensor]:
     """`unscale_and_check` of a tree's leaves: the unscaled leaves, in order, and `found_inf`.
 
-    `famp.value_and_grad` calls it eagerly on the gradients as `torch.autograd.grad` lists them,
-    before it builds their tree (a flatten and an unflatten less). `tree` gives the tree of
-    `leaves`, only for the paths that errors name.
+    `famp.value_and_grad` calls it eagerly on the gradients as autograd lists them, before it
+    builds their tree (a flatten and an unflatten less), with `owned`: which leaves are
+    autograd's fresh results that nothing else references, unscaled in place. `tree` gives the
+    tree of `leaves`, only for the paths that errors name.
     """
     if not state.enabled:
         return leaves, _no_overflow(state)
@@ -199,6 +201,16 @@ def unscale_leaves(
                 new, found = differentiable_unscale(tensors, found, inv_scale64.to(device))
             elif transformed:
                 new, found = where_program(tensors, found, inv)
+            elif owned is not None:  # autograd's fresh grads: in place where only famp holds them
+                mine = [dense[i] for i in index if owned[i]]
+                if mine:
+                    amp_foreach_non_finite_check_and_unscale_(mine, found, inv)
+                new = tensors
+                others = [i for i in index if not owned[i]]
+                if others:
+                    results, found = out_of_place([dense[i] for i in others], found, inv)
+                    copies = dict(zip(others, results, strict=True))
+                    new = [copies.get(i, dense[i]) for i in index]
             elif in_place:
                 alone = [x for i, x in zip(index, tensors, strict=True) if i not in shared]
                 if alone:
