@@ -5,7 +5,9 @@ On ~75M float32 gradient elements in 50 tensors:
   limit) vs GradScaler.unscale_ (in place);
 - famp.unscale_and_check(donate=True) vs GradScaler.unscale_;
 - famp.unscale_and_check under torch.compile(fullgraph=True) (inductor fuses it) vs the clone;
-- famp.update_scale, eager and compiled, vs GradScaler.update.
+- famp.update_scale, eager and compiled, vs GradScaler.update;
+- famp.value_and_grad eagerly (scaled loss, gradients, unscale, update) vs backward() of the loss
+  scaled by GradScaler, then its unscale_ and update, on a chain of matrices of the same size.
 Candidates run interleaved in a shuffled order, round after round, and each ratio is of medians.
 
 An out-of-place result needs fresh memory, and on CPU what that costs depends on glibc: memory
@@ -130,6 +132,53 @@ def bench_unscale(elements: int, tensors: int, rounds: int) -> list[tuple[str, f
     ]
 
 
+def bench_value_and_grad(elements: int, tensors: int, rounds: int) -> list[tuple[str, float]]:
+    """A training step's gradients, scaled and unscaled: `famp.value_and_grad` eagerly against
+    `GradScaler` around `backward()`. The model is a chain of `tensors` square float32 matrices
+    of about `elements` in all (each followed by a tanh; a batch of 8 rows)."""
+    side = round((elements / tensors) ** 0.5)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(side, side, generator=gen) / side**0.5 for _ in range(tensors)]
+    x = torch.randn(8, side, generator=gen)
+
+    def loss_fn(ws: list[torch.Tensor]) -> torch.Tensor:
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h.square().mean()
+
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    value_and_grad = famp.value_and_grad(loss_fn)
+    box = [famp.init_scaler(1024.0)]
+
+    def gradscaler_step() -> None:  # backward, unscale_ and update; the grads freed at the end
+        scaler.scale(loss_fn(params)).backward()
+        scaler.unscale_(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    def famp_step() -> None:  # the same: scaled loss, unscaled grads, next state
+        _, _, _, box[0] = value_and_grad(box[0], weights)
+
+    def autograd_step() -> None:  # no loss scaling at all
+        torch.autograd.grad(loss_fn(params), params)
+
+    famp_step()  # untimed: the first call of a step
+    t = median_times(
+        {"gradscaler": gradscaler_step, "famp": famp_step, "autograd": autograd_step}, rounds
+    )
+    print("  medians (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
+    return [
+        (
+            "value_and_grad ÷ backward + GradScaler.unscale_ + update",
+            t["famp"] / t["gradscaler"],
+        ),
+        ("value_and_grad ÷ torch.autograd.grad without loss scaling", t["famp"] / t["autograd"]),
+    ]
+
+
 def bench_update(rounds: int) -> list[tuple[str, float]]:
     found = torch.zeros(())
     state = famp.init_scaler(1024.0, growth_interval=10**9)
@@ -203,6 +252,11 @@ def main() -> None:
         rows += [
             (f"{name}, {mode}", ratio)
             for name, ratio in bench_unscale(args.elements, args.tensors, args.rounds)
+        ]
+        print(f"value_and_grad, {mode}:")
+        rows += [
+            (f"{name}, {mode}", ratio)
+            for name, ratio in bench_value_and_grad(args.elements, args.tensors, args.rounds)
         ]
     print("update:")
     rows += bench_update(args.rounds)
