@@ -58,15 +58,27 @@ class WeightCasts:
 
         torch's version counter is shared by a tensor's views and `detach()`es, so this sees
         writes through any of them, wherever they were made (inside C++ ops, other threads).
+        Runs before every op famp intercepts: one loop, the cheapest tests first.
         """
-        for t in _weights(args, kwargs):
-            seen = self.weights.get(id(t))
-            if seen is None or seen[0] is not t:
-                self.weights[id(t)] = (t, tensor_version(t))
-                self.storages = None
-            elif seen[1] != tensor_version(t):
-                self.clear()
-                self.weights[id(t)] = (t, tensor_version(t))
+        for values in (args, kwargs.values()) if kwargs else (args,):
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    if v.requires_grad and not is_view(v) and v.is_leaf and v.dtype is _F32:
+                        self._read(v)
+                elif isinstance(v, (list, tuple)):
+                    for t in v:
+                        if isinstance(t, torch.Tensor) and _cacheable(t):
+                            self._read(t)
+
+    def _read(self, t: torch.Tensor) -> None:
+        """An op reads the cacheable weight `t`: watch it, or clear if it was written since."""
+        seen = self.weights.get(id(t))
+        if seen is None or seen[0] is not t:
+            self.weights[id(t)] = (t, tensor_version(t))
+            self.storages = None
+        elif seen[1] != tensor_version(t):
+            self.clear()
+            self.weights[id(t)] = (t, tensor_version(t))
 
     def invalidate(self, target: object) -> None:
         """After an in-place write: drop every weight cast if it wrote into a watched weight.
@@ -92,27 +104,17 @@ class WeightCasts:
         self.storages = None
 
 
-def _weights(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among an op's arguments (and in list arguments) that torch's cast cache may
-    hold. Called before every op famp intercepts: the cheapest tests first."""
-    found = []
-    for values in (args, kwargs.values()) if kwargs else (args,):
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                if _cacheable(v):
-                    found.append(v)
-            elif isinstance(v, (list, tuple)):
-                found.extend(t for t in v if isinstance(t, torch.Tensor) and _cacheable(t))
-    return found
-
-
 def _cacheable(t: torch.Tensor) -> bool:
+    """Whether torch's cast cache may hold a cast of `t` (the test `watch` writes out inline)."""
     return (
         t.requires_grad
         and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
         and t.is_leaf
-        and t.dtype == torch.float32
+        and t.dtype is _F32
     )
+
+
+_F32 = torch.float32  # a dtype is a singleton: `is` is the cheapest comparison
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -117,6 +117,32 @@ def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
     assert not torch.equal(second, first)  # the write changed the weight: a stale cast would show
 
 
+@pytest.mark.parametrize("kind", ["track_casts", "override", "module_rule"])
+def test_cast_cache_sees_writes_to_weights_an_op_reads_in_a_list(kind: str) -> None:
+    # nn.LSTM hands its weights to torch.lstm as one list argument; torch's autocast caches their
+    # casts (the CPU kernel, mkldnn_rnn_layer, casts to bfloat16) like any other weight's.
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    alias = lstm.weight_hh_l0.detach()  # made outside the call: the write names no weight
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = lstm(x)[0]
+        with torch.no_grad():
+            alias.add_(0.5)  # weight_hh_l0 is read only in torch.lstm's list of weights
+        return first, lstm(x)[0]
+
+    state = copy.deepcopy(lstm.state_dict())
+    first, second = famp.autocast(f, "c=bf16,o=bf16", **_options(kind))(x)
+    lstm.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert second.dtype == BF16
+    assert_bitwise_equal(first, ref_first)
+    assert_bitwise_equal(second, ref_second)
+    assert not torch.equal(second, first)
+
+
 def test_the_reference_for_alias_writes_differs_from_torch_autocast_with_its_cache() -> None:
     # The cells above can fail: torch's own cache reads the stale cast after a write via `.data`.
     x = torch.randn(4, 8)
