@@ -48,10 +48,11 @@ def eager_grad(
     memory with (`_accumulated`): `(leaves, rebuild, aux, owned)`.
 
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
-    active, in inference mode, for an `argnums` out of range or repeated, and when a
-    differentiated leaf is not a floating tensor or already requires grad: `torch.func.grad`
-    then gives its own results or errors. Runs `fn` once in every other case. The pytree is
-    torch's, as `torch.func.grad` flattens the arguments and the aux with it.
+    active, in inference mode, for an `argnums` out of range or repeated, for arguments with no
+    tensor, and when a differentiated leaf is not a floating tensor or already requires grad:
+    `torch.func.grad` then gives its own results or errors. Runs `fn` once in every other
+    case. The pytree is torch's, as `torch.func.grad` flattens the arguments and the aux with
+    it.
     """
     if (
         torch.compiler.is_compiling()
@@ -66,6 +67,8 @@ def eager_grad(
         return None
     chosen = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
     leaves, rebuild = _flatten(chosen)
+    if not leaves:  # torch.func.grad's own answer: {} for a closure's graph, an error for a leaf
+        return None  # made inside fn (autograd refuses an empty list of inputs)
     if not all(
         isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad
         for x in leaves

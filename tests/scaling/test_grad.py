@@ -126,6 +126,37 @@ def test_unused_inputs_and_a_loss_independent_of_them_get_zeros_as_torch_func_gr
         assert_bitwise_equal(found_inf, expected_found)
 
 
+@pytest.mark.parametrize("requires_grad", ["nothing", "a closure", "a leaf made inside"])
+def test_an_empty_tree_of_inputs_gets_an_empty_tree_of_grads_as_torch_func_grad(
+    requires_grad: str,
+) -> None:
+    # torch.func.grad returns an empty tree, or raises where its own autograd call has a graph
+    # to differentiate and no inputs; famp's eager path (plain autograd) must do the same.
+    w = torch.full((3,), 2.0, requires_grad=True)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if requires_grad == "a closure":
+            x = w * x
+        elif requires_grad == "a leaf made inside":
+            x = torch.ones(3, requires_grad=True) * x
+        return x.sum()
+
+    state, x = famp.init_scaler(8.0), torch.arange(3.0)
+    if requires_grad == "a leaf made inside":  # torch.func.grad's autograd call refuses it
+        with pytest.raises(RuntimeError) as from_torch:
+            oracle(loss_fn, state, 0, False, {}, x)
+        with pytest.raises(RuntimeError) as from_famp:
+            famp.value_and_grad(loss_fn)(state, {}, x)
+        assert str(from_famp.value) == str(from_torch.value)
+        return
+    value, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, {}, x)
+    expected_value, expected_grads, expected_found = oracle(loss_fn, state, 0, False, {}, x)
+    assert grads == expected_grads == {}
+    assert_bitwise_equal(value, expected_value)
+    assert value.requires_grad == expected_value.requires_grad
+    assert_bitwise_equal(found_inf, expected_found)
+
+
 def skeleton(tree: Any) -> Any:
     """A tree's containers as they are: types, and dict keys in their order (optree sorts them)."""
     if isinstance(tree, dict):
