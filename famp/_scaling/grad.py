@@ -100,8 +100,11 @@ def eager_grad(
 
 
 def _accumulates(leaf: Tensor) -> bool:
-    """Whether `_accumulated` may take `leaf`'s gradient: a plain tensor whose `.grad` no hook
-    watches (`torch.func.grad` runs no post-accumulate-grad hook, and neither does famp)."""
+    """Whether `_accumulated` may take `leaf`'s gradient from its `.grad`.
+
+    A plain tensor whose `.grad` no post-accumulate-grad hook watches: `torch.func.grad` runs no
+    such hook, and neither may famp.
+    """
     return type(leaf) is torch.Tensor and not grad_hooked(leaf)
 
 
