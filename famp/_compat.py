@@ -135,8 +135,7 @@ is_view: Callable[[torch.Tensor], bool] = torch.Tensor._is_view
 
 
 def torch_function_modes() -> int:
-    """How many torch function modes are active: famp leaves torch's fast paths alone only when
-    its own mode is the one that would make torch decline them."""
+    """How many torch function modes are active (famp's alone makes torch's fast paths decline)."""
     return int(torch._C._len_torch_function_stack())
 
 
@@ -156,9 +155,8 @@ def is_compiled_module(module: object) -> bool:
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
-    """A `FakeTensorMode(**kwargs)`: deriving a rule runs the op on fake tensors (shapes and
-    dtypes, no computing); the class is public in spirit but lives in a private module, imported
-    here on first use (not at famp's import)."""
+    """A `FakeTensorMode(**kwargs)`: deriving a rule runs the op on fake tensors. The class lives
+    in a private module, imported here on first use (not at famp's import)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
@@ -289,20 +287,24 @@ def amp_foreach_non_finite_check_and_unscale_(
     return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 
-# Eager `famp.value_and_grad` unscales autograd's fresh gradients in place only where no other
-# tensor holds their memory (torch counts a storage's holders; no public query of the count) and
-# no post-accumulate-grad hook (a private field) watches the leaf's `.grad`.
+# Eager `famp.value_and_grad` unscales autograd's fresh grads in place only where nothing else holds
+# their memory (a storage's holder count: no public query) and no post-accumulate-grad hook (a
+# private field) watches `.grad`. A torch without either: out of place, with the same results.
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def storage_unshared(tensor: torch.Tensor) -> bool:
     """Whether no other tensor (nor a Python storage object) holds `tensor`'s memory."""
-    return _storage_holders(tensor) <= _FRESH_HOLDERS
+    return _storage_use_count is not None and _holders(tensor) <= _FRESH_HOLDERS
 
 
-def _storage_holders(tensor: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+def _holders(tensor: torch.Tensor) -> int:  # counts `storage` too: kept alive while it counts
+    storage = tensor.untyped_storage()
+    return _storage_use_count(storage._cdata) if _storage_use_count is not None else 0
 
 
-_FRESH_HOLDERS = _storage_holders(torch.empty(1))  # the tensor and this query's storage object
+_FRESH_HOLDERS = _holders(torch.empty(1))  # the tensor (alive as the argument) and its storage
 
 
 def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
-    return tensor._post_accumulate_grad_hooks is not None
+    return getattr(tensor, "_post_accumulate_grad_hooks", True) is not None

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import famp
+import famp._compat
 from tests.helpers import assert_bitwise_equal
 
 Hooks = Callable[[dict[str, torch.Tensor]], None]
@@ -86,8 +87,10 @@ class _UnscaleWrites(TorchDispatchMode):
         name = str(func)
         if "_amp_foreach_non_finite_check_and_unscale_" in name:
             self.written += [t.data_ptr() for t in args[0]]
-        elif ("clone" in name or "copy" in name) and args[0].numel() > 1:  # not the 0-d scale
-            self.copies.append(name)
+        elif "clone" in name or "copy" in name:
+            first = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            if any(t.numel() > 1 for t in first):  # not the 0-d scale
+                self.copies.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -256,3 +259,15 @@ def test_overlapping_views_that_hooks_return_are_each_unscaled_once() -> None:
     _, grads, _, _ = famp.value_and_grad(loss_fn)(famp.init_scaler(4.0), params)
     assert_bitwise_equal(grads["a"], torch.arange(0.0, 5.0))
     assert_bitwise_equal(grads["b"], torch.arange(2.0, 7.0))
+
+
+def test_a_torch_without_the_storage_count_gets_the_same_grads_out_of_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # famp/_compat.py reads the count only where torch has it; elsewhere, nothing is in place.
+    monkeypatch.setattr(famp._compat, "_storage_use_count", None)
+    x = torch.randn(5, 6)
+    seen = _UnscaleWrites()
+    got = famp_grads(mlp(), x, 1024.0, mode=seen)
+    assert_same_grads(got, gradscaler_grads(mlp(), x, 1024.0))
+    assert seen.copies != []  # every gradient copied, then unscaled
