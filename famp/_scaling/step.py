@@ -53,9 +53,10 @@ def value_and_grad(
     updated (`famp.update_scale`): torch's growth timing, bit for bit. `value` is the loss as
     `fn` returned it, never scaled. The gradients are returned even after an overflow (they then
     hold inf or NaN): skip the update with `famp.skip_on_overflow`. Composes with
-    `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, the
-    gradients come from plain autograd, and those that share memory with no other tensor are
-    unscaled in place, at `GradScaler.unscale_`'s speed.
+    `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, with
+    arguments that do not require grad (`p.detach()`), the gradients come from plain autograd,
+    and those that share memory with no other tensor are unscaled in place, at
+    `GradScaler.unscale_`'s speed.
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,
