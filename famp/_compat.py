@@ -30,13 +30,11 @@ saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.
 )
 
 
-def functorch_transforms_active() -> bool:
-    """Whether a `torch.func` transform (grad, vmap, ...) is running here.
-
-    No public query exists: `famp.autocast(compile=True)` must not call `torch.compile` there
-    (it cannot run inside `torch.func` transforms) and runs the function directly instead.
-    """
-    return bool(torch._C._are_functorch_transforms_active())
+# Whether a `torch.func` transform (grad, vmap, ...) is running here. No public query exists:
+# `famp.autocast(compile=True)` must not call `torch.compile` there (it cannot run inside
+# `torch.func` transforms) and runs the function directly instead. The builtin itself (it returns
+# a bool): it is read before eager calls that take a few microseconds.
+functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
 # The types of `torch.ops.aten.<op>` (a packet) and `torch.ops.aten.<op>.<overload>`: famp's mode

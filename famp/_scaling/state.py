@@ -158,8 +158,13 @@ def with_leaves(state: ScalerState, **leaves: Any) -> ScalerState:
     """
     if torch.compiler.is_compiling():
         return dataclasses.replace(state, **leaves)
-    new = object.__new__(ScalerState)
-    fields = new.__dict__
-    fields.update(state.__dict__)  # two updates: faster than one with **leaves (~0.3 µs)
+    fields = state.__dict__.copy()
     fields.update(leaves)
+    return rebuilt(fields)
+
+
+def rebuilt(fields: dict[str, Any]) -> ScalerState:
+    """A `ScalerState` of a validated state's fields, some leaves replaced; eagerly only."""
+    new = object.__new__(ScalerState)
+    object.__setattr__(new, "__dict__", fields)  # frozen: the dataclass refuses plain setattr
     return new

@@ -7,6 +7,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import numpy as np
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -212,6 +213,19 @@ def test_update_scale_checks_found_inf() -> None:
         famp.update_scale(state, torch.zeros(2))
     for found in (torch.tensor([True]), torch.tensor(1, dtype=torch.int64), torch.tensor(1e-40)):
         assert famp.update_scale(state, found).scale.item() == 2.0**15
+
+
+@pytest.mark.parametrize("guard", [{}, {"min_scale": 1.0}, {"hysteresis": 2}])
+def test_update_scale_refuses_a_meta_found_inf_for_a_real_scale(guard: dict[str, Any]) -> None:
+    state = famp.init_scaler(8.0, **guard)
+    with pytest.raises(ValueError, match=r"found_inf is on the meta device .* scale is on cpu"):
+        famp.update_scale(state, torch.zeros((), device="meta"))
+    # A meta state (shapes only, as GradScaler makes one from a meta loss) takes any found_inf.
+    meta = famp.init_scaler(8.0, device="meta", **guard)
+    for found in (torch.zeros(()), torch.zeros(1, device="meta")):
+        new = famp.update_scale(meta, found)
+        for leaf, old in zip(optree.tree_leaves(new), optree.tree_leaves(meta), strict=True):
+            assert (leaf.device.type, leaf.dtype, leaf.shape) == ("meta", old.dtype, old.shape)
 
 
 def test_select_tree_checks_its_arguments() -> None:
