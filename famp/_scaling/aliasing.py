@@ -20,21 +20,25 @@ def shared_memory(tensors: list[Tensor]) -> tuple[list[list[int]], list[int]]:
     holds fewer elements than it has (a stride 0, from `expand`) overlaps itself.
     """
     self_overlapping = []
-    readable = [type(x) is torch.Tensor and not x.is_meta for x in tensors]  # pointers to read
-    starts = [x.data_ptr() if ok else 0 for x, ok in zip(tensors, readable, strict=True)]
-    spans = [
-        (start, start + x.nbytes, i)  # contiguous (the common case): its bytes, no stride walk
-        for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True))
-        if ok and x.is_contiguous() and x.nbytes
-    ]
-    for i, (x, start, ok) in enumerate(zip(tensors, starts, readable, strict=True)):
-        if not ok or x.is_contiguous() or x.numel() == 0:
+    spans = []  # (first byte, end byte, index), one pass reading each property once
+    for i, x in enumerate(tensors):
+        if type(x) is not torch.Tensor or x.is_meta:  # no pointers to read
+            continue
+        if x.is_contiguous():  # the common case: its bytes, no stride walk
+            nbytes = x.nbytes
+            if nbytes:
+                start = x.data_ptr()
+                spans.append((start, start + nbytes, i))
+            continue
+        numel = x.numel()
+        if not numel:
             continue
         extent = 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride(), strict=True))
-        if extent < x.numel():
+        if extent < numel:
             self_overlapping.append(i)
         # Virtual addresses: distinct devices' memory never shares one (a false match would
         # only cost the in-place speed).
+        start = x.data_ptr()
         spans.append((start, start + extent * x.element_size(), i))
     shared: list[list[int]] = []
     if len(spans) < 2:

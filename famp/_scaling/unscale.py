@@ -130,10 +130,15 @@ def unscale_leaves(
     special: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (leaf, the tensor read)
     # What the kernel reads, grouped by device and dtype as GradScaler groups it.
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    for i, leaf in enumerate(leaves):
+    # Gradients that carry a graph (create_graph=True, an outer torch.func.grad): the kernel has
+    # no derivative, so the same results through an autograd Function with the recipe's backward.
+    grad_enabled = torch.is_grad_enabled()
+    differentiable = False
+    for i, leaf in enumerate(leaves):  # one pass, each property read once: microseconds a call
         if type(leaf) is torch.Tensor and leaf.layout == torch.strided:
             read = leaf
-            if read.dtype not in FLOAT_DTYPES or read.is_nested:
+            dtype = read.dtype
+            if dtype not in FLOAT_DTYPES or read.is_nested:
                 _check_leaf(tree, leaf, scale_device)
         else:
             _check_leaf(tree, leaf, scale_device)
@@ -144,15 +149,21 @@ def unscale_leaves(
             else:
                 read = source
             special[i] = (leaf, source)
+            dtype = read.dtype
         dense.append(read)
-        groups.setdefault(read.device, {}).setdefault(read.dtype, []).append(i)
+        if grad_enabled and not differentiable:
+            differentiable = read.requires_grad
+        by_dtype = groups.get(device := read.device)
+        if by_dtype is None:
+            groups[device] = {dtype: [i]}
+        elif (index := by_dtype.get(dtype)) is None:
+            by_dtype[dtype] = [i]
+        else:
+            index.append(i)
     for device, by_dtype in groups.items():  # meta leaves: once per device, not per leaf
         if device.type == "meta":
             first = min(i for index in by_dtype.values() for i in index)
             _check_leaf(tree, leaves[first], scale_device)
-    # Gradients that carry a graph (create_graph=True, an outer torch.func.grad): the kernel has
-    # no derivative, so the same results through an autograd Function with the recipe's backward.
-    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in dense)
     if differentiable and donate:
         path = path_of(
             tree(), next(x for x, d in zip(leaves, dense, strict=True) if d.requires_grad)
@@ -191,12 +202,14 @@ def unscale_leaves(
             )
     write_back: dict[int, Tensor] = {}
     out = list(dense)
+    # One device and one dtype (the common case): the group is `dense` itself, in order.
+    whole = len(groups) == 1 and len(next(iter(groups.values()))) == 1
     found_inf: Tensor | None = None
     for device, by_dtype in groups.items():
         inv = to_device(inv_scale, device)
         found = torch.zeros((), dtype=torch.float32, device=device)
         for index in by_dtype.values():
-            tensors = [dense[i] for i in index]
+            tensors = dense if whole else [dense[i] for i in index]
             if differentiable:
                 new, found = differentiable_unscale(tensors, found, inv_scale64.to(device))
             elif transformed:
@@ -222,8 +235,11 @@ def unscale_leaves(
                 new = tensors
             else:
                 new, found = out_of_place(tensors, found, inv)
-            for i, t in zip(index, new, strict=True):
-                out[i] = t
+            if whole:
+                out = list(new)
+            else:
+                for i, t in zip(index, new, strict=True):
+                    out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
         found = to_device(found, scale_device)  # new in this call: one device's is the result
         found_inf = found if found_inf is None else torch.maximum(found_inf, found)
