@@ -125,6 +125,31 @@ def test_scale_keeps_container_types() -> None:
     assert out[2]["y"][0].item() == 2.0
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_flat_dict_of_grads_keeps_its_keys_in_order(donate: bool) -> None:
+    # Eagerly a flat dict of tensors is flattened by hand, not by optree (which sorts keys it
+    # can sort): the result is a plain dict with the input's keys in the input's order, and the
+    # values are GradScaler's. Keys of mixed types cannot even be sorted.
+    state = famp.init_scaler(4.0)
+    values = [torch.tensor([8.0, math.inf]), torch.tensor([4.0]), torch.tensor([2.0, -6.0])]
+    grads: dict[Any, torch.Tensor] = dict(zip(["b", 3, "a"], (v.clone() for v in values)))
+    out, found = famp.unscale_and_check(state, grads, donate=donate)
+    assert type(out) is dict
+    assert list(out) == ["b", 3, "a"]
+    expected, expected_found = torch_unscale(4.0, values)
+    for got, want in zip(out.values(), expected, strict=True):
+        assert_bitwise_equal(got, want)
+    assert_bitwise_equal(found, expected_found)
+    scaled = famp.scale(state, {"z": torch.tensor(1.0), "y": torch.tensor(2.0)})
+    assert type(scaled) is dict
+    assert list(scaled) == ["z", "y"]
+    assert_bitwise_equal(scaled["z"], torch.tensor(4.0))
+    assert_bitwise_equal(scaled["y"], torch.tensor(8.0))
+    # Not flat, or not all tensors: optree's flatten, with None passing through.
+    mixed = famp.unscale_and_check(state, {"n": None, "t": torch.tensor([4.0])})[0]
+    assert mixed["n"] is None and mixed["t"].item() == 1.0
+
+
 class _KernelCalls(TorchDispatchMode):
     """Records the (device, dtype) of every tensor each unscale kernel call receives."""
 
