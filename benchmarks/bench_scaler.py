@@ -5,6 +5,8 @@ On ~75M float32 gradient elements in 50 tensors:
   limit) vs GradScaler.unscale_ (in place);
 - famp.unscale_and_check(donate=True) vs GradScaler.unscale_;
 - famp.unscale_and_check under torch.compile(fullgraph=True) (inductor fuses it) vs the clone;
+- famp.unscale_and_check, out of place and donated, vs GradScaler.unscale_ on the 14 small
+  gradients of a transformer block (58K elements), where Python, not memory, sets the time;
 - famp.update_scale, eager and compiled, vs GradScaler.update;
 - famp.value_and_grad eagerly (scaled loss, gradients, unscale, update) vs backward() of the loss
   scaled by GradScaler, then its unscale_ and update, on a chain of matrices of the same size.
@@ -179,6 +181,48 @@ def bench_value_and_grad(elements: int, tensors: int, rounds: int) -> list[tuple
     ]
 
 
+def bench_small(rounds: int) -> list[tuple[str, float]]:
+    """Unscaling the 14 small grads of `nn.TransformerEncoderLayer(64, 4, 256)` and a head."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(64, 4, 256, batch_first=True), torch.nn.Linear(64, 128)
+    )
+    names = [name for name, _ in model.named_parameters()]
+    originals = [torch.randn_like(p) * 1024 for p in model.parameters()]
+    for p, g in zip(model.parameters(), originals, strict=True):
+        p.grad = g.clone()
+    grads = {name: p.grad for name, p in zip(names, model.parameters(), strict=True)}
+    state = famp.init_scaler(1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(torch.ones(()))
+
+    def restore() -> None:  # untimed: in-place candidates must not shrink the values forever
+        torch._foreach_copy_(list(grads.values()), originals)
+        scaler._per_optimizer_states.clear()  # lets unscale_ run again without an update()
+
+    t = median_times(
+        {
+            "gradscaler": lambda: scaler.unscale_(opt),
+            "famp": lambda: famp.unscale_and_check(state, grads),
+            "famp_donate": lambda: famp.unscale_and_check(state, grads, donate=True),
+        },
+        rounds * 20,  # one call is tens of microseconds: more rounds for a stable median
+        before=restore,
+    )
+    print("  medians (µs per call): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in t.items()))
+    return [
+        (
+            "unscale_and_check(donate=True) ÷ GradScaler.unscale_, 14 small grads",
+            t["famp_donate"] / t["gradscaler"],
+        ),
+        (
+            "unscale_and_check ÷ GradScaler.unscale_ (in place), 14 small grads",
+            t["famp"] / t["gradscaler"],
+        ),
+    ]
+
+
 def bench_update(rounds: int) -> list[tuple[str, float]]:
     found = torch.zeros(())
     state = famp.init_scaler(1024.0, growth_interval=10**9)
@@ -258,6 +302,8 @@ def main() -> None:
             (f"{name}, {mode}", ratio)
             for name, ratio in bench_value_and_grad(args.elements, args.tensors, args.rounds)
         ]
+    print("unscale, small grads:")
+    rows += bench_small(args.rounds)
     print("update:")
     rows += bench_update(args.rounds)
     print()
