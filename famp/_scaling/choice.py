@@ -17,7 +17,7 @@ import torch
 
 from famp._compat import functorch_transforms_active
 from famp._scaling.program import reader_operand
-from famp._scaling.trees import keystr, to_device
+from famp._scaling.trees import PLAIN_TENSORS, keystr, to_device
 from famp._typing import PyTree, Tensor, TreeT
 
 
@@ -107,8 +107,8 @@ def select(
         if (  # written out, not helpers: Dynamo inlines each call per leaf (0.1-0.3 s, 120 pairs)
             batched
             and not carries_graph
-            and type(a) in _PLAIN  # not a DTensor, say: subclasses take torch.where
-            and type(b) in _PLAIN
+            and type(a) in PLAIN_TENSORS  # what famp::select_ copies; a DTensor takes torch.where
+            and type(b) in PLAIN_TENSORS
             and a.is_cpu
             and b.is_cpu
             and a.layout == torch.strided
@@ -164,8 +164,6 @@ def _check_structures(on_true: PyTree, on_false: PyTree) -> None:
 # Compiled, half-precision leaves are selected as integers of their width (`select_tree`).
 _HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _HALF = tuple(_HALF_BITS)
-# The tensor types `famp::select_` takes: plain tensors and Parameters (which it copies).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
