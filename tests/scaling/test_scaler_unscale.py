@@ -132,7 +132,8 @@ def test_flat_dict_of_grads_keeps_its_keys_in_order(donate: bool) -> None:
     # values are GradScaler's. Keys of mixed types cannot even be sorted.
     state = famp.init_scaler(4.0)
     values = [torch.tensor([8.0, math.inf]), torch.tensor([4.0]), torch.tensor([2.0, -6.0])]
-    grads: dict[Any, torch.Tensor] = dict(zip(["b", 3, "a"], (v.clone() for v in values)))
+    keys: list[Any] = ["b", 3, "a"]
+    grads = {key: v.clone() for key, v in zip(keys, values, strict=True)}
     out, found = famp.unscale_and_check(state, grads, donate=donate)
     assert type(out) is dict
     assert list(out) == ["b", 3, "a"]
@@ -147,7 +148,8 @@ def test_flat_dict_of_grads_keeps_its_keys_in_order(donate: bool) -> None:
     assert_bitwise_equal(scaled["y"], torch.tensor(8.0))
     # Not flat, or not all tensors: optree's flatten, with None passing through.
     mixed = famp.unscale_and_check(state, {"n": None, "t": torch.tensor([4.0])})[0]
-    assert mixed["n"] is None and mixed["t"].item() == 1.0
+    assert mixed["n"] is None
+    assert mixed["t"].item() == 1.0
 
 
 class _KernelCalls(TorchDispatchMode):
