@@ -28,7 +28,7 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # types no pytree library fl
 def leaves_and_rebuild(tree: TreeT) -> tuple[list[Any], Callable[[Sequence[Any]], TreeT]]:
     """`tree`'s leaves (`None` passes through) and a function that puts new leaves in their place.
 
-    Eagerly, optree's flatten and unflatten (a flat dict of tensors by hand). While
+    Eagerly, optree's flatten and unflatten (a tensor or flat dict of tensors by hand). While
     `torch.compile` traces, one `optree.tree_map` gathers the leaves and another puts the new
     ones back: Dynamo maps dicts, lists and tuples itself, where it would trace optree's flatten
     and unflatten bytecode by bytecode (about 400 traced steps a leaf: over a second for a
@@ -36,6 +36,8 @@ def leaves_and_rebuild(tree: TreeT) -> tuple[list[Any], Callable[[Sequence[Any]]
     i-th leaf's place.
     """
     if not torch.compiler.is_compiling():
+        if type(tree) in PLAIN_TENSORS:  # a loss: optree's answer, in a fifth of its time
+            return [tree], lambda new: cast(TreeT, new[0])
         flat = cast(dict[Any, Any], tree)
         if type(flat) is dict and all(type(v) in PLAIN_TENSORS for v in flat.values()):
             # A flat dict of tensors (named gradients): what optree's flatten and unflatten give,
