@@ -7,6 +7,7 @@ On ~75M float32 gradient elements in 50 tensors:
 - famp.unscale_and_check under torch.compile(fullgraph=True) (inductor fuses it) vs the clone;
 - famp.unscale_and_check, out of place and donated, vs GradScaler.unscale_ on the 14 small
   gradients of a transformer block (58K elements), where Python, not memory, sets the time;
+- famp.all_finite vs torch.isfinite(g).all() of each gradient, on the same 75M elements;
 - famp.update_scale, eager and compiled, vs GradScaler.update;
 - famp.value_and_grad eagerly (scaled loss, gradients, unscale, update) vs backward() of the loss
   scaled by GradScaler, then its unscale_ and update, on a chain of matrices of the same size.
@@ -223,6 +224,19 @@ def bench_small(rounds: int) -> list[tuple[str, float]]:
     ]
 
 
+def bench_all_finite(elements: int, tensors: int, rounds: int) -> list[tuple[str, float]]:
+    grads = make_grads(elements, tensors)
+    t = median_times(
+        {
+            "torch": lambda: torch.stack([torch.isfinite(g).all() for g in grads]).all().item(),
+            "famp": lambda: famp.all_finite(grads).item(),
+        },
+        rounds,
+    )
+    print("  medians (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
+    return [("all_finite ÷ torch.isfinite(g).all() of each grad", t["famp"] / t["torch"])]
+
+
 def bench_update(rounds: int) -> list[tuple[str, float]]:
     found = torch.zeros(())
     state = famp.init_scaler(1024.0, growth_interval=10**9)
@@ -302,6 +316,8 @@ def main() -> None:
             (f"{name}, {mode}", ratio)
             for name, ratio in bench_value_and_grad(args.elements, args.tensors, args.rounds)
         ]
+    print("all_finite:")
+    rows += bench_all_finite(args.elements, args.tensors, args.rounds)
     print("unscale, small grads:")
     rows += bench_small(args.rounds)
     print("update:")
