@@ -37,7 +37,7 @@ def leaves_and_rebuild(tree: TreeT) -> tuple[list[Any], Callable[[Sequence[Any]]
     i-th leaf's place.
     """
     if not torch.compiler.is_compiling():
-        if type(tree) in PLAIN_TENSORS:  # a loss: optree's answer, in a fifth of its time
+        if type(tree) in PLAIN_TENSORS:  # a loss: optree's answer (famp.scale: 4.3 -> 2.8 µs)
             return [tree], lambda new: cast(TreeT, new[0])
         flat = cast(dict[Any, Any], tree)
         if type(flat) is dict and all(type(v) in PLAIN_TENSORS for v in flat.values()):
