@@ -91,9 +91,22 @@ RELEASE = torch.__version__.split("+")[0]
 KERNEL_COUNTS = {
     # shared/reference/torch-amp-semantics.md §3 (torch 2.13): CUDA 119, CPU 127, XPU 117, MPS 95.
     "2.13.0": {"cpu": 127, "cuda": 119, "xpu": 117, "mps": 95},
-    # 2.15 dropped aten::cholesky and aten::qr, added linalg_matrix_sqrth (CPU, CUDA), _cudnn_rnn.
+    # 2.14 dropped aten::cholesky and aten::qr, added linalg_matrix_sqrth (CPU, CUDA); its CUDA
+    # build registers _cudnn_rnn (the 2.13.0 counted here is the CPU build). 2.15 is the same.
+    "2.14.1": {"cpu": 126, "cuda": 121, "xpu": 117, "mps": 95},
     "2.15.0": {"cpu": 126, "cuda": 121, "xpu": 117, "mps": 95},
 }
+
+
+def test_the_installed_release_has_shipped_tables() -> None:
+    # Every release CI runs has famp's tables. Without them, the first famp.autocast derives every
+    # rule by running ops on fake tensors: seconds, and torch's compiler stack imported (sympy,
+    # Dynamo, inductor), which tests/test_import_cost.py pins as never loaded.
+    shipped = famp_tables.shipped_tables()
+    assert RELEASE in shipped, (
+        f"famp ships autocast tables for torch {sorted(shipped)}, not {RELEASE}: run "
+        "`python -m famp._autocast.rules_derive` under it"
+    )
 
 
 def test_rule_counts_per_device_match_the_release() -> None:
