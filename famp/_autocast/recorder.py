@@ -130,11 +130,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         elif event == "call":
             if frame.f_globals is _F_GLOBALS or frame.f_globals is _FUNCTIONAL_GLOBALS:
                 self._push(frame.f_code.co_name, frame)
-        elif (
-            event in ("c_return", "c_exception", "return")
-            and self.calls
-            and self.calls[-1].func is (frame if event == "return" else arg)
-        ):
+        elif event == "return":
+            if self.calls and self.calls[-1].func is frame:
+                self.calls.pop()
+        elif event in ("c_return", "c_exception") and self.calls and self.calls[-1].func == arg:
+            # Equal, not the same object: from Python 3.12 (profiling through sys.monitoring), a
+            # method called on its instance, `Tensor._is_view(t)`, arrives as a new bound method
+            # at each event, equal to the one of its call.
             self.calls.pop()
 
     def _push(self, name: str, key: Any) -> None:

@@ -123,6 +123,31 @@ def test_overrides_and_module_rules_show_up_with_their_source() -> None:
     assert [r.out_dtypes for r in first] == [(torch.bfloat16,)]
 
 
+def test_a_call_ends_on_an_equal_callable_not_only_the_same_one() -> None:
+    # From Python 3.12 the profile events of `Tensor._is_view(t)` bring two bound methods, equal
+    # but not the same object. A call that never ended made every later op's rule and call name
+    # that of the first call still open (layer_norm reported as linear's "lower"). This runs the
+    # events as 3.12 sends them, on any Python.
+    from famp._autocast.recorder import Recorder
+
+    recorder = Recorder("cpu", (True, torch.bfloat16), [])
+    t = torch.ones(2)
+    frame = sys._getframe()
+    call, end = t._is_view, t._is_view
+    assert call is not end
+    assert call == end
+    recorder.profile(frame, "c_call", call)
+    assert [c.name for c in recorder.calls] == ["_is_view"]
+    recorder.profile(frame, "c_return", end)
+    assert recorder.calls == []
+    recorder.profile(frame, "c_call", t.dim)
+    recorder.profile(frame, "c_exception", t.dim)
+    assert recorder.calls == []
+    recorder.profile(frame, "c_call", torch.relu)
+    recorder.profile(frame, "c_return", torch.sigmoid)  # another callable: the call goes on
+    assert [c.name for c in recorder.calls] == ["relu"]
+
+
 def test_float32_compute_has_no_rule_anywhere() -> None:
     model, x = _block()
     out, trace = famp.explain(model, "c=f32")(x)
