@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import pathlib
 import pickle
 from typing import Any
 
@@ -38,9 +39,15 @@ _METADATA_CLASSES = {
         "_MEM_FORMAT_ENCODING",
     },
     "torch.serialization": {"_get_layout"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
+# The checkpoint's path (`StorageMeta.checkpoint_id`). Python 3.13 pickles pathlib's classes as
+# `pathlib._local.*` (pathlib became a package), earlier ones as `pathlib.*`: either is read as
+# pathlib's public class, so a checkpoint saved under one Python reads under any other.
+_PATH_MODULES = frozenset({"pathlib", "pathlib._local"})
+_PATH_CLASSES = frozenset(
+    {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+)
 
 
 class StorageRecord:
@@ -65,6 +72,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return StorageRecord
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
+        if module in _PATH_MODULES and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
         if module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         ):

@@ -14,6 +14,8 @@ import pickle
 import re
 import shutil
 import stat
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,9 @@ from hypothesis import strategies as st
 
 import famp
 from famp._fsdp.cli import main
+from famp._fsdp.dcp_metadata import read_metadata
 from tests.fsdp.fsdp_helpers import two_group_osd
+from tests.helpers import assert_trees_bitwise_equal
 
 KEY = "optim.state.w.exp_avg"
 
@@ -155,6 +159,38 @@ def _distcp_bytes(ckpt: pathlib.Path) -> tuple[pathlib.Path, Any]:
     metadata = pickle.loads((ckpt / ".metadata").read_bytes())
     record = _record(metadata)
     return ckpt / record.relative_path, record
+
+
+class _PathOf313:
+    """Pickles as Python 3.13 pickles a `pathlib.PosixPath`: `pathlib._local.PosixPath`."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_PathOf313, (self.text,))
+
+
+_PathOf313.__module__ = "pathlib._local"
+_PathOf313.__name__ = _PathOf313.__qualname__ = "PosixPath"
+
+
+def test_a_checkpoint_saved_under_python_3_13_reads_on_every_python(
+    ckpt: pathlib.Path, pristine: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.13 pickles the checkpoint's path (StorageMeta.checkpoint_id) as
+    # pathlib._local.PosixPath; famp refused it as a foreign class, on 3.13 itself too.
+    metadata_file = ckpt / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # the test's own trusted file
+    metadata.storage_meta.checkpoint_id = _PathOf313(str(ckpt))
+    with monkeypatch.context() as patch:  # pickle finds the class by its module and name
+        patch.setitem(sys.modules, "pathlib._local", types.SimpleNamespace(PosixPath=_PathOf313))
+        metadata_file.write_bytes(pickle.dumps(metadata))
+    assert b"pathlib._local" in (ckpt / ".metadata").read_bytes()
+    metadata = read_metadata(str(ckpt))
+    assert type(metadata.storage_meta.checkpoint_id) is type(pathlib.Path(ckpt))
+    assert metadata.storage_meta.checkpoint_id == pathlib.Path(ckpt)
+    assert_trees_bitwise_equal(famp.load_dcp_optim_state(ckpt), famp.load_dcp_optim_state(pristine))
 
 
 def test_garbage_in_a_tensor_record_never_advises_weights_only_false(
