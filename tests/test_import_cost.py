@@ -41,6 +41,8 @@ warnings.simplefilter("error")
 warnings.filterwarnings(
     "ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning
 )
+# Dynamo's warning about Python 3.13.0 itself (pyproject.toml ignores it too)
+warnings.filterwarnings("ignore", "Guards may run slower on Python 3.13.0", RuntimeWarning)
 HEAVY = {HEAVY!r}
 
 def heavy():
