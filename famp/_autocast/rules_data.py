@@ -327,6 +327,17 @@ DERIVED: dict[str, tuple[str, dict[str, str | None]]] = {
 }
 
 CHANGES: dict[str, dict[str, dict[str, str | None]]] = {
+    "2.14.0": {
+        "cpu": {
+            "cholesky": None,
+            "linalg_matrix_sqrth": "float32",
+            "qr": None,
+        },
+        "cuda": {
+            "_cudnn_rnn": "lower",
+            "linalg_matrix_sqrth": "float32",
+        },
+    },
     "2.14.1": {
         "cpu": {
             "cholesky": None,

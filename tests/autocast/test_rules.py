@@ -96,6 +96,7 @@ KERNEL_COUNTS = {
     # shared/reference/torch-amp-semantics.md §3 (torch 2.13): CUDA 119, CPU 127, XPU 117, MPS 95.
     "2.13.0": {"cpu": 127, "cuda": 119, "xpu": 117, "mps": 95},
     # 2.14 dropped aten::cholesky and aten::qr and added linalg_matrix_sqrth (CPU, CUDA); 2.15 too.
+    "2.14.0": {"cpu": 126, "cuda": 120, "xpu": 117, "mps": 95},
     "2.14.1": {"cpu": 126, "cuda": 120, "xpu": 117, "mps": 95},
     "2.15.0": {"cpu": 126, "cuda": 120, "xpu": 117, "mps": 95},
 }
