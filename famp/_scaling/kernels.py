@@ -6,14 +6,15 @@ the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), f
 one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
 (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
 `torch.func` transforms and, off the CPU, inductor need. Compiled on the CPU, all of the eager
-choice is one opaque node (`unscale_op`). Each is tested against
-`GradScaler` bit for bit, NaN bit patterns included. `differentiable_unscale` gives the same
-results with the backward of torch's gradient-penalty recipe.
+choice is one opaque node (`unscale_op`), and gradients that only the step reads are unscaled in
+place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit,
+NaN bit patterns included. `differentiable.py` gives the same results with the backward of
+torch's gradient-penalty recipe.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -23,12 +24,13 @@ from famp._compat import (
     amp_foreach_non_finite_check_and_unscale_,
     foreach_clone,
 )
-from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling import fused
 from famp._scaling.program import NAN_BITS, where_program
 
 
-def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
+def out_of_place(
+    tensors: list[Tensor], found: Tensor, inv: Tensor, *, fresh: bool = False
+) -> tuple[list[Tensor], Tensor]:
     """The fused kernel's results, out of place, with about one pass over memory.
 
     The kernel computes `cast(inv == 1 ? opmath(x) : opmath(x) * inv)` (at exactly 1 it skips
@@ -44,11 +46,13 @@ def out_of_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[lis
     exactly 1, the kernel: it skips the multiply). Where the big float32/float64 tensors of a
     call total `fused.MIN_BYTES`, famp's compiled program replaces the chunks: one read and one
     write per tensor, as a clone (`_unscale_wide`). Tensors that are not dense take the
-    functional variant, as on other devices. Compiled, `_compiled` decides. Results equal the
+    functional variant, as on other devices. Compiled, `_compiled` decides; `fresh` says that
+    the tensors are intermediate results of the compiled program that nothing else reads
+    (`famp.value_and_grad`'s gradients), a hint that changes no value. Results equal the
     kernel's bit for bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
-        return _compiled(tensors, found, inv)
+        return _compiled(tensors, found, inv, fresh)
     on_cpu = inv.device.type == "cpu" and type(inv) is torch.Tensor  # not a fake or meta scale
     if not on_cpu:
         return _kernel(tensors, found, inv)
@@ -148,18 +152,28 @@ def _chunked(x: Tensor, found: Tensor, inv: Tensor) -> Tensor:
     return new
 
 
-def _compiled(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """What `torch.compile` traces: on the CPU one `famp::unscale` node, elsewhere kernel or ops.
+def _compiled(
+    tensors: list[Tensor], found: Tensor, inv: Tensor, fresh: bool
+) -> tuple[list[Tensor], Tensor]:
+    """What `torch.compile` traces: on the CPU one `famp` operator, elsewhere kernel or ops.
 
-    On the CPU, plain tensors that carry no graph go through `unscale_op`: the eager
-    `out_of_place` (about one pass over memory, as a clone) as one opaque node, whatever the
-    number of tensors, their sizes or symbolic shapes. Elsewhere big float32/float64 tensors
+    On the CPU, plain tensors that carry no graph take one opaque node, whatever the number of
+    tensors, their sizes or symbolic shapes. `fresh` ones (intermediate results nothing else
+    reads) are copied and the copies unscaled in place by the kernel (`unscale_in_place_op`):
+    inductor drops each copy and unscales the tensor where it lies, one pass over memory in
+    place, and keeps a copy only where something else may still read the tensor. Others go
+    through `unscale_op`: the eager `out_of_place` (about one pass over memory, as a clone)
+    into new tensors. Elsewhere big float32/float64 tensors
     are traced as plain ops, which inductor fuses into one read and one write per tensor where
     the kernel's functional variant makes two passes; but each tensor so traced adds about 0.15 s
     of compile time (docs/benchmarks.md), so only tensors over `_CHUNK_BYTES` take it. Half
     dtypes keep the kernel, whose NaN bit patterns inductor does not keep.
     """
     if inv.device.type == "cpu" and _opaque(tensors):
+        if fresh:  # `found` is this call's own, a new tensor: the kernel updates it in place
+            copies = [x.clone() for x in tensors]
+            unscale_in_place_op(copies, found, inv)
+            return copies, found
         new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
         return list(new), found
     kernel: list[int] = []
@@ -212,6 +226,30 @@ def _(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], 
     return [torch.empty_like(x) for x in tensors], torch.empty_like(found)
 
 
+# `famp::unscale_`: the kernel in place, for `_compiled`'s copies of fresh tensors. Functional
+# to the compiler: inductor writes it in place of each copy's source where nothing else reads
+# that source (its reinplacing of mutating operators), and drops the copies (same sizes and
+# strides: `remove_noop_ops`); where something may still read a source, it keeps that copy.
+# Defined with `torch.library.define`/`impl`, as `famp::select_` is (`choice.py`): a
+# `torch.library.custom_op` wrapper costs about 0.4 µs more per tensor on each call.
+torch.library.define("famp::unscale_", "(Tensor(a!)[] tensors, Tensor(b!) found, Tensor inv) -> ()")
+
+
+@torch.library.impl("famp::unscale_", "cpu")
+def _unscale_in_place_impl(tensors: list[Tensor], found: Tensor, inv: Tensor) -> None:
+    """torch's `_amp_foreach_non_finite_check_and_unscale_`: `GradScaler.unscale_`'s kernel."""
+    amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+
+
+def _unscale_in_place_fake(tensors: list[Tensor], found: Tensor, inv: Tensor) -> None:
+    """Traced: each tensor keeps its sizes and strides, `found` its; nothing is returned."""
+
+
+torch.library.register_fake("famp::unscale_", _unscale_in_place_fake)
+
+unscale_in_place_op = torch.ops.famp.unscale_.default
+
+
 def _fuses(x: Tensor) -> bool:
     """Whether compiled unscale traces `x` as plain ops: always a Python bool, never a symbol.
 
@@ -249,44 +287,3 @@ def _unscale_run(run: list[Tensor], out: list[Tensor], found: Tensor, inv: Tenso
 
 
 _CHUNK_BYTES = 1 << 20  # 1 MiB: what the second pass over a chunk or run still finds in cache
-
-
-class _Unscale(torch.autograd.Function):
-    """The kernel's results, differentiable: the backward of torch's gradient-penalty recipe.
-
-    torch's recipe unscales with `g * (1.0 / scaler.get_scale())`, a Python float; the backward
-    of that multiply is `grad * (1.0 / scale)` with the same scalar arithmetic, which a 0-d
-    float64 reciprocal reproduces (float32 and narrower grads compute with `f32(1/f64(scale))`,
-    float64 ones with `1/f64(scale)`). The forward is the kernel's (`out_of_place`), whose
-    results differ from the recipe's multiply only at a scale of 1 (NaN payloads) and, for
-    float64 grads, at scales that are not powers of two.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(found: Tensor, inv64: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-        inv = inv64.float()
-        if are_functorch_transforms_active():
-            new, found = where_program(list(tensors), found, inv)
-        else:
-            new, found = out_of_place(list(tensors), found, inv)
-        return (*new, found)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.save_for_backward(inputs[1])
-        ctx.mark_non_differentiable(output[-1])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        (inv64,) = ctx.saved_tensors
-        return (None, None, *(None if g is None else g * inv64 for g in grads[:-1]))
-
-
-def differentiable_unscale(
-    tensors: list[Tensor], found: Tensor, inv64: Tensor
-) -> tuple[list[Tensor], Tensor]:
-    """The kernel's results through `_Unscale`, for grads that carry a graph."""
-    *new, found = cast(tuple[Tensor, ...], _Unscale.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
-    return new, found

@@ -20,8 +20,8 @@ from famp._compat import torch_pytree
 from famp._scaling.choice import readable, select
 from famp._scaling.grad import eager_grad
 from famp._scaling.state import ScalerState
-from famp._scaling.trees import scaled
-from famp._scaling.unscale import unscale_and_check, unscale_leaves
+from famp._scaling.trees import leaves_and_rebuild, scaled
+from famp._scaling.unscale import unscale_leaves
 from famp._scaling.update import update_scale
 from famp._typing import Tensor, TreeT
 
@@ -56,7 +56,8 @@ def value_and_grad(
     `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, with
     arguments that do not require grad (`p.detach()`), the gradients come from plain autograd,
     and those that share memory with no other tensor are unscaled in place, at
-    `GradScaler.unscale_`'s speed.
+    `GradScaler.unscale_`'s speed. Compiled on the CPU, inductor unscales them in place too,
+    where nothing else reads them.
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,
@@ -141,7 +142,13 @@ def value_and_grad(
             grads, (loss, aux) = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(
                 *args, **kwargs
             )
-            grads, found_inf = unscale_and_check(state, grads, group=group)
+            # The gradients are new tensors that only this step reads: compiled, inductor
+            # may unscale them in place (`unscale_leaves`'s `fresh`).
+            leaves, rebuild_grads = leaves_and_rebuild(grads)
+            leaves, found_inf = unscale_leaves(
+                state, leaves, lambda: grads, group=group, fresh=True
+            )
+            grads = rebuild_grads(leaves)
         else:  # a list of gradients: unscaled before their tree is built, which is built once
             leaves, rebuild, (loss, aux), owned = result
             leaves, found_inf = unscale_leaves(

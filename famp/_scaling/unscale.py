@@ -21,7 +21,8 @@ from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling.aliasing import shared_memory
 from famp._scaling.checks import FLOAT_DTYPES
-from famp._scaling.kernels import differentiable_unscale, out_of_place
+from famp._scaling.differentiable import differentiable_unscale
+from famp._scaling.kernels import out_of_place
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import check_state_first, leaves_and_rebuild, path_of, to_device
@@ -56,7 +57,7 @@ def unscale_and_check(
     two; where compiling fails it warns once and keeps torch's kernel. Same bits either way.
     Inside a step compiled on the CPU, the unscale is one `famp::unscale` operator that runs
     this eager path when the step runs: inductor compiles one node for it, not a loop per
-    gradient.
+    gradient (`famp.value_and_grad` unscales its own gradients in place of them instead).
 
     Args:
         state: The `famp.ScalerState` whose scale produced the gradients.
@@ -112,13 +113,16 @@ def unscale_leaves(
     group: Any = None,
     donate: bool = False,
     owned: list[bool] | None = None,
+    fresh: bool = False,
 ) -> tuple[list[Any], Tensor]:
     """`unscale_and_check` of a tree's leaves: the unscaled leaves, in order, and `found_inf`.
 
     `famp.value_and_grad` calls it eagerly on the gradients as autograd lists them, before it
     builds their tree (a flatten and an unflatten less), with `owned`: which leaves are
-    autograd's fresh results that nothing else references, unscaled in place. `tree` gives the
-    tree of `leaves`, only for the paths that errors name.
+    autograd's fresh results that nothing else references, unscaled in place; compiled, with
+    `fresh=True`: the leaves are intermediate results of the compiled step that nothing else
+    reads, which inductor then unscales in place where it can (`kernels._compiled`; the same
+    values either way). `tree` gives the tree of `leaves`, only for the paths that errors name.
     """
     if not state.enabled:
         return leaves, _no_overflow(state)
@@ -234,7 +238,7 @@ def unscale_leaves(
                     write_back.update(zip(aliased, results, strict=True))
                 new = tensors
             else:
-                new, found = out_of_place(tensors, found, inv)
+                new, found = out_of_place(tensors, found, inv, fresh=fresh)
             if whole:
                 out = list(new)
             else:

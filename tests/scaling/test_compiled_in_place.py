@@ -1,0 +1,174 @@
+"""Compiled on the CPU, `famp.value_and_grad` unscales its gradients where autograd wrote them.
+
+Its gradients are new tensors that only the step reads. Compiled, famp copies them and unscales
+the copies in place with torch's kernel (`famp::unscale_`); inductor drops each copy and writes
+the kernel's results into the gradient's own buffer, unless something else may still read it.
+Checked here: the code inductor writes (no buffer for the unscaled gradients), torch's bits
+(its kernel on the same scaled gradients, NaN payloads included) in static and dynamic shapes,
+and gradients that share memory (one tensor for two parameters, expanded, a transposed view of
+another), where unscaling in place would unscale some element twice.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.scaling.test_scaler import torch_unscale
+from tests.scaling.test_scaler_unscale import random_bits
+
+SHAPES = {"a": (12, 20), "b": (20, 12), "c": (7,)}
+
+
+def _loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ p["a"]) @ p["b"]
+    return h.square().mean() + (p["c"] * 3).sum()
+
+
+def _sgd_step(state: famp.ScalerState, p: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    _, grads, found_inf, new_state = famp.value_and_grad(_loss)(state, p, x)
+    new = {k: p[k] - 0.1 * grads[k] for k in p}
+    return new, grads, found_inf, new_state
+
+
+def test_compiled_value_and_grad_unscales_the_gradients_where_autograd_wrote_them() -> None:
+    """One `famp::unscale_` call on the gradients' own buffers: no copy, no out-of-place unscale.
+
+    The step returns the gradients and the updated parameters, so inductor allocates one buffer
+    for each of them (matrix products write the gradients of `a` and `b`, a loop that of `c`).
+    A kept copy, or the out-of-place `famp::unscale`, would give each gradient a second buffer.
+    """
+    gen = torch.Generator().manual_seed(0)
+    p = {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
+    x = torch.randn(5, 12, generator=gen)
+    compiled = torch.compile(_sgd_step, fullgraph=True)
+    state = famp.init_scaler(2.0**16)
+    (new, grads, found_inf, _), (code,) = run_and_get_code(compiled, state, p, x)
+    call = code[code.index("def call(") :]
+    assert call.count("torch.ops.famp.unscale_.default(") == 1
+    assert "torch.ops.famp.unscale.default(" not in call
+    for key, shape in SHAPES.items():
+        sizes = r",\s*".join(str(s) for s in shape) + r",?\s*"  # inductor writes (7, )
+        allocated = re.findall(rf"empty_strided_cpu\(\({sizes}\)", call)
+        assert len(allocated) == 2, (key, allocated)  # the gradient and the new parameter
+    # The kernel runs on the buffers the matrix products wrote a's and b's gradients into.
+    (unscaled,) = re.findall(r"famp\.unscale_\.default\(\[([^\]]*)\]", call)
+    written = set(re.findall(r"extern_kernels\.mm\(.*out=(buf\d+)\)", call))
+    assert len(written & set(unscaled.split(", "))) == 2, (unscaled, written)
+    eager = _sgd_step(state, p, x)
+    assert found_inf.item() == 0.0
+    for key in p:  # inductor's matrix products and tanh may round differently from eager's
+        torch.testing.assert_close(grads[key], eager[1][key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new[key], eager[0][key], rtol=1e-5, atol=1e-6)
+
+
+# --- torch's bits: its kernel on the same scaled gradients ------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _bits_loss(p: dict[str, torch.Tensor], c: dict[str, torch.Tensor]) -> torch.Tensor:
+    # Each gradient is c[k] times the scale (in c's dtype): the bits of c, NaN payloads and
+    # infinities included, scaled by the same inductor loop in both compiled functions below.
+    return sum((p[k] * c[k]).sum().float() for k in p)  # type: ignore[return-value]
+
+
+def _famp_grads(state: famp.ScalerState, p: Any, c: Any) -> Any:
+    _, grads, found_inf, new_state = famp.value_and_grad(_bits_loss)(state, p, c)
+    return grads, found_inf, new_state
+
+
+def _scaled_grads(scale: torch.Tensor, p: Any, c: Any) -> Any:
+    return torch.func.grad(lambda p: _bits_loss(p, c) * scale)(p)
+
+
+_COMPILED: dict[tuple[str, bool], Any] = {}
+
+
+def _compiled(name: str, dynamic: bool) -> Any:
+    key = (name, dynamic)
+    if key not in _COMPILED:
+        fn = _famp_grads if name == "famp" else _scaled_grads
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    return _COMPILED[key]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("scale", [2.0**16, 3.0, 1.0])
+def test_compiled_value_and_grad_on_random_bits_equals_torchs_kernel(
+    dynamic: bool, scale: float
+) -> None:
+    """Random bit patterns of every float dtype, a third of them infinities or NaNs.
+
+    At a scale of 1 the kernel skips its multiply, which keeps NaN payloads: so must famp.
+    """
+    gen = torch.Generator().manual_seed(int(scale) + dynamic)
+    for n in (9, 13):  # dynamic: the second size runs the same graph
+        p = {f"g{i}": torch.zeros(n + i, dtype=d) for i, d in enumerate(DTYPES)}
+        c = {k: random_bits(v.shape, v.dtype, gen) for k, v in p.items()}
+        for v in c.values():
+            v[::3] = math.inf if n % 2 else math.nan
+        state = famp.init_scaler(scale)
+        grads, found_inf, new_state = _compiled("famp", dynamic)(state, p, c)
+        scaled = _compiled("torch", dynamic)(state.scale, p, c)
+        expected, expected_found = torch_unscale(scale, list(scaled.values()), allow_fp16=True)
+        for key, want in zip(scaled, expected, strict=True):
+            assert grads[key].dtype == want.dtype
+            assert_bitwise_equal(grads[key], want)
+        assert_bitwise_equal(found_inf, expected_found)
+        assert found_inf.item() == 1.0
+        assert new_state.scale.item() == scale / 2
+
+
+# --- gradients that share memory -------------------------------------------------------------
+
+CASES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+    # the gradient of a + b is one tensor, returned for both
+    "one tensor twice": lambda p, x: ((p["a"] + p["b"]) * x).square().sum(),
+    # the gradient of a sum is an expanded 0-d tensor
+    "expanded": lambda p, x: p["a"].sum() * 3 + (p["b"] * x).sum(),
+    # b's gradient is a transposed view of a's
+    "a view of another": lambda p, x: ((p["a"] + p["b"].t()) * x).square().sum(),
+}
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_value_and_grad_of_gradients_that_share_memory(case: str, backend: str) -> None:
+    """Each gradient unscaled once: torch's kernel on `torch.func.grad`'s scaled gradients.
+
+    The values are small integers times powers of two, so eager and inductor agree exactly on
+    the scaled gradients. An infinity in x overflows the second step.
+    """
+    fn = CASES[case]
+
+    def step(state: famp.ScalerState, p: Any, x: torch.Tensor) -> Any:
+        return famp.value_and_grad(fn)(state, p, x)
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    p = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(3, 4) - 5}
+    if case == "a view of another":
+        p["b"] = p["b"].t().contiguous()
+    x = torch.arange(12.0).reshape(3, 4) % 5 - 2
+    for bad in (False, True):
+        if bad:
+            x[1, 2] = math.inf
+        state = famp.init_scaler(2.0**10)
+        originals = {k: v.clone() for k, v in p.items()}
+        _, grads, found_inf, _ = compiled(state, p, x)
+        scaled = torch.func.grad(lambda p, x: fn(p, x) * 2.0**10)(p, x)
+        expected, expected_found = torch_unscale(2.0**10, list(scaled.values()))
+        for key, want in zip(scaled, expected, strict=True):
+            assert_bitwise_equal(grads[key], want)
+        assert_bitwise_equal(found_inf, expected_found)
+        assert found_inf.item() == float(bad)
+        for key, value in p.items():  # the parameters are inputs: never written
+            assert_bitwise_equal(value, originals[key])
