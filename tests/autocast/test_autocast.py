@@ -527,7 +527,11 @@ def _reference(
                             raise RuntimeError(
                                 "Unexpected floating ScalarType in at::autocast::prioritize"
                             )
-                q = {k: cast(v, target) for k, v in p.items()} if target else p
+                # Only the parameters this op reads are cast, when it runs, as famp and
+                # torch.autocast cast them: a cast made earlier would run later in the backward
+                # and change the order in which a parameter's gradients are summed.
+                used = {"w2" if c == "2" else c for c in uses}
+                q = {k: cast(v, target) if k in used else v for k, v in p.items()} if target else p
                 hin = cast(h, target) if target else h
                 with torch.autocast("cpu", enabled=False):
                     if rule == "float32_set_opt_dtype" and name == "softmax":
