@@ -1,7 +1,7 @@
 """Big float32/float64 CPU grads unscaled eagerly in one pass, by a program famp compiles once.
 
 Out of place, torch's unscale kernel needs a copy of each gradient and a second pass over the
-copy; `kernels.py` keeps that pass in cache, which still costs about 1.4x a clone. Inductor fuses
+copy; `eager_cpu.py` keeps that pass in cache, which still costs about 1.4x a clone. Inductor fuses
 the kernel's arithmetic as plain ops (`where_program`) into one read and one write per tensor,
 as a clone does. So, eagerly, famp compiles that program once per dtype
 (`torch.compile(dynamic=True, fullgraph=True)`) for `ARITY` flat tensors of any sizes and reuses

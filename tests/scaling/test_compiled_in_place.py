@@ -1,18 +1,21 @@
-"""Compiled on the CPU, `famp.value_and_grad` unscales its gradients where autograd wrote them.
+"""Compiled on the CPU, `famp.value_and_grad` unscales big gradients where autograd wrote them.
 
-Its gradients are new tensors that only the step reads. Compiled, famp copies them and unscales
-the copies in place with torch's kernel (`famp::unscale_`); inductor drops each copy and writes
-the kernel's results into the gradient's own buffer, unless something else may still read it.
-Checked here: the code inductor writes (no buffer for the unscaled gradients), torch's bits
+Its gradients are new tensors that only the step reads. Where its float32/float64 gradients
+total `fused.MIN_BYTES` (the out-of-place operator would compile famp's eager one-pass program
+at the step's first run), famp copies them and unscales the copies in place with torch's kernel
+(`famp::unscale_`); inductor drops each copy and writes the kernel's results into the
+gradient's own buffer, unless something else may still read it. Smaller ones keep the
+out-of-place `famp::unscale`, which compiles faster. Checked here, on both paths (the `path`
+fixture lowers `fused.MIN_BYTES` to 0 for the first): the code inductor writes, torch's bits
 (its kernel on the same scaled gradients, NaN payloads included) in static and dynamic shapes,
 and gradients that share memory (one tensor for two parameters, expanded, a transposed view of
-another), where unscaling in place would unscale some element twice.
-"""
+another), where unscaling in place would unscale some element twice."""
 
 from __future__ import annotations
 
 import math
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +24,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import famp
+from famp._scaling import fused
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_scaler import torch_unscale
 from tests.scaling.test_scaler_unscale import random_bits
@@ -39,7 +43,41 @@ def _sgd_step(state: famp.ScalerState, p: dict[str, torch.Tensor], x: torch.Tens
     return new, grads, found_inf, new_state
 
 
-def test_compiled_value_and_grad_unscales_the_gradients_where_autograd_wrote_them() -> None:
+PATHS = ["in place", "out of place"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which operator unscales: `famp::unscale_` for any size where `fused.MIN_BYTES` is 0."""
+    if request.param == "in place":
+        monkeypatch.setattr(fused, "MIN_BYTES", 0)
+    return str(request.param)
+
+
+def compiled(
+    fn: Any, path: str, dynamic: bool | None = None, backend: str = "inductor", tag: str = ""
+) -> Any:
+    """`fn` compiled with a code object of its own per path: Dynamo caches graphs per code."""
+    name = f"{fn.__name__}_{path}_{dynamic}_{backend}_{tag}".replace(" ", "_")
+    copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
+    return torch.compile(copy, fullgraph=True, dynamic=dynamic, backend=backend)
+
+
+def test_small_gradients_keep_the_out_of_place_operator() -> None:
+    """Below `fused.MIN_BYTES`, one out-of-place `famp::unscale` call, as before."""
+    gen = torch.Generator().manual_seed(0)
+    p = {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
+    x = torch.randn(5, 12, generator=gen)
+    step = compiled(_sgd_step, "out of place")
+    _, (code,) = run_and_get_code(step, famp.init_scaler(2.0**16), p, x)
+    call = code[code.index("def call(") :]
+    assert call.count("torch.ops.famp.unscale.default(") == 1
+    assert "torch.ops.famp.unscale_.default(" not in call
+
+
+def test_compiled_value_and_grad_unscales_the_gradients_where_autograd_wrote_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """One `famp::unscale_` call on the gradients' own buffers: no copy, no out-of-place unscale.
 
     The step returns the gradients and the updated parameters, so inductor allocates one buffer
@@ -49,9 +87,10 @@ def test_compiled_value_and_grad_unscales_the_gradients_where_autograd_wrote_the
     gen = torch.Generator().manual_seed(0)
     p = {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
     x = torch.randn(5, 12, generator=gen)
-    compiled = torch.compile(_sgd_step, fullgraph=True)
+    monkeypatch.setattr(fused, "MIN_BYTES", 0)  # as if these gradients were big
     state = famp.init_scaler(2.0**16)
-    (new, grads, found_inf, _), (code,) = run_and_get_code(compiled, state, p, x)
+    step = compiled(_sgd_step, "in place")
+    (new, grads, found_inf, _), (code,) = run_and_get_code(step, state, p, x)
     call = code[code.index("def call(") :]
     assert call.count("torch.ops.famp.unscale_.default(") == 1
     assert "torch.ops.famp.unscale.default(" not in call
@@ -90,21 +129,21 @@ def _scaled_grads(scale: torch.Tensor, p: Any, c: Any) -> Any:
     return torch.func.grad(lambda p: _bits_loss(p, c) * scale)(p)
 
 
-_COMPILED: dict[tuple[str, bool], Any] = {}
+_COMPILED: dict[tuple[str, str, bool], Any] = {}
 
 
-def _compiled(name: str, dynamic: bool) -> Any:
-    key = (name, dynamic)
+def _compiled(name: str, path: str, dynamic: bool) -> Any:
+    key = (name, path, dynamic)
     if key not in _COMPILED:
         fn = _famp_grads if name == "famp" else _scaled_grads
-        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        _COMPILED[key] = compiled(fn, path, dynamic)
     return _COMPILED[key]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("scale", [2.0**16, 3.0, 1.0])
 def test_compiled_value_and_grad_on_random_bits_equals_torchs_kernel(
-    dynamic: bool, scale: float
+    path: str, dynamic: bool, scale: float
 ) -> None:
     """Random bit patterns of every float dtype, a third of them infinities or NaNs.
 
@@ -117,8 +156,8 @@ def test_compiled_value_and_grad_on_random_bits_equals_torchs_kernel(
         for v in c.values():
             v[::3] = math.inf if n % 2 else math.nan
         state = famp.init_scaler(scale)
-        grads, found_inf, new_state = _compiled("famp", dynamic)(state, p, c)
-        scaled = _compiled("torch", dynamic)(state.scale, p, c)
+        grads, found_inf, new_state = _compiled("famp", path, dynamic)(state, p, c)
+        scaled = _compiled("torch", path, dynamic)(state.scale, p, c)
         expected, expected_found = torch_unscale(scale, list(scaled.values()), allow_fp16=True)
         for key, want in zip(scaled, expected, strict=True):
             assert grads[key].dtype == want.dtype
@@ -140,20 +179,22 @@ CASES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _case_step(state: famp.ScalerState, p: Any, x: torch.Tensor, case: str) -> Any:
+    return famp.value_and_grad(CASES[case])(state, p, x)
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_compiled_value_and_grad_of_gradients_that_share_memory(case: str, backend: str) -> None:
+def test_compiled_value_and_grad_of_gradients_that_share_memory(
+    path: str, case: str, backend: str
+) -> None:
     """Each gradient unscaled once: torch's kernel on `torch.func.grad`'s scaled gradients.
 
     The values are small integers times powers of two, so eager and inductor agree exactly on
     the scaled gradients. An infinity in x overflows the second step.
     """
     fn = CASES[case]
-
-    def step(state: famp.ScalerState, p: Any, x: torch.Tensor) -> Any:
-        return famp.value_and_grad(fn)(state, p, x)
-
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    run = compiled(_case_step, path, backend=backend, tag=case)
     p = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(3, 4) - 5}
     if case == "a view of another":
         p["b"] = p["b"].t().contiguous()
@@ -163,7 +204,7 @@ def test_compiled_value_and_grad_of_gradients_that_share_memory(case: str, backe
             x[1, 2] = math.inf
         state = famp.init_scaler(2.0**10)
         originals = {k: v.clone() for k, v in p.items()}
-        _, grads, found_inf, _ = compiled(state, p, x)
+        _, grads, found_inf, _ = run(state, p, x, case)
         scaled = torch.func.grad(lambda p, x: fn(p, x) * 2.0**10)(p, x)
         expected, expected_found = torch_unscale(2.0**10, list(scaled.values()))
         for key, want in zip(scaled, expected, strict=True):

@@ -1,7 +1,7 @@
 """Eager unscale's compiled one-pass program (famp/_scaling/fused.py) against GradScaler.
 
 The program is compiled once per process and dtype; these tests lower `fused.MIN_BYTES` and
-`_CHUNK_BYTES` to 0 so that small grads take it, and check that it gives `GradScaler`'s bits for
+`CHUNK_BYTES` to 0 so that small grads take it, and check that it gives `GradScaler`'s bits for
 any count and size of tensors without recompiling, that it steps aside under modes, and that a
 failure of `torch.compile` leaves torch's kernel with the same bits and one warning.
 """
@@ -21,17 +21,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import famp
-from famp._scaling import fused, kernels
+from famp._scaling import eager_cpu, fused
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_scaler import torch_unscale
 
 REAL_MIN_BYTES = fused.MIN_BYTES
-REAL_CHUNK_BYTES = kernels._CHUNK_BYTES
+REAL_CHUNK_BYTES = eager_cpu.CHUNK_BYTES
 
 
 @pytest.fixture(autouse=True)
 def every_big_tensor_takes_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_CHUNK_BYTES", 0)
+    monkeypatch.setattr(eager_cpu, "CHUNK_BYTES", 0)
     monkeypatch.setattr(fused, "MIN_BYTES", 0)
 
 
@@ -55,7 +55,7 @@ def no_kernel_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     def chunked(*args: Any) -> Any:
         raise AssertionError("took the chunked kernel, not the compiled program")
 
-    monkeypatch.setattr(kernels, "_chunked", chunked)
+    monkeypatch.setattr(eager_cpu, "_chunked", chunked)
 
 
 def unscale_equals_gradscaler(grads: list[torch.Tensor], scale_value: float) -> None:
@@ -224,7 +224,7 @@ def test_real_thresholds_take_the_program_from_min_bytes_on(
     # Unpatched thresholds: a call whose big float32 grads total MIN_BYTES takes the program,
     # one a few bytes short the chunked kernel; both give GradScaler's bits.
     monkeypatch.setattr(fused, "MIN_BYTES", REAL_MIN_BYTES)
-    monkeypatch.setattr(kernels, "_CHUNK_BYTES", REAL_CHUNK_BYTES)
+    monkeypatch.setattr(eager_cpu, "CHUNK_BYTES", REAL_CHUNK_BYTES)
     half = REAL_MIN_BYTES // 2 // 4 + (1 if over else -1)  # float32 elements per tensor
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(half, generator=gen) * 4096, torch.randn(half, generator=gen) * 4096]

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given
 
 import famp
-from famp._scaling import fused
-from famp._scaling import kernels as unscale_module
+from famp._scaling import eager_cpu, fused
 from famp._scaling import update as update_module
 from tests.helpers import assert_bitwise_equal
 
@@ -200,7 +199,7 @@ def grad_lists(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...]) -> list[torch.T
     return grads
 
 
-# Eagerly, famp unscales small tensors with the kernel itself; big ones (above _CHUNK_BYTES) with
+# Eagerly, famp unscales small tensors with the kernel itself; big ones (above CHUNK_BYTES) with
 # the kernel a chunk at a time (float32/float64) or a min/max and a multiply (halves); and, where
 # the big float32/float64 ones total fused.MIN_BYTES, with its compiled one-pass program. Run the
 # differential tests through every path (fused.MIN_BYTES = 0: every big tensor takes it).
@@ -213,9 +212,9 @@ PATHS = [
 
 @contextlib.contextmanager
 def paths(chunk_bytes: int, fused_bytes: int) -> Iterator[None]:
-    """Where eager unscale's paths begin: `_CHUNK_BYTES` and `fused.MIN_BYTES`."""
+    """Where eager unscale's paths begin: `CHUNK_BYTES` and `fused.MIN_BYTES`."""
     with (
-        mock.patch.object(unscale_module, "_CHUNK_BYTES", chunk_bytes),
+        mock.patch.object(eager_cpu, "CHUNK_BYTES", chunk_bytes),
         mock.patch.object(fused, "MIN_BYTES", fused_bytes),
     ):
         yield

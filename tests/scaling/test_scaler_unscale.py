@@ -225,9 +225,9 @@ def test_unscale_and_check_under_vmap_equals_the_kernel_per_sample(
 def test_chunked_check_sees_every_tensor(
     monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, bad_at: int | None
 ) -> None:
-    # Out of place, small grads are unscaled in runs of about _CHUNK_BYTES, and each bigger one
-    # on its own (famp._scaling.kernels.out_of_place).
-    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", chunk_bytes)
+    # Out of place, small grads are unscaled in runs of about CHUNK_BYTES, and each bigger one
+    # on its own (famp._scaling.eager_cpu.out_of_place_cpu).
+    monkeypatch.setattr("famp._scaling.eager_cpu.CHUNK_BYTES", chunk_bytes)
     grads = [torch.full((n,), 6.0) for n in (3, 0, 5, 1, 0, 4)]
     grads.append(torch.full((2, 3), 6.0).t())  # not contiguous: never sliced
     if bad_at is not None:
@@ -252,7 +252,7 @@ def test_big_grads_in_any_layout_equal_gradscaler_and_keep_their_strides(
     # Eagerly, big dense float32/float64 grads are copied and unscaled chunk by chunk (the chunks
     # are views of the storage, so the layout must be one empty_like keeps); others take another
     # path. Every one must give GradScaler's bits and strides and leave the input as it was.
-    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("famp._scaling.eager_cpu.CHUNK_BYTES", chunk_bytes)
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(2, 6, 5, 7, generator=gen) * 1e3).to(dtype)
     base.view(-1)[[3, 100, 400]] = torch.tensor([math.inf, math.nan, -math.inf]).to(dtype)
@@ -294,7 +294,7 @@ def test_compiled_unscale_of_grads_in_any_layout_declares_their_strides(
     # Compiled on the CPU, grads are unscaled by famp::unscale, which runs out_of_place at run time
     # (here with every grad "big": chunks, the min/max path, or famp's fused program); its
     # outputs' strides must be the ones its fake declared to inductor (empty_like's).
-    monkeypatch.setattr("famp._scaling.kernels._CHUNK_BYTES", 64)
+    monkeypatch.setattr("famp._scaling.eager_cpu.CHUNK_BYTES", 64)
     monkeypatch.setattr("famp._scaling.fused.MIN_BYTES", fused_bytes)
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(2, 6, 5, 7, generator=gen) * 1e3).to(dtype)
@@ -451,11 +451,11 @@ def test_unscale_of_random_bit_patterns_equals_gradscaler(
         keep_plain = torch.rand(shape, generator=gen) < finite_share
         grads.append(torch.where(keep_plain, plain, random_bits(shape, dtype, gen)))
     state = famp.init_scaler(scale_value)
-    # Every tensor is "big" at _CHUNK_BYTES = 0: eagerly, float32/float64 take the kernel one
+    # Every tensor is "big" at CHUNK_BYTES = 0: eagerly, float32/float64 take the kernel one
     # element at a time (its scalar loop), or famp's compiled program at fused.MIN_BYTES = 0, and
     # halves the min/max path; compiled, the fused plain ops (for float32/float64).
     with (
-        mock.patch("famp._scaling.kernels._CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0),
+        mock.patch("famp._scaling.eager_cpu.CHUNK_BYTES", 1 << 20 if path == "eager-small" else 0),
         mock.patch("famp._scaling.fused.MIN_BYTES", 0 if path == "eager-fused" else 1 << 62),
     ):
         if path == "compiled":
