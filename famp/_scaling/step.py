@@ -56,8 +56,8 @@ def value_and_grad(
     `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, with
     arguments that do not require grad (`p.detach()`), the gradients come from plain autograd,
     and those that share memory with no other tensor are unscaled in place, at
-    `GradScaler.unscale_`'s speed. Compiled on the CPU, inductor unscales them in place too,
-    where nothing else reads them.
+    `GradScaler.unscale_`'s speed. Compiled on the CPU, inductor unscales big ones (128 MiB of
+    float32 or float64) in place too, where nothing else reads them.
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,

@@ -57,7 +57,7 @@ def unscale_and_check(
     two; where compiling fails it warns once and keeps torch's kernel. Same bits either way.
     Inside a step compiled on the CPU, the unscale is one `famp::unscale` operator that runs
     this eager path when the step runs: inductor compiles one node for it, not a loop per
-    gradient (`famp.value_and_grad` unscales its own gradients in place of them instead).
+    gradient (`famp.value_and_grad` unscales its own big gradients in place of them instead).
 
     Args:
         state: The `famp.ScalerState` whose scale produced the gradients.
