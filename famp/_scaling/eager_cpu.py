@@ -24,9 +24,9 @@ def out_of_place_cpu(
 
     The kernel computes `cast(inv == 1 ? opmath(x) : opmath(x) * inv)` (at exactly 1 it skips
     the multiply, which keeps NaN payloads) and flags any non-finite input. Its functional
-    variant clones every tensor and then makes a second pass over the whole copy. famp keeps that
-    second pass in cache: small tensors go through the functional
-    variant in runs of about `CHUNK_BYTES`. Each big dense float32/float64 tensor is copied
+    variant clones every tensor and then makes a second pass over the whole copy. famp keeps
+    that second pass in cache: small tensors go through the functional variant in runs of about
+    `CHUNK_BYTES`. Each big dense float32/float64 tensor is copied
     chunk by chunk into a new tensor, the in-place kernel running on each chunk of the copy
     while it is still in cache (the kernel's own results: for these dtypes its vectorized loop
     and scalar tail agree, so where chunks end does not matter). Each big dense float16/bfloat16

@@ -6,8 +6,8 @@ the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), f
 one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
 (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
 `torch.func` transforms and, off the CPU, inductor need. Compiled on the CPU, all of the eager
-choice is one opaque node (`unscale_op`), and gradients that only the step reads are unscaled in
-place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit,
+choice is one opaque node (`unscale_op`), and big gradients that only the step reads are unscaled
+in place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit,
 NaN bit patterns included. `differentiable.py` gives the same results with the backward of
 torch's gradient-penalty recipe.
 """
