@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -213,3 +215,32 @@ def test_compiled_value_and_grad_of_gradients_that_share_memory(
         assert found_inf.item() == float(bad)
         for key, value in p.items():  # the parameters are inputs: never written
             assert_bitwise_equal(value, originals[key])
+
+
+# --- activation checkpointing: compiled, refused, never other numbers -------------------------
+
+_CHECKPOINTED = """
+import torch, famp
+def loss(p, x):
+    block = lambda h: (h * p["a"]).square()
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum()
+step = torch.compile(lambda s, p, x: famp.value_and_grad(loss)(s, p, x), fullgraph=True)
+try:
+    print(step(famp.init_scaler(2.0), {"a": torch.ones(3)}, torch.ones(3)))
+except Exception as error:
+    print("refused:", error)
+"""
+
+
+def test_compiled_value_and_grad_of_a_checkpointed_loss_is_refused() -> None:
+    """Compiled, `value_and_grad` differentiates with `torch.func.grad`, which refuses saved
+    tensor hooks: an error, where eager `value_and_grad` gives the gradients without
+    checkpointing (`test_grad.py`). In a fresh process: after the failed compile, torch leaves
+    saved tensor hooks disabled in the process (torch 2.13 to 2.15), which would fail the
+    eager checkpoint tests that run after this one."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECKPOINTED], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout, out.stdout
+    assert "don't yet support saved tensor hooks" in out.stdout, out.stdout
