@@ -2,14 +2,18 @@
 
 Two models on CPU with bfloat16 autocast and dynamic loss scaling: the digits CNN of
 examples/train_digits.py (batch 64 of 8×8 images) and a small transformer block
-(``nn.TransformerEncoderLayer(64, 4, 256)`` and a 128-way head, batch 4 × 16 tokens). Each
+(``nn.TransformerEncoderLayer(64, 4, 256)`` and a 128-way head, batch 4 × 16 tokens). With
+``--device cuda``, float16 autocast on the GPU, and the transformer block twice: that small one
+(launch-bound: it measures the host's work per step) and a wide one
+(``nn.TransformerEncoderLayer(1024, 16, 4096)``, a 4096-way head, batch 8 × 256 tokens). Each
 candidate does everything a training step does: forward under autocast, scaled backward, unscale
 and check, scale update, AdamW update that is skipped on overflow.
 
 - torch eager: ``torch.autocast`` + ``GradScaler`` (scale, step, update) + ``AdamW(fused=True)``.
-- famp eager: ``famp.autocast`` + ``famp.scale`` + ``backward`` + ``famp.optimizer_step`` (the same
-  fused AdamW) + ``famp.update_scale``; and the same with ``torch.autocast``, which isolates the
-  scaler and the optimizer bridge from the autocast transform.
+- famp eager: ``famp.autocast`` (uncompiled) + ``famp.scale`` + ``backward`` +
+  ``famp.optimizer_step`` (the same fused AdamW) + ``famp.update_scale``; and the same with
+  ``torch.autocast``, which isolates the scaler and the optimizer bridge from the autocast
+  transform.
 - famp functional eager: ``famp.value_and_grad`` + a pure AdamW + ``famp.skip_on_overflow``; the
   AdamW op by op per parameter, and again as one out-of-place ``torch._foreach_*`` op per line.
 - torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
@@ -17,9 +21,10 @@ and check, scale update, AdamW update that is skipped on overflow.
 - famp compiled: the whole functional step under ``torch.compile(fullgraph=True)`` (inductor).
 
 Candidates run interleaved, round after round; each figure is the best round (the machine is
-shared, and other jobs only ever add time).
+shared, and other jobs only ever add time). On CUDA each round ends with a synchronize.
 
-Run: python benchmarks/bench_step.py [--rounds 30] [--steps 5] [--threads 1]  (about 2 minutes)
+Run: python benchmarks/bench_step.py [--rounds 30] [--steps 5] [--threads 1] [--device cuda]
+(about 2 minutes)
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from torch.nn import functional
 
 import famp
 
-POLICY = famp.get_policy("params=float32,compute=bfloat16,output=float32")
+# The autocast dtype of each device: bfloat16 on CPU (what CPU autocast is for), float16 on CUDA
+# (where dynamic loss scaling is for).
+COMPUTE = {"cpu": torch.bfloat16, "cuda": torch.float16}
 
 
 def digits_cnn() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -55,10 +62,12 @@ def digits_cnn() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 
 class Block(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64, heads: int = 4, vocab: int = 128) -> None:
         super().__init__()
-        self.layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
-        self.head = torch.nn.Linear(64, 128)
+        self.layer = torch.nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True
+        )
+        self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layer(x)).flatten(0, 1)
@@ -66,6 +75,10 @@ class Block(torch.nn.Module):
 
 def transformer_block() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     return Block(), torch.randn(4, 16, 64), torch.randint(0, 128, (4 * 16,))
+
+
+def wide_transformer_block() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    return Block(1024, 16, 4096), torch.randn(8, 256, 1024), torch.randint(0, 4096, (8 * 256,))
 
 
 def adamw(
@@ -109,22 +122,30 @@ def adamw_foreach(
 
 
 def candidates(
-    build: Callable[[], tuple[torch.nn.Module, torch.Tensor, torch.Tensor]], steps: int
+    build: Callable[[], tuple[torch.nn.Module, torch.Tensor, torch.Tensor]],
+    steps: int,
+    device: str = "cpu",
 ) -> dict[str, Callable[[], object]]:
     """Each candidate runs ``steps`` training steps on its own copy of the model."""
     out: dict[str, Callable[[], object]] = {}
+    compute = COMPUTE[device]
+    policy = famp.Policy(torch.float32, compute, torch.float32)
 
-    def torch_loop(compiled: bool) -> Callable[[], object]:
+    def built() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
         torch.manual_seed(0)
         model, x, y = build()
+        return model.to(device), x.to(device), y.to(device)
+
+    def torch_loop(compiled: bool) -> Callable[[], object]:
+        model, x, y = built()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler(device)
         run = torch.compile(model) if compiled else model
 
         def loop() -> object:
             for _ in range(steps):
                 opt.zero_grad(set_to_none=True)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast(device, dtype=compute):
                     loss = functional.cross_entropy(run(x), y)
                 scaler.scale(loss).backward()
                 scaler.step(opt)
@@ -134,18 +155,17 @@ def candidates(
         return loop
 
     def famp_loop(torch_autocast: bool = False) -> Callable[[], object]:
-        torch.manual_seed(0)
-        model, x, y = build()
+        model, x, y = built()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        forward = famp.autocast(model, POLICY)
-        box = [famp.init_scaler()]
+        forward = famp.autocast(model, policy, compile=False)
+        box = [famp.init_scaler(device=device)]
 
         def loop() -> object:
             state = box[0]
             for _ in range(steps):
                 opt.zero_grad(set_to_none=True)
                 if torch_autocast:  # isolates the scaler and the optimizer bridge
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with torch.autocast(device, dtype=compute):
                         loss = functional.cross_entropy(model(x), y)
                 else:
                     loss = functional.cross_entropy(forward(x), y)
@@ -157,9 +177,8 @@ def candidates(
         return loop
 
     def functional_loop(compiled: bool, foreach: bool = False) -> Callable[[], object]:
-        torch.manual_seed(0)
-        model, x, y = build()
-        forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), POLICY)
+        model, x, y = built()
+        forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), policy, compile=False)
 
         def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return functional.cross_entropy(forward(p, x), y)
@@ -178,7 +197,10 @@ def candidates(
         zeros = optree.tree_map(torch.zeros_like, params)
         if foreach:  # the moments as lists, in the parameters' order
             zeros = list(zeros.values())
-        box = [(params, {"count": torch.zeros(()), "mu": zeros, "nu": zeros}, famp.init_scaler())]
+        count = torch.zeros((), device=device)
+        box = [
+            (params, {"count": count, "mu": zeros, "nu": zeros}, famp.init_scaler(device=device))
+        ]
 
         def loop() -> object:
             params, opt, state = box[0]
@@ -199,16 +221,22 @@ def candidates(
     return out
 
 
-def best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def best_times(
+    fns: dict[str, Callable[[], object]], rounds: int, device: str = "cpu"
+) -> dict[str, float]:
     """Run every candidate once per round, interleaved; the best round of each.
 
     The machine is shared: other jobs only ever add time, so the minimum is the stable figure.
+    On CUDA a round is timed up to a synchronize: the GPU's work, not only its launch.
     """
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: min(ts) for name, ts in times.items()}
 
@@ -218,21 +246,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=5, help="training steps per timed round")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    where = platform.processor() or platform.machine()
+    if args.device == "cuda":
+        where = f"{where}, {torch.cuda.get_device_name()}"
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps"
+        f"torch {torch.__version__}, {where}, {args.threads} thread(s), "
+        f"{args.rounds} rounds of {args.steps} steps, {COMPUTE[args.device]} autocast"
     )
+    models = [("digits CNN", digits_cnn), ("transformer block", transformer_block)]
+    if args.device == "cuda":
+        models = [("transformer block", transformer_block), ("wide block", wide_transformer_block)]
     rows = []
-    for name, build in [("digits CNN", digits_cnn), ("transformer block", transformer_block)]:
-        fns = candidates(build, args.steps)
+    for name, build in models:
+        fns = candidates(build, args.steps, args.device)
         began = time.perf_counter()
         for fn in fns.values():  # warm up and compile (twice: the scaler state becomes a tensor)
             fn()
             fn()
         warm = time.perf_counter() - began
-        t = best_times(fns, args.rounds)
+        t = best_times(fns, args.rounds, args.device)
         per_step = {k: v / args.steps * 1e3 for k, v in t.items()}
         print(f"\n{name} (warm-up and compilation {warm:.0f} s), ms per step:")
         for k, v in per_step.items():

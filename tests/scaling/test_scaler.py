@@ -31,7 +31,7 @@ def torch_update(
     torch._amp_update_scale_(
         s,
         t,
-        torch.tensor(found_inf),
+        torch.tensor(found_inf, device=s.device),
         state.growth_factor,
         state.backoff_factor,
         state.growth_interval,
@@ -42,23 +42,31 @@ def torch_update(
 def torch_unscale(
     scale_value: float, grads: list[torch.Tensor], *, allow_fp16: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The oracle: GradScaler("cpu").unscale_ on parameters holding copies of ``grads``."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale_value)
+    """The oracle: GradScaler(device).unscale_ on parameters holding copies of ``grads``.
+
+    ``device``: the grads' device type ("cpu" for a list without tensors).
+    """
+    device = grads[0].device.type if grads else "cpu"
+    scaler = torch.amp.GradScaler(device, init_scale=scale_value)
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype, device=g.device))
         p.grad = g.clone()
         params.append(p)
     opt = torch.optim.SGD(params, lr=0.1)
-    scaler.scale(torch.ones(()))  # lazily creates _scale on the CPU
+    scaler.scale(torch.ones((), device=device))  # lazily creates _scale on the device
     if allow_fp16:  # the path GradScaler takes for fp16 (ShardedGradScaler's default)
         inv = scaler._scale.double().reciprocal().float()
-        found = torch.zeros(())
+        found = torch.zeros((), device=device)
         per_device = scaler._unscale_grads_(opt, inv, found, True)
     else:
         scaler.unscale_(opt)
         per_device = scaler._found_inf_per_device(opt)
-    found_inf = torch.stack(list(per_device.values())).amax() if per_device else torch.zeros(())
+    found_inf = (
+        torch.stack(list(per_device.values())).amax()
+        if per_device
+        else torch.zeros((), device=device)
+    )
     return [p.grad for p in params], found_inf
 
 
@@ -85,6 +93,11 @@ scales = st.one_of(
 )
 
 
+# torch's update kernel has a CPU and a CUDA implementation; famp's state lives on either.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("update", UPDATES)
 @given(
     scale_value=scales,
@@ -95,6 +108,7 @@ scales = st.one_of(
     found_infs=st.lists(st.sampled_from(FOUND_INF_VALUES), min_size=1, max_size=12),
 )
 def test_update_scale_equals_torch_kernel_on_sequences(
+    device: str,
     update: Callable[..., famp.ScalerState],
     scale_value: float,
     tracker: int,
@@ -104,8 +118,8 @@ def test_update_scale_equals_torch_kernel_on_sequences(
     found_infs: list[float],
 ) -> None:
     state = famp.ScalerState(
-        scale=torch.tensor(scale_value, dtype=torch.float32),
-        growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+        scale=torch.tensor(scale_value, dtype=torch.float32, device=device),
+        growth_tracker=torch.tensor(tracker, dtype=torch.int32, device=device),
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
@@ -113,7 +127,7 @@ def test_update_scale_equals_torch_kernel_on_sequences(
     s, t = state.scale, state.growth_tracker
     for f in found_infs:
         s, t = torch_update(s, t, f, state)
-        state = update(state, torch.tensor(f))
+        state = update(state, torch.tensor(f, device=device))
         assert_bitwise_equal(state.scale, s)
         assert_bitwise_equal(state.growth_tracker, t)
 
@@ -135,21 +149,22 @@ EDGE_CASES = [  # (scale, tracker, growth_factor, backoff, interval, found_inf)
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("update", UPDATES)
 def test_update_scale_edge_cases_equal_torch_kernel(
-    transform: Transform, update: Callable[..., famp.ScalerState]
+    transform: Transform, update: Callable[..., famp.ScalerState], device: str
 ) -> None:
     update = transform(update)
     for scale_value, tracker, gf, bf, gi, f in EDGE_CASES:
         state = famp.ScalerState(
-            scale=torch.tensor(scale_value),
-            growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+            scale=torch.tensor(scale_value, device=device),
+            growth_tracker=torch.tensor(tracker, dtype=torch.int32, device=device),
             growth_factor=gf,
             backoff_factor=bf,
             growth_interval=gi,
         )
         before = state.scale.clone(), state.growth_tracker.clone()
-        new = update(state, torch.tensor(f))
+        new = update(state, torch.tensor(f, device=device))
         s, t = torch_update(state.scale, state.growth_tracker, f, state)
         assert_bitwise_equal(new.scale, s)
         assert_bitwise_equal(new.growth_tracker, t)
@@ -245,6 +260,36 @@ def test_unscale_and_check_equals_gradscaler_unscale(
     assert found_inf.item() == float(not all(torch.isfinite(g).all() for g in before))
     for g, b in zip(grads, before, strict=False):  # inputs never modified
         assert_bitwise_equal(g, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("donate", [False, True], ids=["out-of-place", "donated"])
+@given(
+    grads=grad_lists((torch.float16, torch.bfloat16, torch.float32, torch.float64)),
+    scale_value=st.one_of(
+        st.sampled_from([65536.0, 1.0, 3.0, 2.0**-20]), st.floats(2.0**-100, 2.0**100, width=32)
+    ),
+)
+def test_unscale_and_check_on_cuda_equals_gradscaler_cuda(
+    donate: bool, grads: list[torch.Tensor], scale_value: float
+) -> None:
+    """On CUDA, torch's multi-tensor CUDA kernel is the oracle (fp16 by its allow_fp16 path)."""
+    grads = [g.to("cuda") for g in grads]
+    fp16 = any(g.dtype == torch.float16 for g in grads)
+    expected, expected_found = torch_unscale(scale_value, grads, allow_fp16=fp16)
+    given_ = [g.clone() for g in grads]
+    out, found_inf = famp.unscale_and_check(
+        famp.init_scaler(scale_value, device="cuda"), given_, donate=donate
+    )
+    for o, e in zip(out, expected, strict=True):
+        assert o.dtype == e.dtype
+        assert_bitwise_equal(o, e)
+    assert_bitwise_equal(found_inf, expected_found)
+    assert found_inf.device == torch.device("cuda", torch.cuda.current_device())
+    assert found_inf.item() == float(not all(torch.isfinite(g).all() for g in grads))
+    for g, donated, e in zip(grads, given_, expected, strict=True):
+        # donated grads are unscaled where they lie; otherwise what was given is never modified
+        assert_bitwise_equal(donated, e if donate else g)
 
 
 @pytest.mark.parametrize("chunk_bytes", PATHS)

@@ -31,6 +31,8 @@ MODES = ["static", "dynamic", "mark_dynamic", "recompile"]
 # float16 takes bfloat16's paths (the kernel, compiled or not); each leaf adds compile time.
 DTYPES = {"w": torch.float32, "b": torch.bfloat16, "d": torch.float64}
 SCALES = [3.0, 1.0, 2.0**-20, 65536.0]
+# On CUDA, inductor writes Triton kernels and torch's oracles are its CUDA kernels.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 class _Recorder:
@@ -49,18 +51,20 @@ class _Recorder:
         return compile_fx(gm, example_inputs)
 
 
-_COMPILED: dict[tuple[Callable[..., Any], str], tuple[Callable[..., Any], _Recorder]] = {}
+_COMPILED: dict[tuple[Callable[..., Any], str, str], tuple[Callable[..., Any], _Recorder]] = {}
 
 
-def compiled_in(mode: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], _Recorder]:
-    """One compiled function per (fn, mode), shared by the tests.
+def compiled_in(
+    mode: str, fn: Callable[..., Any], device: str = "cpu"
+) -> tuple[Callable[..., Any], _Recorder]:
+    """One compiled function per (fn, mode, device), shared by the tests.
 
     Each mode compiles its own copy of fn's code: dynamo keeps caches and the sizes it has seen
     per code object, so modes sharing one would reuse each other's graphs.
     """
-    key = (fn, mode)
+    key = (fn, mode, device)
     if key not in _COMPILED:
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{mode}")
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{mode}_{device}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
         recorder = _Recorder()
         dynamic = True if mode == "dynamic" else None
@@ -74,7 +78,9 @@ def compiled_in(mode: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], 
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float32: 0x7F800000, torch.float64: 0x7FF << 52}
 
 
-def grads_of(n: int, gen: torch.Generator, *, finite: bool) -> dict[str, torch.Tensor]:
+def grads_of(
+    n: int, gen: torch.Generator, *, finite: bool, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Grads of every dtype, shaped by n: finite values, or random bit patterns of which every
     other element has its exponent set (an infinity or a NaN with a random payload and sign)."""
     out = {}
@@ -87,7 +93,7 @@ def grads_of(n: int, gen: torch.Generator, *, finite: bool) -> dict[str, torch.T
             ints = bits.view(_INT_OF[dtype])
             ints[..., ::2] |= _EXPONENT[dtype]
             out[name] = bits
-    return out
+    return {name: g.to(device) for name, g in out.items()}
 
 
 def mark(tree: Any) -> Any:
@@ -99,13 +105,16 @@ def mark(tree: Any) -> Any:
 
 
 def run_in(
-    mode: str, fn: Callable[..., Any], make_args: Callable[[int], tuple[Any, ...]]
+    mode: str,
+    fn: Callable[..., Any],
+    make_args: Callable[[int], tuple[Any, ...]],
+    device: str = "cpu",
 ) -> list[tuple[tuple[Any, ...], Any]]:
     """Call fn compiled in ``mode``; returns (args, compiled output) of every call made.
 
-    ``make_args(n)`` builds fresh arguments whose tensor sizes depend on n.
+    ``make_args(n)`` builds fresh arguments (on ``device``) whose tensor sizes depend on n.
     """
-    compiled, recorder = compiled_in(mode, fn)
+    compiled, recorder = compiled_in(mode, fn, device)
     sizes = [5, 7] if mode == "recompile" else [5]
     calls = []
     for n in sizes:
@@ -144,22 +153,23 @@ def loss_scaling(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "random-bits"])
 def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_torch(
-    mode: str, finite: bool
+    mode: str, finite: bool, device: str
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     for scale_value in SCALES:
 
         def make_args(n: int, scale_value: float = scale_value) -> tuple[Any, ...]:
-            grads = grads_of(n, gen, finite=finite)
+            grads = grads_of(n, gen, finite=finite, device=device)
             donated = {k: v.clone() for k, v in grads.items()}
             params = {k: torch.full_like(v, 0.5) for k, v in grads.items()}
-            loss = torch.tensor(0.75, dtype=torch.bfloat16)
-            return famp.init_scaler(scale_value), grads, donated, params, loss
+            loss = torch.tensor(0.75, dtype=torch.bfloat16, device=device)
+            return famp.init_scaler(scale_value, device=device), grads, donated, params, loss
 
-        for args, out in run_in(mode, loss_scaling, make_args):
+        for args, out in run_in(mode, loss_scaling, make_args, device):
             state, grads, donated, params, loss = args
             originals = {k: v.clone() for k, v in grads.items()}
             # the donated tree was consumed: eager runs on copies of what it held
@@ -186,7 +196,7 @@ def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_tor
                 kept,
             ) = out
             # torch as the oracle
-            scaler = torch.amp.GradScaler("cpu", init_scale=scale_value)
+            scaler = torch.amp.GradScaler(device, init_scale=scale_value)
             assert_bitwise_equal(scaled["loss"], scaler.scale(loss))
             assert scaled["loss"].dtype == torch.float32
             for k, g in originals.items():
@@ -233,26 +243,30 @@ def value_and_grad_step(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
-def test_value_and_grad_compiled_in_every_shape_mode_equals_gradscaler(mode: str) -> None:
+def test_value_and_grad_compiled_in_every_shape_mode_equals_gradscaler(
+    mode: str, device: str
+) -> None:
     # Small integers: exact in bfloat16 whatever order a reduction takes, so eager, inductor and
     # torch.autocast agree bit for bit; an inf in x overflows the grad.
     for bad in (False, True):
 
         def make_args(n: int, bad: bool = bad) -> tuple[Any, ...]:
-            x = torch.arange(1.0, n + 1.0)
+            x = torch.arange(1.0, n + 1.0, device=device)
             if bad:
                 x[1] = math.inf
-            return famp.init_scaler(2.0**10, growth_interval=1), torch.full((n,), 2.0), x
+            state = famp.init_scaler(2.0**10, growth_interval=1, device=device)
+            return state, torch.full((n,), 2.0, device=device), x
 
-        for (state, w, x), out in run_in(mode, value_and_grad_step, make_args):
+        for (state, w, x), out in run_in(mode, value_and_grad_step, make_args, device):
             assert_trees_bitwise_equal(out, value_and_grad_step(state, w, x))
             loss, grad, found_inf, new_state = out
             # the same step with torch.autocast and GradScaler
             param = torch.nn.Parameter(w.clone())
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+            scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1)
             opt = torch.optim.SGD([param], lr=0.0)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 expected_loss = x @ param
             scaler.scale(expected_loss.float()).backward()
             scaler.unscale_(opt)
