@@ -20,7 +20,6 @@ from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast/) -------------------------------------------------------------------
 
-
 # `saved_tensors_hooks_top()`: the innermost active `torch.autograd.graph.saved_tensors_hooks`
 # pair, or None. torch has no public query: famp needs it to tell that an op runs inside a
 # non-reentrant checkpoint's block (whose saved tensors the checkpoint's hooks pack), to restore
@@ -122,7 +121,6 @@ def assume_constant_result(fn: _Fn) -> _Fn:
 
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
 
-
 # torch's version counter of a tensor: the only record of in-place writes to it. Read before
 # every op famp intercepts eagerly, so a C-level getter (an int), not a Python function.
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
@@ -158,6 +156,13 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+def real_tensors() -> Any:
+    """A context without fake tensors, for `kernels.kernel_runs`: no public API leaves them."""
+    from torch._subclasses import fake_tensor
+
+    return fake_tensor.unset_fake_temporarily()
 
 
 def kernel_registrations(dispatch_key: str) -> list[str]:
@@ -267,21 +272,18 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A clone of each tensor (strides kept, as `clone` keeps them), in one call.
-
-    No public multi-tensor clone exists. The functional variant of the unscale kernel is exactly
-    this followed by the in-place kernel; eagerly, `unscale_and_check` runs the two itself
-    through torch's Python bindings, without that variant's operator-call overhead.
-    """
+    """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists.
+    The unscale kernel's functional variant is this and the in-place kernel; eagerly famp runs the
+    two itself, without that variant's operator-call overhead."""
     return tuple(torch._foreach_clone(tensors))
 
 
+# `GradScaler`'s fused check-and-unscale kernel, which has no public name.
 def amp_foreach_non_finite_check_and_unscale_(
     tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
 ) -> Any:
-    """`GradScaler`'s fused check-and-unscale kernel, which has no public name."""
     return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 

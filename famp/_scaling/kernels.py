@@ -22,6 +22,8 @@ from torch import Tensor
 from famp._compat import (
     amp_foreach_non_finite_check_and_unscale,
     amp_foreach_non_finite_check_and_unscale_,
+    assume_constant_result,
+    real_tensors,
 )
 from famp._scaling import eager_cpu, fused
 from famp._scaling.program import NAN_BITS, where_program
@@ -180,6 +182,60 @@ def _fuses(x: Tensor) -> bool:
 
 
 def _kernel(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The kernel's functional variant (a clone of every tensor, then the in-place kernel)."""
+    """The kernel's functional variant (a clone of every tensor, then the in-place kernel), or,
+    for a dtype the kernel does not run on this device, its arithmetic (`where_program`)."""
+    if not _runs(tensors, inv):
+        return where_program(tensors, found, inv)
     new, found = amp_foreach_non_finite_check_and_unscale(tensors, found, inv)
     return list(new), found
+
+
+def unscale_in_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> None:
+    """The kernel in place (`tensors` of one dtype and device; `found` updated in place), or,
+    for a dtype the kernel does not run on this device, its arithmetic written back."""
+    if not _runs(tensors, inv):
+        new, new_found = where_program(tensors, found, inv)
+        for x, value in zip(tensors, new, strict=True):
+            x.copy_(value)
+        found.copy_(new_found)
+        return
+    amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+
+
+def _runs(tensors: list[Tensor], inv: Tensor) -> bool:
+    """Whether the kernel runs these tensors (one dtype, `inv`'s device). Fake tensors outside a
+    compile (`FakeTensorMode`: shapes, no values) take it whatever their dtype, as before."""
+    if not tensors or type(tensors[0]) is not torch.Tensor:
+        return True
+    return kernel_runs(inv.device.type, tensors[0].dtype)
+
+
+_KERNEL_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@assume_constant_result  # compiled: a constant, read when tracing, no guard on the tensors
+def kernel_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's unscale kernel runs `dtype` tensors on `device_type`, read off the
+    installed torch by running it once on one element (then remembered).
+
+    CUDA builds of torch up to at least 2.11 have no bfloat16 kernel (pytorch/pytorch#127176:
+    "not implemented for 'BFloat16'"), so `GradScaler` cannot unscale bfloat16 gradients there.
+    famp computes the same arithmetic as plain ops instead (`where_program`), which gives the
+    CPU kernel's bits; a torch whose kernel runs bfloat16 is used as it is.
+    """
+    key = (device_type, dtype)
+    if key not in _KERNEL_RUNS:  # the CPU kernel runs every floating dtype
+        _KERNEL_RUNS[key] = device_type == "cpu" or _probe(device_type, dtype)
+    return _KERNEL_RUNS[key]
+
+
+def _probe(device_type: str, dtype: torch.dtype) -> bool:
+    with real_tensors():
+        one = torch.ones((), dtype=torch.float32, device=device_type)
+        try:
+            amp_foreach_non_finite_check_and_unscale_(
+                [torch.zeros(1, dtype=dtype, device=device_type)], one.clone(), one
+            )
+        except NotImplementedError:
+            return False
+    return True

@@ -26,6 +26,7 @@ import torch
 
 from famp import _compat
 from famp._scaling.checks import FLOAT_DTYPES
+from famp._scaling.kernels import unscale_in_place
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import to_device
 from famp._scaling.unscale import unscale_and_check
@@ -71,7 +72,7 @@ def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for same_dtype in by_dtype.values():  # writes each value back unchanged (x * 1)
-            _compat.amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, one)
+            unscale_in_place(same_dtype, found_inf, one)
         return found_inf
     unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
     return unscale_and_check(unit, grads, group=group, donate=True)[1]

@@ -17,12 +17,11 @@ from typing import Any, cast
 import torch
 
 from famp import _collectives
-from famp._compat import amp_foreach_non_finite_check_and_unscale_
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling.aliasing import shared_memory
 from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.differentiable import differentiable_unscale
-from famp._scaling.kernels import out_of_place
+from famp._scaling.kernels import out_of_place, unscale_in_place
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import check_state_first, leaves_and_rebuild, path_of, to_device
@@ -221,7 +220,7 @@ def unscale_leaves(
             elif owned is not None:  # autograd's fresh grads: in place where only famp holds them
                 mine = [dense[i] for i in index if owned[i]]
                 if mine:
-                    amp_foreach_non_finite_check_and_unscale_(mine, found, inv)
+                    unscale_in_place(mine, found, inv)
                 new = tensors
                 others = [i for i in index if not owned[i]]
                 if others:
@@ -231,7 +230,7 @@ def unscale_leaves(
             elif in_place:
                 alone = [x for i, x in zip(index, tensors, strict=True) if i not in shared]
                 if alone:
-                    amp_foreach_non_finite_check_and_unscale_(alone, found, inv)
+                    unscale_in_place(alone, found, inv)
                 aliased = [i for i in index if i in shared]
                 if aliased:
                     results, found = out_of_place([dense[i] for i in aliased], found, inv)

@@ -70,6 +70,35 @@ def torch_unscale(
     return [p.grad for p in params], found_inf
 
 
+def torch_unscale_anywhere(
+    scale_value: float, grads: list[torch.Tensor], *, allow_fp16: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`torch_unscale` per dtype (as GradScaler groups them); for a dtype that torch's kernel does
+    not run on the grads' device (bfloat16 on CUDA builds without it, pytorch/pytorch#127176),
+    the CPU kernel's bits, moved back. found_inf: the groups' maximum."""
+    out: list[torch.Tensor] = list(grads)
+    founds = []
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for index in by_dtype.values():
+        group = [grads[i] for i in index]
+        try:
+            results, found = torch_unscale(scale_value, group, allow_fp16=allow_fp16)
+        except NotImplementedError:
+            device = group[0].device
+            results, found = torch_unscale(
+                scale_value, [g.cpu() for g in group], allow_fp16=allow_fp16
+            )
+            results, found = [r.to(device) for r in results], found.to(device)
+        founds.append(found)
+        for i, r in zip(index, results, strict=True):
+            out[i] = r
+    if not founds:
+        return out, torch.zeros(())
+    return out, torch.stack(founds).amax()
+
+
 # --- update_scale ------------------------------------------------------------------------------
 
 
@@ -273,10 +302,11 @@ def test_unscale_and_check_equals_gradscaler_unscale(
 def test_unscale_and_check_on_cuda_equals_gradscaler_cuda(
     donate: bool, grads: list[torch.Tensor], scale_value: float
 ) -> None:
-    """On CUDA, torch's multi-tensor CUDA kernel is the oracle (fp16 by its allow_fp16 path)."""
+    """On CUDA, torch's multi-tensor CUDA kernel is the oracle (fp16 by its allow_fp16 path);
+    for bfloat16, which that kernel does not run in every torch, the CPU kernel's bits."""
     grads = [g.to("cuda") for g in grads]
     fp16 = any(g.dtype == torch.float16 for g in grads)
-    expected, expected_found = torch_unscale(scale_value, grads, allow_fp16=fp16)
+    expected, expected_found = torch_unscale_anywhere(scale_value, grads, allow_fp16=fp16)
     given_ = [g.clone() for g in grads]
     out, found_inf = famp.unscale_and_check(
         famp.init_scaler(scale_value, device="cuda"), given_, donate=donate

@@ -24,7 +24,7 @@ from torch._inductor.compile_fx import compile_fx
 
 import famp
 from tests.helpers import assert_bitwise_equal, assert_trees_bitwise_equal
-from tests.scaling.test_scaler import torch_unscale, torch_update
+from tests.scaling.test_scaler import torch_unscale, torch_unscale_anywhere, torch_update
 from tests.scaling.test_scaler_unscale import _INT_OF, random_bits
 
 MODES = ["static", "dynamic", "mark_dynamic", "recompile"]
@@ -201,7 +201,7 @@ def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_tor
             assert scaled["loss"].dtype == torch.float32
             for k, g in originals.items():
                 assert_bitwise_equal(eager[0]["grads"][k], scaler.scale(g))
-            expected, expected_found = torch_unscale(
+            expected, expected_found = torch_unscale_anywhere(
                 scale_value, list(originals.values()), allow_fp16=True
             )
             for k, e in zip(originals, expected, strict=True):
