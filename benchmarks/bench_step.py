@@ -261,6 +261,10 @@ def main() -> None:
         models = [("transformer block", transformer_block), ("wide block", wide_transformer_block)]
     rows = []
     for name, build in models:
+        # Each model compiles its own static graphs: the candidates' step functions share code
+        # objects across models, and a second model of the same ranks would otherwise recompile
+        # them with dynamic shapes (Dynamo's automatic dynamic).
+        torch.compiler.reset()
         fns = candidates(build, args.steps, args.device)
         began = time.perf_counter()
         for fn in fns.values():  # warm up and compile (twice: the scaler state becomes a tensor)

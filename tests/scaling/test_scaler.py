@@ -42,10 +42,8 @@ def torch_update(
 def torch_unscale(
     scale_value: float, grads: list[torch.Tensor], *, allow_fp16: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The oracle: GradScaler(device).unscale_ on parameters holding copies of ``grads``.
-
-    ``device``: the grads' device type ("cpu" for a list without tensors).
-    """
+    """The oracle: GradScaler.unscale_ on parameters holding copies of ``grads``, on the grads'
+    device type (the CPU for a list without tensors)."""
     device = grads[0].device.type if grads else "cpu"
     scaler = torch.amp.GradScaler(device, init_scale=scale_value)
     params = []
