@@ -140,3 +140,36 @@ def test_kernel_runs_on_cuda_is_what_gradscaler_can_do(dtype: torch.dtype) -> No
     else:
         runs = True
     assert kernels.kernel_runs("cuda", dtype) is runs
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_value_and_grad_unscales_its_own_grads_the_kernel_refuses(bad: bool) -> None:
+    """Eager `value_and_grad` unscales autograd's fresh grads in place: that path, refused,
+    against GradScaler on the same model (torch.autocast-free bfloat16 parameters)."""
+    gen = torch.Generator().manual_seed(7)
+    params = {
+        "w": (torch.randn(6, 5, generator=gen) * 4).to(torch.bfloat16),
+        "b": torch.randn(5, generator=gen).to(torch.bfloat16),
+    }
+    x = torch.randn(3, 6, generator=gen).to(torch.bfloat16)
+    if bad:
+        x[0, 0] = math.inf
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (x @ p["w"] + p["b"]).float().square().sum()
+
+    with refused():
+        state = famp.init_scaler(2.0**10)
+        loss, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, params, x)
+    leaves = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    expected_loss = loss_fn(leaves, x)
+    scaler.scale(expected_loss).backward()
+    opt = torch.optim.SGD(list(leaves.values()), lr=0.0)
+    scaler.unscale_(opt)
+    assert_bitwise_equal(loss, expected_loss.detach())
+    assert found_inf.item() == float(bad)
+    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
+    for k, p in leaves.items():
+        assert p.grad is not None
+        assert_bitwise_equal(grads[k], p.grad)
