@@ -8,7 +8,7 @@ On ~75M float32 gradient elements in 50 tensors:
 - famp.unscale_and_check, out of place and donated, vs GradScaler.unscale_ on the 14 small
   gradients of a transformer block (58K elements), where Python, not memory, sets the time;
 - famp.all_finite vs torch.isfinite(g).all() of each gradient, on the same 75M elements;
-- famp.update_scale, eager and compiled, vs GradScaler.update;
+- famp.update_scale, eager (new tensors, and donated: in place) and compiled, vs GradScaler.update;
 - famp.value_and_grad eagerly (scaled loss, gradients, unscale, update) vs backward() of the loss
   scaled by GradScaler, then its unscale_ and update, on a chain of matrices of the same size.
 Candidates run interleaved in a shuffled order, round after round, and each ratio is of medians.
@@ -240,6 +240,7 @@ def bench_all_finite(elements: int, tensors: int, rounds: int) -> list[tuple[str
 def bench_update(rounds: int) -> list[tuple[str, float]]:
     found = torch.zeros(())
     state = famp.init_scaler(1024.0, growth_interval=10**9)
+    donated = famp.init_scaler(1024.0, growth_interval=10**9)  # updated in place, as GradScaler's
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**9)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.empty(0))], lr=0.1)
     scaler.scale(torch.ones(()))
@@ -267,6 +268,7 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
         {
             "gradscaler": repeat(gradscaler_update),
             "famp_eager": repeat(lambda: famp.update_scale(state, found)),
+            "famp_donated": repeat(lambda: famp.update_scale(donated, found, donate=True)),
             "famp_compiled": repeat(lambda: compiled(state, found)),
             "compiled_one_op": repeat(lambda: one_op(found)),
         },
@@ -278,6 +280,10 @@ def bench_update(rounds: int) -> list[tuple[str, float]]:
     )
     return [
         ("update_scale (eager) ÷ GradScaler.update", t["famp_eager"] / t["gradscaler"]),
+        (
+            "update_scale(donate=True) (eager) ÷ GradScaler.update",
+            t["famp_donated"] / t["gradscaler"],
+        ),
         ("update_scale (compiled) ÷ GradScaler.update", t["famp_compiled"] / t["gradscaler"]),
         (
             "update_scale (compiled) ÷ a compiled one-op function",

@@ -109,7 +109,15 @@ def _update_where(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.Scal
     return update_module._update_where(state, found_inf)
 
 
-UPDATES = [pytest.param(_update, id="kernel"), pytest.param(_update_where, id="where")]
+def _update_donated(state: famp.ScalerState, found_inf: torch.Tensor) -> famp.ScalerState:
+    return famp.update_scale(state, found_inf, donate=True)
+
+
+UPDATES = [
+    pytest.param(_update, id="kernel"),
+    pytest.param(_update_where, id="where"),
+    pytest.param(_update_donated, id="donated"),
+]
 
 
 factors = st.floats(1.0, 64.0, exclude_min=True, allow_subnormal=False)
@@ -191,12 +199,13 @@ def test_update_scale_edge_cases_equal_torch_kernel(
             growth_interval=gi,
         )
         before = state.scale.clone(), state.growth_tracker.clone()
-        new = update(state, torch.tensor(f, device=device))
         s, t = torch_update(state.scale, state.growth_tracker, f, state)
+        new = update(state, torch.tensor(f, device=device))
         assert_bitwise_equal(new.scale, s)
         assert_bitwise_equal(new.growth_tracker, t)
-        assert_bitwise_equal(state.scale, before[0])  # inputs untouched
-        assert_bitwise_equal(state.growth_tracker, before[1])
+        if update is not _update_donated:
+            assert_bitwise_equal(state.scale, before[0])  # inputs untouched
+            assert_bitwise_equal(state.growth_tracker, before[1])
         assert new.growth_interval == gi
         assert new.growth_factor == gf
         assert new.backoff_factor == bf
@@ -213,6 +222,81 @@ def test_update_scale_matches_gradscaler_trajectory() -> None:
         state = famp.update_scale(state, found)
         assert_bitwise_equal(state.scale, scaler._scale)
         assert_bitwise_equal(state.growth_tracker, scaler._growth_tracker)
+
+
+def test_donated_update_scale_is_gradscaler_update_on_the_same_tensors() -> None:
+    # Eagerly and without guards, donation runs torch's kernel on the state's own tensors, as
+    # GradScaler.update does: the returned state holds them, and follows GradScaler's trajectory.
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    scaler.scale(torch.ones(()))
+    state = famp.init_scaler(8.0, growth_interval=2)
+    for f in [0.0, 0.0, 1.0, 0.0, math.nan, 0.0, 0.0, 2.0, 0.0]:
+        found = torch.tensor(f)
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found, 2.0, 0.5, 2)
+        scale, tracker = state.scale, state.growth_tracker
+        state = famp.update_scale(state, found, donate=True)
+        assert state.scale is scale
+        assert state.growth_tracker is tracker
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_bitwise_equal(state.growth_tracker, scaler._growth_tracker)
+
+
+@pytest.mark.parametrize(
+    "guard", [{"min_scale": 4.0}, {"max_scale": 32.0}, {"hysteresis": 2}], ids=str
+)
+def test_donated_update_scale_with_guards_equals_the_undonated_one(guard: dict[str, Any]) -> None:
+    state = famp.init_scaler(8.0, growth_interval=2, **guard)
+    donated = famp.init_scaler(8.0, growth_interval=2, **guard)
+    for f in [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]:
+        state = famp.update_scale(state, torch.tensor(f))
+        donated = famp.update_scale(donated, torch.tensor(f), donate=True)
+        assert_bitwise_equal(donated.scale, state.scale)
+        assert_bitwise_equal(donated.growth_tracker, state.growth_tracker)
+        if state.overflow_count is not None:
+            assert donated.overflow_count is not None
+            assert_bitwise_equal(donated.overflow_count, state.overflow_count)
+
+
+def test_donated_update_scale_under_vmap_equals_the_kernel_per_row() -> None:
+    # The kernel has no batching rule: under vmap, donation computes out of place, the same bits.
+    state = famp.init_scaler(8.0, growth_interval=1)
+    founds = torch.tensor([0.0, 1.0, math.nan, 0.0])
+
+    def step(found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new = famp.update_scale(state, found, donate=True)
+        return new.scale, new.growth_tracker
+
+    scales, trackers = torch.func.vmap(step)(founds)
+    for i, f in enumerate(founds.tolist()):
+        s, t = torch_update(state.scale, state.growth_tracker, f, state)
+        assert_bitwise_equal(scales[i], s)
+        assert_bitwise_equal(trackers[i], t)
+    assert_bitwise_equal(state.scale, torch.tensor(8.0))  # left as it was
+
+
+def test_donated_update_scale_refuses_tensors_torch_cannot_write_before_writing() -> None:
+    grad_state = famp.ScalerState(
+        scale=torch.tensor(8.0, requires_grad=True),
+        growth_tracker=torch.tensor(0, dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        inference_state = famp.init_scaler(8.0)
+    for state, field, why in [
+        (grad_state, "scale", "requires grad"),
+        (inference_state, "scale", "is an inference tensor"),
+    ]:
+        with pytest.raises(ValueError, match=rf"state\.{field} \(tensor\(8\..*{why}"):
+            famp.update_scale(state, torch.tensor(0.0), donate=True)
+        assert state.scale.item() == 8.0
+        assert state.growth_tracker.item() == 0
+        famp.update_scale(state, torch.tensor(0.0))  # without donation, a new state
+
+
+def test_update_scale_refuses_a_non_bool_donate() -> None:
+    state = famp.init_scaler(8.0)
+    with pytest.raises(TypeError, match=r"donate must be a bool, got 'yes'"):
+        famp.update_scale(state, torch.tensor(0.0), donate="yes")  # type: ignore[arg-type]
+    assert_bitwise_equal(state.scale, torch.tensor(8.0))
 
 
 # --- unscale_and_check ---------------------------------------------------------------------------
