@@ -16,6 +16,10 @@ and check, scale update, AdamW update that is skipped on overflow.
   transform.
 - famp functional eager: ``famp.value_and_grad`` + a pure AdamW + ``famp.skip_on_overflow``; the
   AdamW op by op per parameter, and again as one out-of-place ``torch._foreach_*`` op per line.
+- torch functional eager (the floor of the functional rows): the same step written with torch
+  alone, ``torch.autocast`` + ``functional_call`` + ``torch.autograd.grad`` of the scaled loss,
+  GradScaler's two kernels by hand (unscale in place, update in place), the foreach AdamW, and
+  GradScaler's host-read skip; what a functional step costs before famp does anything.
 - torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
   eagerly (torch.amp cannot be traced: Dynamo skips it).
 - famp compiled: the whole functional step under ``torch.compile(fullgraph=True)`` (inductor).
@@ -211,7 +215,36 @@ def candidates(
 
         return loop
 
+    def torch_functional_loop() -> Callable[[], object]:
+        model, x, y = built()
+        keys = [k for k, _ in model.named_parameters()]
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        zeros = [torch.zeros_like(p) for p in params.values()]
+        scale = torch.full((), 2.0**16, device=device)
+        tracker = torch.zeros((), dtype=torch.int32, device=device)
+        box = [(params, {"count": torch.zeros((), device=device), "mu": zeros, "nu": zeros})]
+
+        def loop() -> object:
+            params, opt = box[0]
+            for _ in range(steps):
+                leaves = [params[k].detach().requires_grad_() for k in keys]
+                with torch.autocast(device, dtype=compute):
+                    out = functional_call(model, dict(zip(keys, leaves, strict=True)), (x,))
+                loss = functional.cross_entropy(out, y)
+                grads = list(torch.autograd.grad(loss * scale, leaves))
+                found = torch.zeros((), device=device)
+                inv = scale.double().reciprocal().float()
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+                if found.item() == 0:  # GradScaler.step's host read
+                    params, opt = adamw_foreach(params, dict(zip(keys, grads, strict=True)), opt)
+                torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2000)
+            box[0] = (params, opt)
+            return loss
+
+        return loop
+
     out["torch eager"] = torch_loop(compiled=False)
+    out["torch functional eager, foreach"] = torch_functional_loop()
     out["famp eager (optimizer_step)"] = famp_loop()
     out["famp scaler, torch.autocast"] = famp_loop(torch_autocast=True)
     out["famp functional eager"] = functional_loop(compiled=False)
@@ -281,6 +314,8 @@ def main() -> None:
             ("famp scaler, torch.autocast", "torch eager"),
             ("famp functional eager", "torch eager"),
             ("famp functional eager, foreach", "torch eager"),
+            ("torch functional eager, foreach", "torch eager"),
+            ("famp functional eager, foreach", "torch functional eager, foreach"),
             ("famp compiled fullgraph", "torch compiled + GradScaler"),
         ]
         rows.append((name, [per_step[a] / per_step[b] for a, b in pairs]))
@@ -288,9 +323,11 @@ def main() -> None:
         "\n| model | famp eager ÷ torch eager | famp scaler with torch.autocast ÷ torch eager "
         "| famp functional eager ÷ torch eager "
         "| the same with a foreach AdamW ÷ torch eager "
+        "| floor: torch functional, foreach, ÷ torch eager "
+        "| famp functional, foreach, ÷ torch functional, foreach "
         "| famp compiled fullgraph ÷ torch compiled + GradScaler |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, ratios in rows:
         print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
 
