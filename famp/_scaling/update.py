@@ -43,7 +43,9 @@ def update_scale(state: ScalerState, found_inf: Tensor, *, donate: bool = False)
             donation.
 
     Returns:
-        A new `famp.ScalerState` with the same hyperparameters, shapes, dtypes and device.
+        The next `famp.ScalerState`, with the same hyperparameters, shapes, dtypes and device:
+        a new one, or with `donate=True` eagerly and without guards `state` itself, its tensors
+        updated.
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState`, `found_inf` is not a tensor, or
