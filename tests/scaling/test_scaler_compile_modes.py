@@ -141,15 +141,28 @@ def loss_scaling(
     donated: dict[str, torch.Tensor],
     params: dict[str, torch.Tensor],
     loss: torch.Tensor,
+    donated_state: famp.ScalerState,
 ) -> tuple[Any, ...]:
     scaled = famp.scale(state, {"loss": loss, "grads": grads})
     unscaled, found_inf = famp.unscale_and_check(state, grads)
     in_place, donated_found = famp.unscale_and_check(state, donated, donate=True)
     finite = famp.all_finite(grads)
     new_state = famp.update_scale(state, found_inf)
+    donated_new = famp.update_scale(donated_state, found_inf, donate=True)
     selected = famp.select_tree(finite, unscaled, params)
     kept = famp.skip_on_overflow(found_inf, unscaled, params)
-    return scaled, unscaled, found_inf, in_place, donated_found, finite, new_state, selected, kept
+    return (
+        scaled,
+        unscaled,
+        found_inf,
+        in_place,
+        donated_found,
+        finite,
+        new_state,
+        donated_new,
+        selected,
+        kept,
+    )
 
 
 @pytest.mark.slow
@@ -167,14 +180,21 @@ def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_tor
             donated = {k: v.clone() for k, v in grads.items()}
             params = {k: torch.full_like(v, 0.5) for k, v in grads.items()}
             loss = torch.tensor(0.75, dtype=torch.bfloat16, device=device)
-            return famp.init_scaler(scale_value, device=device), grads, donated, params, loss
+            state = famp.init_scaler(scale_value, device=device)
+            donated_state = famp.init_scaler(scale_value, device=device)
+            return state, grads, donated, params, loss, donated_state
 
         for args, out in run_in(mode, loss_scaling, make_args, device):
-            state, grads, donated, params, loss = args
+            state, grads, donated, params, loss, _ = args
             originals = {k: v.clone() for k, v in grads.items()}
-            # the donated tree was consumed: eager runs on copies of what it held
+            # the donated tree and state were consumed: eager runs on copies of what they held
             eager = loss_scaling(
-                state, grads, {k: v.clone() for k, v in grads.items()}, params, loss
+                state,
+                grads,
+                {k: v.clone() for k, v in grads.items()},
+                params,
+                loss,
+                famp.init_scaler(scale_value, device=device),
             )
             # famp.scale is a multiply, which inductor compiles with its own NaN bit pattern for
             # bfloat16 (all ones, where eager writes 0x7FC0): NaN where eager has NaN, every
@@ -192,6 +212,7 @@ def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_tor
                 donated_found,
                 finite_,
                 new_state,
+                donated_new,
                 selected,
                 kept,
             ) = out
@@ -215,8 +236,9 @@ def test_loss_scaling_functions_compiled_in_every_shape_mode_equal_eager_and_tor
             expected_scale, expected_tracker = torch_update(
                 state.scale, state.growth_tracker, found_inf.item(), state
             )
-            assert_bitwise_equal(new_state.scale, expected_scale)
-            assert_bitwise_equal(new_state.growth_tracker, expected_tracker)
+            for updated in (new_state, donated_new):
+                assert_bitwise_equal(updated.scale, expected_scale)
+                assert_bitwise_equal(updated.growth_tracker, expected_tracker)
             all_finite = all(
                 math.isfinite(x) for g in originals.values() for x in g.double().flatten().tolist()
             )
