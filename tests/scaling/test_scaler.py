@@ -292,6 +292,18 @@ def test_donated_update_scale_refuses_tensors_torch_cannot_write_before_writing(
         famp.update_scale(state, torch.tensor(0.0))  # without donation, a new state
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_donating_the_scale_before_the_scaled_loss_backward_raises(dtype: torch.dtype) -> None:
+    # The scaled loss's graph holds the scale for its backward: updating the scale in place
+    # before that backward is an error autograd names, never gradients of another scale.
+    state = famp.init_scaler(8.0)
+    w = torch.ones(2, requires_grad=True)
+    scaled = famp.scale(state, (w * 2).sum().to(dtype))
+    famp.update_scale(state, torch.tensor(0.0), donate=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        scaled.backward()
+
+
 def test_update_scale_refuses_a_non_bool_donate() -> None:
     state = famp.init_scaler(8.0)
     with pytest.raises(TypeError, match=r"donate must be a bool, got 'yes'"):
