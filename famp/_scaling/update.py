@@ -38,9 +38,10 @@ def update_scale(state: ScalerState, found_inf: Tensor, *, donate: bool = False)
         donate: `True` consumes `state`: eagerly and without guards, torch's kernel updates its
             scale and tracker in place, as `GradScaler.update` does, and the returned state
             holds those same tensors (no copies: the speed of `GradScaler.update`). Do not use
-            `state` afterwards. Elsewhere (guards, `torch.func` transforms, compiled) `state` may
-            be left as it was; either way the returned state has the same values as without
-            donation.
+            `state` afterwards; donate after the backward of a loss it scaled (before it,
+            autograd raises: the graph holds the scale). Elsewhere (guards, `torch.func`
+            transforms, compiled) `state` may be left as it was; either way the returned state
+            has the same values as without donation.
 
     Returns:
         The next `famp.ScalerState`, with the same hyperparameters, shapes, dtypes and device:
