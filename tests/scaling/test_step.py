@@ -472,6 +472,64 @@ def test_skip_on_overflow_compiled_over_every_container_equals_torch_where(
         assert_bitwise_equal(got, want)
 
 
+@pytest.mark.parametrize("found_inf", [0.0, 1.0, math.nan])
+def test_skip_on_overflow_eagerly_over_every_container_returns_the_chosen_leaves(
+    found_inf: float,
+) -> None:
+    # Eagerly the choice is read once and each result is the chosen leaf itself, in new
+    # containers of the updated tree's structure and key order, with torch.where's values.
+    new, old = _rich_trees()
+    found = torch.tensor(found_inf)
+    out = famp.skip_on_overflow(found, new, old)
+    keep = found == 0
+    expected = optree.tree_map(lambda a, b: torch.where(keep, a, b), new, old)
+    assert optree.tree_structure(out) == optree.tree_structure(expected)
+    assert list(out) == list(new)
+    assert out is not new
+    assert out is not old
+    chosen = new if found_inf == 0 else old
+    # `chosen` (`old` after an overflow) laid out as `new`: the leaves that were chosen, in order.
+    chosen_leaves = optree.tree_structure(new).flatten_up_to(chosen)
+    got_leaves = optree.tree_leaves(out)
+    for got, want, leaf in zip(
+        got_leaves, optree.tree_leaves(expected), chosen_leaves, strict=True
+    ):
+        assert got is leaf
+        assert_bitwise_equal(got, want)
+
+
+def test_skip_on_overflow_eagerly_names_a_bad_pair_after_good_ones() -> None:
+    new, old = _rich_trees()
+    old["w"] = old["w"].double()  # the last leaf of optree's (sorted) order
+    with pytest.raises(
+        TypeError, match=r"\['w'\] differ in dtype: torch\.float32 and torch\.float64"
+    ):
+        famp.skip_on_overflow(torch.tensor(0.0), new, old)
+    new, old = _rich_trees()
+    old["l"][1] = (torch.tensor([1, 2]),)
+    with pytest.raises(ValueError, match=r"\['l'\]\[1\]\[0\] differ in shape: \(\) and \(2,\)"):
+        famp.skip_on_overflow(torch.tensor(1.0), new, old)
+    new, old = _rich_trees()
+    old["l"][1] = [torch.tensor(1)]  # a list where new has a tuple
+    with pytest.raises(ValueError, match="same structure"):
+        famp.skip_on_overflow(torch.tensor(0.0), new, old)
+
+
+def test_skip_on_overflow_eagerly_keeps_torch_where_for_pairs_with_a_graph() -> None:
+    # One pair that carries a graph deep in a rich tree: torch.where there (gradients for both
+    # trees), the chosen leaves themselves elsewhere.
+    for found_inf in (0.0, 1.0):
+        new, old = _rich_trees()
+        a = torch.randn(2, requires_grad=True)
+        new["p"] = new["p"]._replace(x=a * 2)
+        out = famp.skip_on_overflow(torch.tensor(found_inf), new, old)
+        keep = torch.tensor(found_inf == 0)
+        assert_bitwise_equal(out["p"].x, torch.where(keep, a * 2, old["p"].x))
+        (grad,) = torch.autograd.grad(out["p"].x.sum(), a)
+        assert_bitwise_equal(grad, torch.full((2,), 2.0 if found_inf == 0 else 0.0))
+        assert out["w"] is (new if found_inf == 0 else old)["w"]
+
+
 def _many_leaves(gen: torch.Generator, n: int) -> list[torch.Tensor]:
     """n leaves of six dtypes and varied shapes: random bit patterns (NaN payloads, -0.0, infs)."""
     dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
