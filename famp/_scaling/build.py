@@ -17,8 +17,8 @@ from famp._scaling.checks import (
     check_int,
     check_scale,
     check_statics,
+    float32_value,
     label,
-    to_float32,
 )
 from famp._scaling.state import ScalerState
 from famp._typing import DeviceLike
@@ -129,12 +129,12 @@ def make_state(
         in_dict=in_dict,
     )
     scale_name = label("scale", in_dict) if in_dict else "init_scale"
-    scale32 = to_float32(check_scale(scale_name, scale_value))
-    if min_scale is not None and scale32 < to_float32(float(min_scale)):  # type: ignore[arg-type]
+    scale32 = check_scale(scale_name, scale_value)
+    if min_scale is not None and scale32 < float32_value(min_scale):  # type: ignore[arg-type]
         raise ValueError(
             f"{scale_name} must be >= min_scale in float32, got {scale_value!r} < {min_scale!r}"
         )
-    if max_scale is not None and scale32 > to_float32(float(max_scale)):  # type: ignore[arg-type]
+    if max_scale is not None and scale32 > float32_value(max_scale):  # type: ignore[arg-type]
         raise ValueError(
             f"{scale_name} must be <= max_scale in float32, got {scale_value!r} > {max_scale!r}"
         )

@@ -64,23 +64,49 @@ def to_float32(x: float) -> float:
     return math.ldexp(round(math.ldexp(x, -quantum)), quantum)
 
 
-def check_scale(name: str, value: object, *, none_ok: bool = False) -> float:
-    """`value` if it is a usable float32 scale: it and its float32 reciprocal finite and > 0.
+def float32_value(value: int | float) -> float:
+    """The float32 that torch makes of a Python int or float, as a Python float; inf beyond.
 
-    torch itself refuses a double above float32's maximum (`torch.full` raises); below about
-    2.9e-39 the reciprocal that unscaling multiplies by (`f32(1 / f64(scale))`) is infinite,
-    and below 2**-150 the scale is 0.0: either way every gradient becomes inf or NaN while the
-    overflow check, which reads the scaled gradients, passes.
+    What `torch.full((), value, dtype=torch.float32)` holds: a float rounded once to float32
+    (`to_float32`), an int rounded straight to float32 (ties to even), as torch converts an
+    integer. Not through a double: from 2**53 on, that first rounding can make a tie which the
+    second then breaks the other way (2**60 + 2**36 + 1 is 2**60 + 2**37 in float32, and 2**60
+    through a double). torch reads no int beyond int64; famp rounds those the same way.
+    """
+    if isinstance(value, float):
+        return to_float32(value)
+    size = abs(value)
+    shift = size.bit_length() - 24  # the bits below float32's 24 significant ones
+    if shift > 0:
+        kept, dropped = size >> shift, size & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if dropped > half or (dropped == half and kept & 1):
+            kept += 1
+        size = kept << shift
+    magnitude = math.inf if size >= 1 << 128 else float(size)  # at most 25 bits: exact
+    return -magnitude if value < 0 else magnitude
+
+
+def check_scale(name: str, value: object, *, none_ok: bool = False) -> float:
+    """The float32 value of `value` (`float32_value`) if it is a usable float32 scale: it and
+    its float32 reciprocal finite and > 0.
+
+    torch itself refuses a double above float32's maximum (`torch.full` raises), and famp an int
+    above it too; below about 2.9e-39 the reciprocal that unscaling multiplies by
+    (`f32(1 / f64(scale))`) is infinite, and below 2**-150 the scale is 0.0: either way every
+    gradient becomes inf or NaN while the overflow check, which reads the scaled gradients,
+    passes.
     """
     x = _real(name, value)
-    s = to_float32(x)
-    if not (0.0 < x <= _F32_MAX and s > 0.0 and math.isfinite(to_float32(1.0 / s))):
+    s = float32_value(value)  # type: ignore[arg-type]  # an int or a float: _real checked
+    exact = value if isinstance(value, int) else x  # an int compares with floats exactly
+    if not (0.0 < exact <= _F32_MAX and s > 0.0 and math.isfinite(to_float32(1.0 / s))):
         raise ValueError(
             f"{name} must be {'None or ' if none_ok else ''}a number whose float32 value and "
             f"float32 reciprocal are finite and > 0 (from about {_MIN_SCALE:.3g} to "
             f"{_F32_MAX:.4g}), got {show(value)}"
         )
-    return x
+    return s
 
 
 def label(name: str, in_dict: bool) -> str:
@@ -114,7 +140,7 @@ def _check_statics(
     bounds = {}
     for bound_name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
         if bound is not None:
-            bounds[bound_name] = to_float32(check_scale(bound_name, bound, none_ok=True))
+            bounds[bound_name] = check_scale(bound_name, bound, none_ok=True)
     if len(bounds) == 2 and bounds["min_scale"] > bounds["max_scale"]:
         raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
     check_int("hysteresis", hysteresis, 1, INT32_MAX, "[1, 2**31 - 1]")

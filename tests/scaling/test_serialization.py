@@ -228,11 +228,34 @@ any_number = st.one_of(
 )
 
 
+def _torch_float32(value: float | int) -> torch.Tensor | None:
+    """The float32 scale torch makes of `value` (`torch.full`, as `GradScaler` builds and loads
+    its scale); None where it is refused: a double above float32's maximum, which torch refuses,
+    and an int above it, which famp refuses alike.
+
+    torch's bindings read no int beyond int64, and famp reads those too. Such an int is first
+    shortened to its top 62 bits with every lower bit folded into the last one (rounding to
+    nearest, ties to even, sees the same digits), torch rounds that to float32, and `ldexp`
+    scales it back by the power of two that was cut off.
+    """
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        if value > torch.finfo(torch.float32).max:
+            return None
+        magnitude = abs(value)
+        shift = magnitude.bit_length() - 62
+        short = (magnitude >> shift) | (1 if magnitude & ((1 << shift) - 1) else 0)
+        rounded = torch.full((), short if value > 0 else -short, dtype=torch.float32)
+        return torch.ldexp(rounded, torch.tensor(shift))
+    try:
+        return torch.full((), value, dtype=torch.float32)
+    except (RuntimeError, OverflowError):  # torch refuses doubles above float32's max
+        return None
+
+
 def _torch_says_scale_is_usable(value: float | int) -> bool:
     """torch's own arithmetic: the float32 scale and its reciprocal (f32(1/f64(s))) finite, > 0."""
-    try:
-        scale32 = torch.full((), value, dtype=torch.float32)
-    except (RuntimeError, OverflowError):  # torch refuses doubles above float32's max
+    scale32 = _torch_float32(value)
+    if scale32 is None:
         return False
     inverse = scale32.double().reciprocal().float()
     return bool(scale32 > 0) and bool(torch.isfinite(scale32)) and bool(torch.isfinite(inverse))
@@ -266,6 +289,48 @@ def test_accepted_scales_never_unscale_finite_grads_to_non_finite(entry: str, va
         else:  # a flagged step: the scaled loss itself overflowed
             assert not bool(torch.isfinite(scaled).all())
         assert true_grad[0] != 0.0 or found_inf.item() == 0.0  # |g| <= 1 never overflows
+
+
+@given(
+    value=st.one_of(
+        st.integers(1, 2**63 - 1),
+        # from 2**53 on, with bits below float32's 24 that make ties through a double
+        st.tuples(st.integers(53, 62), st.integers(0, 2**29 - 1)).map(
+            lambda p: 2 ** p[0] + (p[1] << (p[0] - 29)) + 1
+        ),
+        st.sampled_from([2**60 + 2**36 + 1, 2**63 - 1, 2**24 + 1, 2**53 + 1]),
+    )
+)
+def test_int_scales_are_gradscalers_float32_values(value: int) -> None:
+    # GradScaler rounds an int scale straight to float32 (`torch.full`, `fill_`); through a
+    # double first, 2**60 + 2**36 + 1 would become 2**60 rather than 2**60 + 2**37.
+    scaler = torch.amp.GradScaler("cpu", init_scale=value)
+    scaler.scale(torch.ones(()))  # lazy init of _scale on the CPU
+    assert_bitwise_equal(famp.init_scaler(value).scale, scaler._scale)
+    loaded = torch.amp.GradScaler("cpu")
+    loaded.scale(torch.ones(()))
+    loaded.load_state_dict({**scaler.state_dict(), "scale": value})
+    assert_bitwise_equal(famp.from_state_dict({**GOOD, "scale": value}).scale, loaded._scale)
+
+
+def test_int_scales_beyond_int64_are_their_float32_values() -> None:
+    # torch reads no int beyond int64; famp reads it as the float32 it rounds to, and refuses
+    # one above float32's maximum as torch refuses such a double.
+    assert famp.init_scaler(2**64).scale.item() == 2.0**64
+    assert famp.init_scaler(2**100 + 2**76 + 1).scale.item() == 2.0**100 + 2.0**77
+    assert famp.init_scaler(2**128 - 2**104).scale.item() == torch.finfo(torch.float32).max
+    with pytest.raises(ValueError, match="init_scale must be a number whose float32 value"):
+        famp.init_scaler(2**128 - 2**104 + 1)
+
+
+def test_int_guards_compare_with_the_scale_in_the_scales_float32() -> None:
+    # 2**60 + 2**36 + 1 is 2**60 + 2**37 in float32 (as the state's scale would be): a scale of
+    # 2**60 is below it, though the two are equal through a double.
+    with pytest.raises(ValueError, match="init_scale must be >= min_scale in float32"):
+        famp.init_scaler(2**60, min_scale=2**60 + 2**36 + 1)
+    state = famp.init_scaler(2**60 + 2**37, min_scale=2**60 + 2**36 + 1, backoff_factor=0.5)
+    backed = famp.update_scale(state, torch.tensor(1.0))  # the floor holds at min_scale
+    assert backed.scale.item() == 2.0**60 + 2.0**37
 
 
 @given(value=st.floats(allow_nan=False, allow_infinity=False, width=64))
