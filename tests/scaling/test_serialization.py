@@ -329,8 +329,14 @@ def test_int_guards_compare_with_the_scale_in_the_scales_float32() -> None:
     with pytest.raises(ValueError, match="init_scale must be >= min_scale in float32"):
         famp.init_scaler(2**60, min_scale=2**60 + 2**36 + 1)
     state = famp.init_scaler(2**60 + 2**37, min_scale=2**60 + 2**36 + 1, backoff_factor=0.5)
-    backed = famp.update_scale(state, torch.tensor(1.0))  # the floor holds at min_scale
-    assert backed.scale.item() == 2.0**60 + 2.0**37
+    compiled = torch.compile(famp.update_scale, fullgraph=True)  # the guard a traced constant
+    for update in (famp.update_scale, compiled):
+        backed = update(state, torch.tensor(1.0))  # the floor holds at min_scale
+        assert backed.scale.item() == 2.0**60 + 2.0**37
+    capped = famp.init_scaler(2**60, max_scale=2**60 + 2**36 + 1, growth_interval=1)
+    for update in (famp.update_scale, compiled):
+        grown = update(capped, torch.tensor(0.0))  # the cap holds at max_scale
+        assert grown.scale.item() == 2.0**60 + 2.0**37
 
 
 @given(value=st.floats(allow_nan=False, allow_infinity=False, width=64))
