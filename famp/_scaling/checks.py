@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from famp._compat import assume_constant_result
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)  # the smallest double that rounds to float32 inf
@@ -64,6 +66,7 @@ def to_float32(x: float) -> float:
     return math.ldexp(round(math.ldexp(x, -quantum)), quantum)
 
 
+@assume_constant_result  # compiled (a guard of `update_scale`): a constant, read when tracing
 def float32_value(value: int | float) -> float:
     """The float32 that torch makes of a Python int or float, as a Python float; inf beyond.
 
@@ -72,6 +75,8 @@ def float32_value(value: int | float) -> float:
     integer. Not through a double: from 2**53 on, that first rounding can make a tie which the
     second then breaks the other way (2**60 + 2**36 + 1 is 2**60 + 2**37 in float32, and 2**60
     through a double). torch reads no int beyond int64; famp rounds those the same way.
+    `update_scale`'s guards use it too, not `new_tensor` of the guard, which takes an int
+    through a double.
     """
     if isinstance(value, float):
         return to_float32(value)

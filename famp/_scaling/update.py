@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from famp._compat import (
-    amp_update_scale,
-    amp_update_scale_,
-    assume_constant_result,
-    functorch_transforms_active,
-)
+from famp._compat import amp_update_scale, amp_update_scale_, functorch_transforms_active
 from famp._scaling.checks import float32_value
 from famp._scaling.state import ScalerState, rebuilt, with_leaves
 from famp._scaling.trees import to_device
@@ -171,11 +166,11 @@ def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
     wide = scale_.double()
     backed = (wide * state.backoff_factor).float()
     if state.min_scale is not None:
-        floor = torch.minimum(scale_, scale_.new_tensor(bound32(state.min_scale)))
+        floor = torch.minimum(scale_, scale_.new_tensor(float32_value(state.min_scale)))
         backed = torch.maximum(backed, floor)
     grown = (wide * state.growth_factor).float()
     if state.max_scale is not None:
-        cap = scale_.new_tensor(bound32(state.max_scale))
+        cap = scale_.new_tensor(float32_value(state.max_scale))
         grown = torch.minimum(grown, torch.maximum(scale_, cap))
     grown = torch.where(torch.isfinite(grown), grown, scale_)
     counted = tracker + 1
@@ -192,21 +187,3 @@ def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
     return with_leaves(
         state, scale=new_scale, growth_tracker=new_tracker, overflow_count=overflow_count
     )
-
-
-_BOUNDS: dict[tuple[type, float], float] = {}
-
-
-@assume_constant_result  # compiled: a constant, read when tracing
-def bound32(bound: float) -> float:
-    """A guard's float32 value (`float32_value`), as the state's scale was rounded when built.
-
-    `new_tensor` of the guard itself would take an int through a double first, which from 2**53
-    on can round to another float32 than the scale's own conversion (`make_state` compares the
-    two in float32 with `float32_value`).
-    """
-    key = (type(bound), bound)
-    value = _BOUNDS.get(key)
-    if value is None:
-        value = _BOUNDS[key] = float32_value(bound)
-    return value
