@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
 import types
+from typing import Any
 
 import torch
 
@@ -92,6 +94,46 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+# Ranks in `torch.multiprocessing` processes report rows on a queue. gloo's teardown sometimes
+# aborts a process that has finished its work (SIGABRT, torch's, not famp's): a rank's last row is
+# its marker, flushed before the teardown, and the ranks are judged by what they reported.
+FINISHED = "finished"
+
+
+def report_finished(rank: int, results: Any) -> None:
+    """A rank's last report, before `destroy_process_group`: every row it put is flushed to the
+    queue, followed by its marker, so that an abort in the teardown loses nothing."""
+    results.put((FINISHED, rank))
+    results.close()
+    results.join_thread()
+
+
+def collect_ranks(procs: list[Any], results: Any, count: int, timeout: float) -> list[Any]:
+    """The `count` rows the rank processes put on `results`, once every rank has finished.
+
+    Each rank must send its marker (`report_finished`) after its rows, and exit with 0 or be
+    aborted by gloo's teardown after that marker (-SIGABRT); a rank that failed in its work
+    sends no marker (and the test fails here, on the queue's timeout).
+    """
+    rows: list[Any] = []
+    finished: set[int] = set()
+    while len(finished) < len(procs):
+        row = results.get(timeout=timeout)
+        if isinstance(row, tuple) and len(row) == 2 and row[0] == FINISHED:
+            finished.add(row[1])
+        else:
+            rows.append(row)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert finished == set(range(len(procs)))
+    codes = [p.exitcode for p in procs]
+    assert all(code in (0, -signal.SIGABRT) for code in codes), codes
+    assert len(rows) == count, rows
+    return rows
 
 
 def assert_trees_bitwise_equal(actual: object, expected: object, *, autograd: bool = False) -> None:

@@ -35,7 +35,7 @@ def worker(rank: int, world_size: int, port: int, cases: list[int], results: Any
     import torch.distributed as dist
 
     import famp
-    from tests.helpers import init_gloo
+    from tests.helpers import init_gloo, report_finished
 
     init_gloo(rank, world_size, port)
     try:
@@ -67,6 +67,7 @@ def worker(rank: int, world_size: int, port: int, cases: list[int], results: Any
                     )
                 )
         results.put(("dtensor", rank, *dtensor_case(rank, world_size)))
+        report_finished(rank, results)
     finally:
         dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import famp
 from famp._compat import torch_pytree
 from tests.conftest import compiled
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, collect_ranks
 from tests.scaling.report_worker import case_tree
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -228,14 +228,7 @@ def _launch(world_size: int) -> list[tuple[Any, ...]]:
     ]
     for p in procs:
         p.start()
-    count = (world_size + 2) * len(CASES) + world_size
-    rows = [results.get(timeout=120) for _ in range(count)]
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world_size
-    return rows
+    return collect_ranks(procs, results, (world_size + 2) * len(CASES) + world_size, 120)
 
 
 @pytest.mark.slow

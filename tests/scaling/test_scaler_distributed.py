@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import collect_ranks
+
 WORLD_SIZE = 2
 # (rank -> has an inf) cases, run in one pair of processes to pay the start-up once.
 CASES = [(False, True), (True, True), (False, False)]
@@ -25,7 +27,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
     import torch.distributed as dist
 
     import famp
-    from tests.helpers import init_gloo
+    from tests.helpers import init_gloo, report_finished
 
     init_gloo(rank, WORLD_SIZE, port)
     try:
@@ -52,6 +54,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
                 )
             )
         results.put(("dtensor", rank, *_dtensor_case(rank)))
+        report_finished(rank, results)
     finally:
         dist.destroy_process_group()
 
@@ -117,14 +120,9 @@ def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
     procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)]
     for p in procs:
         p.start()
-    rows = [results.get(timeout=90) for _ in range(WORLD_SIZE * (len(CASES) + 1))]
+    rows = collect_ranks(procs, results, WORLD_SIZE * (len(CASES) + 1), 90)
     dtensor_rows = [row for row in rows if row[0] == "dtensor"]
     rows = [row for row in rows if row[0] != "dtensor"]
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD_SIZE
     for rank, case, local, found, found_sub, dtype, shape, same_grads, w1 in rows:
         has_inf = CASES[case]
         assert local == float(has_inf[rank])  # without group=, each rank sees only its grads
