@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
@@ -115,12 +116,19 @@ def collect_ranks(procs: list[Any], results: Any, count: int, timeout: float) ->
 
     Each rank must send its marker (`report_finished`) after its rows, and exit with 0 or be
     aborted by gloo's teardown after that marker (-SIGABRT); a rank that failed in its work
-    sends no marker (and the test fails here, on the queue's timeout).
+    sends no marker, and the test fails here after `timeout` seconds without a row, naming it.
     """
     rows: list[Any] = []
     finished: set[int] = set()
     while len(finished) < len(procs):
-        row = results.get(timeout=timeout)
+        try:
+            row = results.get(timeout=timeout)
+        except queue.Empty:
+            codes = [p.exitcode for p in procs]
+            missing = sorted(set(range(len(procs))) - finished)
+            raise AssertionError(
+                f"ranks {missing} did not finish in {timeout} s (exit codes {codes})"
+            ) from None
         if isinstance(row, tuple) and len(row) == 2 and row[0] == FINISHED:
             finished.add(row[1])
         else:
