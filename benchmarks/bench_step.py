@@ -15,11 +15,14 @@ and check, scale update, AdamW update that is skipped on overflow.
   ``torch.autocast``, which isolates the scaler and the optimizer bridge from the autocast
   transform.
 - famp functional eager: ``famp.value_and_grad`` + a pure AdamW + ``famp.skip_on_overflow``; the
-  AdamW op by op per parameter, and again as one out-of-place ``torch._foreach_*`` op per line.
+  AdamW op by op per parameter, again as one out-of-place ``torch._foreach_*`` op per line, and
+  again as one call of torch's fused AdamW kernel in its out-of-place form
+  (``torch.ops.aten._fused_adamw``, the kernel of the eager step's ``AdamW(fused=True)``).
 - torch functional eager (the floor of the functional rows): the same step written with torch
   alone, ``torch.autocast`` + ``functional_call`` + ``torch.autograd.grad`` of the scaled loss,
-  GradScaler's two kernels by hand (unscale in place, update in place), the foreach AdamW, and
-  GradScaler's host-read skip; what a functional step costs before famp does anything.
+  GradScaler's two kernels by hand (unscale in place, update in place), the same pure AdamW
+  (foreach, then fused), and GradScaler's host-read skip; what a functional step costs before
+  famp does anything.
 - torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
   eagerly (torch.amp cannot be traced: Dynamo skips it).
 - famp compiled: the whole functional step under ``torch.compile(fullgraph=True)`` (inductor).
@@ -125,6 +128,44 @@ def adamw_foreach(
     return dict(zip(keys, new, strict=True)), {"count": count, "mu": list(mu), "nu": list(nu)}
 
 
+def adamw_fused(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], opt: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """AdamW as one call of torch's fused kernel, out of place: a pure function of its inputs.
+
+    ``torch.ops.aten._fused_adamw`` is the functional form of the kernel that
+    ``AdamW(fused=True)`` runs in place (the eager step's): it returns new parameters and
+    moments and leaves its inputs alone. The fastest pure AdamW update torch offers eagerly.
+    """
+    keys = list(params)
+    count = opt["count"] + 1
+    new, _, mu, nu, _ = torch.ops.aten._fused_adamw.default(
+        [params[k] for k in keys],
+        [grads[k] for k in keys],
+        opt["mu"],
+        opt["nu"],
+        [],
+        [count] * len(keys),
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=1e-2,
+        eps=1e-8,
+        amsgrad=False,
+        maximize=False,
+    )
+    return dict(zip(keys, new, strict=True)), {"count": count, "mu": list(mu), "nu": list(nu)}
+
+
+UPDATES = {"op by op": adamw, "foreach": adamw_foreach, "fused": adamw_fused}
+# The candidate of each pure update (`candidates`); the op-by-op one has no torch floor.
+FAMP_FUNCTIONAL = {
+    "op by op": "famp functional eager",
+    "foreach": "famp functional eager, foreach",
+    "fused": "famp functional eager, fused",
+}
+
+
 def candidates(
     build: Callable[[], tuple[torch.nn.Module, torch.Tensor, torch.Tensor]],
     steps: int,
@@ -180,7 +221,7 @@ def candidates(
 
         return loop
 
-    def functional_loop(compiled: bool, foreach: bool = False) -> Callable[[], object]:
+    def functional_loop(compiled: bool, update: str = "op by op") -> Callable[[], object]:
         model, x, y = built()
         forward = famp.autocast(lambda p, x: functional_call(model, p, (x,)), policy, compile=False)
 
@@ -191,15 +232,14 @@ def candidates(
 
         def step(params: Any, opt: Any, state: famp.ScalerState, x: Any, y: Any) -> Any:
             loss, grads, found_inf, state = grad_fn(state, params, x, y)
-            update = adamw_foreach if foreach else adamw
-            new = update(params, grads, opt)
+            new = UPDATES[update](params, grads, opt)
             params, opt = famp.skip_on_overflow(found_inf, new, (params, opt))
             return params, opt, state, loss
 
         run = torch.compile(step, fullgraph=True) if compiled else step
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         zeros = optree.tree_map(torch.zeros_like, params)
-        if foreach:  # the moments as lists, in the parameters' order
+        if update != "op by op":  # the moments as lists, in the parameters' order
             zeros = list(zeros.values())
         count = torch.zeros((), device=device)
         box = [
@@ -215,7 +255,7 @@ def candidates(
 
         return loop
 
-    def torch_functional_loop() -> Callable[[], object]:
+    def torch_functional_loop(update: str = "foreach") -> Callable[[], object]:
         model, x, y = built()
         keys = [k for k, _ in model.named_parameters()]
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -236,7 +276,7 @@ def candidates(
                 inv = scale.double().reciprocal().float()
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
                 if found.item() == 0:  # GradScaler.step's host read
-                    params, opt = adamw_foreach(params, dict(zip(keys, grads, strict=True)), opt)
+                    params, opt = UPDATES[update](params, dict(zip(keys, grads, strict=True)), opt)
                 torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2000)
             box[0] = (params, opt)
             return loss
@@ -245,10 +285,12 @@ def candidates(
 
     out["torch eager"] = torch_loop(compiled=False)
     out["torch functional eager, foreach"] = torch_functional_loop()
+    out["torch functional eager, fused"] = torch_functional_loop("fused")
     out["famp eager (optimizer_step)"] = famp_loop()
     out["famp scaler, torch.autocast"] = famp_loop(torch_autocast=True)
     out["famp functional eager"] = functional_loop(compiled=False)
-    out["famp functional eager, foreach"] = functional_loop(compiled=False, foreach=True)
+    out["famp functional eager, foreach"] = functional_loop(compiled=False, update="foreach")
+    out["famp functional eager, fused"] = functional_loop(compiled=False, update="fused")
     out["torch compiled + GradScaler"] = torch_loop(compiled=True)
     out["famp compiled fullgraph"] = functional_loop(compiled=True)
     return out
@@ -309,27 +351,39 @@ def main() -> None:
         print(f"\n{name} (warm-up and compilation {warm:.0f} s), ms per step:")
         for k, v in per_step.items():
             print(f"  {k:32s} {v:8.2f}")
-        pairs = [
-            ("famp eager (optimizer_step)", "torch eager"),
-            ("famp scaler, torch.autocast", "torch eager"),
-            ("famp functional eager", "torch eager"),
-            ("famp functional eager, foreach", "torch eager"),
-            ("torch functional eager, foreach", "torch eager"),
-            ("famp functional eager, foreach", "torch functional eager, foreach"),
-            ("famp compiled fullgraph", "torch compiled + GradScaler"),
+        eager = [
+            per_step["famp eager (optimizer_step)"] / per_step["torch eager"],
+            per_step["famp scaler, torch.autocast"] / per_step["torch eager"],
+            per_step["famp compiled fullgraph"] / per_step["torch compiled + GradScaler"],
         ]
-        rows.append((name, [per_step[a] / per_step[b] for a, b in pairs]))
+        functional = []
+        for update in UPDATES:
+            famp_row = per_step[FAMP_FUNCTIONAL[update]]
+            floor = per_step.get(f"torch functional eager, {update}")
+            functional.append((update, famp_row / per_step["torch eager"], floor, famp_row))
+        rows.append((name, eager, functional, per_step["torch eager"]))
     print(
         "\n| model | famp eager ÷ torch eager | famp scaler with torch.autocast ÷ torch eager "
-        "| famp functional eager ÷ torch eager "
-        "| the same with a foreach AdamW ÷ torch eager "
-        "| floor: torch functional, foreach, ÷ torch eager "
-        "| famp functional, foreach, ÷ torch functional, foreach "
         "| famp compiled fullgraph ÷ torch compiled + GradScaler |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, ratios in rows:
-        print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+    print("|---|---|---|---|")
+    for name, eager, _, _ in rows:
+        print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in eager) + " |")
+    print(
+        "\nFunctional eager steps (famp.value_and_grad + a pure AdamW + famp.skip_on_overflow); "
+        "the floor is the same step with torch alone:"
+    )
+    print(
+        "\n| model | pure AdamW | famp functional ÷ torch eager "
+        "| floor: torch functional ÷ torch eager | famp functional ÷ floor |"
+    )
+    print("|---|---|---|---|---|")
+    for name, _, functional, torch_eager in rows:
+        for update, ratio, floor, famp_row in functional:
+            floor_cells = (
+                f"{floor / torch_eager:.2f} | {famp_row / floor:.2f}" if floor else "– | –"
+            )
+            print(f"| {name} | {update} | {ratio:.2f} | {floor_cells} |")
 
 
 if __name__ == "__main__":
