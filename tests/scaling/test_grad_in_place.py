@@ -114,6 +114,46 @@ def test_fresh_grads_are_unscaled_in_place_with_gradscalers_bits(
     assert seen.copies == []
 
 
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@given(
+    exponent=st.integers(-20, 40),
+    spike=st.sampled_from([1.0, 1e30, math.inf, math.nan]),
+    wide_first=st.booleans(),
+)
+def test_grads_of_two_dtypes_are_unscaled_in_place_with_gradscalers_bits(
+    exponent: int, spike: float, wide_first: bool
+) -> None:
+    """float64 and float32 parameters in one model: the kernel runs once per dtype, as in
+    `GradScaler.unscale_`, with one `found_inf`; famp's one-dtype shortcut must not take them."""
+    first, second = (torch.float64, torch.float32) if wide_first else (torch.float32, torch.float64)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8).to(first),
+            torch.nn.Tanh(),
+            _Cast(second),
+            torch.nn.Linear(8, 3).to(second),
+        )
+
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(exponent)).to(first)
+    x[0, 0] = spike
+    seen = _UnscaleWrites()
+    got = famp_grads(model(), x, 2.0**exponent, mode=seen)
+    assert [g.dtype for g in got[0].values()] == [first, first, second, second]
+    assert_same_grads(got, gradscaler_grads(model(), x, 2.0**exponent))
+    assert sorted(seen.written) == sorted(g.data_ptr() for g in got[0].values())
+    assert [c for c in seen.copies if "_to_copy" not in c] == []  # the casts are the model's
+
+
 def test_a_hook_returning_a_tensor_the_user_holds_leaves_it_untouched() -> None:
     held = torch.full((3,), 5.0)
     before = held.clone()
