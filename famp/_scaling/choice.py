@@ -82,6 +82,11 @@ def select(
     `found_inf` only then).
     """
     grad = torch.is_grad_enabled()
+    if take is not None:  # read eagerly: plain containers by hand, anything else below
+        try:
+            return cast(TreeT, _chosen(take, grad, on_true, on_false))
+        except _NotPlainError:
+            pass
     on_device: dict[torch.device, Tensor] = {}  # the predicate moved once per device, not per leaf
     compiling = torch.compiler.is_compiling()
     # Compiled, per device: what the last leaf read and how many leaves read (`reader_operand`).
@@ -152,6 +157,50 @@ def select(
     return cast(TreeT, mapped)
 
 
+class _NotPlainError(Exception):
+    """`_chosen` met what it leaves to `select`'s general path."""
+
+
+def _chosen(take: bool, grad: bool, a: Any, b: Any) -> Any:
+    """The tree `select` returns for a read predicate, where both trees are plain containers.
+
+    Dicts, lists and tuples of exactly those types, `None` and tensors, walked in pairs by hand:
+    new containers of `a`'s structure and key order holding the chosen leaves, as the
+    `optree.tree_map` of the general path gives them, in a fraction of its time (optree sorts
+    every dict's keys). Raises `_NotPlainError` for anything else (another container, a pair
+    that carries a graph, a mismatch), which the general path then handles or names in its
+    error.
+    """
+    kind = type(a)
+    if kind is not type(b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            kind = torch.Tensor  # a Parameter and a tensor, say: a pair of leaves all the same
+        else:
+            raise _NotPlainError
+    if kind is dict:
+        if a.keys() != b.keys():
+            raise _NotPlainError
+        return {key: _chosen(take, grad, value, b[key]) for key, value in a.items()}
+    if kind is list:
+        if len(a) != len(b):
+            raise _NotPlainError
+        return [_chosen(take, grad, x, y) for x, y in zip(a, b, strict=True)]
+    if kind is tuple:
+        if len(a) != len(b):
+            raise _NotPlainError
+        return tuple(_chosen(take, grad, x, y) for x, y in zip(a, b, strict=True))
+    if a is None:
+        return None
+    if (
+        isinstance(a, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and not (grad and (a.requires_grad or b.requires_grad))
+    ):
+        return a if take else b
+    raise _NotPlainError
+
+
 def _check_structures(on_true: PyTree, on_false: PyTree) -> None:
     """`select_tree`'s error for trees of different structures."""
     spec, false_spec = optree.tree_structure(on_true), optree.tree_structure(on_false)
@@ -197,7 +246,7 @@ def readable(pred: Tensor) -> bool:
     and not for a `pred` off the CPU (a sync), a fake or a subclass. Leaves that require grad
     take `torch.where` even so: it gives both trees gradients (zeros for the one not chosen).
     """
-    if torch.compiler.is_compiling() or type(pred) is not torch.Tensor or pred.device.type != "cpu":
+    if torch.compiler.is_compiling() or type(pred) is not torch.Tensor or not pred.is_cpu:
         return False
     return not functorch_transforms_active()
 

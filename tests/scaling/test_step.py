@@ -498,6 +498,104 @@ def test_skip_on_overflow_eagerly_over_every_container_returns_the_chosen_leaves
         assert_bitwise_equal(got, want)
 
 
+# Plain trees (dicts, lists, tuples, None, tensors), which famp walks by hand when it reads the
+# predicate: a structure is drawn, then filled twice, the second time with dict keys reversed.
+_PLAIN_SHAPES = st.recursive(
+    st.sampled_from(["tensor", "param", "none"]),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from("abcde"), inner, max_size=3),
+    ),
+    max_leaves=10,
+)
+
+
+def _filled(shape: Any, gen: torch.Generator, reverse: bool) -> Any:
+    if isinstance(shape, dict):
+        items = list(shape.items())
+        return {k: _filled(v, gen, reverse) for k, v in (items[::-1] if reverse else items)}
+    if isinstance(shape, (list, tuple)):
+        return type(shape)(_filled(v, gen, reverse) for v in shape)
+    if shape == "none":
+        return None
+    leaf = torch.randn(2, 3, generator=gen)
+    return torch.nn.Parameter(leaf) if shape == "param" and not reverse else leaf
+
+
+def _key_orders(tree: Any) -> Any:
+    """The tree's containers with their dict keys in order, leaves blanked: what `==` misses."""
+    if isinstance(tree, dict):
+        return [(k, _key_orders(v)) for k, v in tree.items()]
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, [_key_orders(v) for v in tree])
+    return None if tree is None else "leaf"
+
+
+@given(shape=_PLAIN_SHAPES, found_inf=st.sampled_from([0.0, 1.0, math.nan]))
+def test_skip_on_overflow_eagerly_over_plain_containers_is_optrees_tree_map(
+    shape: Any, found_inf: float
+) -> None:
+    """The hand-walked plain trees give what optree's `tree_map` gives: the chosen leaves
+    themselves, in new containers of the updated tree's structure and key order. The
+    parameters (`nn.Parameter`) pair with plain tensors, as leaves of any tensor type do."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # parameters require grad: without grad they carry no graph
+        new, old = _filled(shape, gen, False), _filled(shape, gen, True)
+        out = famp.skip_on_overflow(torch.tensor(found_inf), new, old)
+    keep = found_inf == 0
+    expected = optree.tree_map(lambda a, b: a if keep else b, new, old)
+    assert optree.tree_structure(out) == optree.tree_structure(expected)
+    assert _key_orders(out) == _key_orders(expected) == _key_orders(new)
+    for got, want in zip(optree.tree_leaves(out), optree.tree_leaves(expected), strict=True):
+        assert got is want
+    if isinstance(new, (dict, list)) or (isinstance(new, tuple) and new):  # () is one object
+        assert out is not new
+        assert out is not old
+
+
+def test_skip_on_overflow_eagerly_over_plain_containers_names_a_bad_pair() -> None:
+    def trees() -> tuple[Any, Any]:
+        gen = torch.Generator().manual_seed(1)
+        new = {"b": [torch.randn(2, generator=gen), None], "a": (torch.randn(3, generator=gen),)}
+        old = {"a": (torch.randn(3, generator=gen),), "b": [torch.randn(2, generator=gen), None]}
+        return new, old
+
+    new, old = trees()
+    old["a"] = (old["a"][0].double(),)
+    with pytest.raises(TypeError, match=r"\['a'\]\[0\] differ in dtype"):
+        famp.skip_on_overflow(torch.tensor(0.0), new, old)
+    new, old = trees()
+    old["b"][0] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"\['b'\]\[0\] differ in shape: \(2,\) and \(5,\)"):
+        famp.skip_on_overflow(torch.tensor(1.0), new, old)
+    for change in ({"c": None}, {"b": [None, None]}):
+        new, old = trees()
+        old.update(change)
+        with pytest.raises(ValueError, match="same structure"):
+            famp.skip_on_overflow(torch.tensor(0.0), new, old)
+    new, old = trees()
+    old["b"][0] = 3  # a leaf famp cannot choose
+    with pytest.raises(TypeError, match=r"\['b'\]\[0\] must be a Tensor or None, got int"):
+        famp.skip_on_overflow(torch.tensor(0.0), new, old)
+
+
+def test_skip_on_overflow_eagerly_over_plain_containers_keeps_where_for_a_graph() -> None:
+    for found_inf in (0.0, 1.0):
+        a = torch.randn(2, requires_grad=True)
+        new = {"w": [a * 2, torch.ones(3)], "b": torch.ones(1)}
+        old = {"b": torch.zeros(1), "w": [torch.zeros(2), torch.zeros(3)]}
+        out = famp.skip_on_overflow(torch.tensor(found_inf), new, old)
+        keep = torch.tensor(found_inf == 0)
+        assert_bitwise_equal(out["w"][0], torch.where(keep, a * 2, old["w"][0]))
+        (grad,) = torch.autograd.grad(out["w"][0].sum(), a)
+        assert_bitwise_equal(grad, torch.full((2,), 2.0 if found_inf == 0 else 0.0))
+        chosen = new if found_inf == 0 else old
+        assert out["b"] is chosen["b"]
+        assert out["w"][1] is chosen["w"][1]
+        assert list(out) == ["w", "b"]
+
+
 def test_skip_on_overflow_eagerly_names_a_bad_pair_after_good_ones() -> None:
     new, old = _rich_trees()
     old["w"] = old["w"].double()  # the last leaf of optree's (sorted) order
