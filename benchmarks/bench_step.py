@@ -19,10 +19,10 @@ and check, scale update, AdamW update that is skipped on overflow.
   again as one call of torch's fused AdamW kernel in its out-of-place form
   (``torch.ops.aten._fused_adamw``, the kernel of the eager step's ``AdamW(fused=True)``).
 - torch functional eager (the floor of the functional rows): the same step written with torch
-  alone, ``torch.autocast`` + ``functional_call`` + ``torch.autograd.grad`` of the scaled loss,
-  GradScaler's two kernels by hand (unscale in place, update in place), the same pure AdamW
-  (foreach, then fused), and GradScaler's host-read skip; what a functional step costs before
-  famp does anything.
+  alone, ``torch.autocast`` + ``functional_call`` (its logits cast to float32, as the famp
+  policy's output is) + ``torch.autograd.grad`` of the scaled loss, GradScaler's two kernels by
+  hand (unscale in place, update in place), the same pure AdamW (foreach, then fused), and
+  GradScaler's host-read skip; what a functional step costs before famp does anything.
 - torch compiled: the model under ``torch.compile`` (inductor), the GradScaler loop around it
   eagerly (torch.amp cannot be traced: Dynamo skips it).
 - famp compiled: the whole functional step under ``torch.compile(fullgraph=True)`` (inductor).
@@ -270,7 +270,7 @@ def candidates(
                 leaves = [params[k].detach().requires_grad_() for k in keys]
                 with torch.autocast(device, dtype=compute):
                     out = functional_call(model, dict(zip(keys, leaves, strict=True)), (x,))
-                loss = functional.cross_entropy(out, y)
+                loss = functional.cross_entropy(out.float(), y)  # the policy's float32 output
                 grads = list(torch.autograd.grad(loss * scale, leaves))
                 found = torch.zeros((), device=device)
                 inv = scale.double().reciprocal().float()
