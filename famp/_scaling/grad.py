@@ -79,24 +79,39 @@ def eager_grad(
     inputs = rebuild(fresh)
     for i, value in zip(picked, (inputs,) if isinstance(argnums, int) else inputs, strict=True):
         new_args[i] = value
-    with torch.enable_grad():
-        output, aux = fn(*new_args, **kwargs)
-        outer = _reaches_other_leaves(output, fresh)
-        if not output.requires_grad:  # the loss does not depend on the inputs: zero gradients,
-            grads = [torch.zeros_like(x) for x in fresh]  # as torch.func.grad gives
-            owned = [True] * len(grads)
-        elif outer or not all(_accumulates(x) for x in fresh):
-            grads = list(
-                torch.autograd.grad(
-                    output, fresh, allow_unused=True, materialize_grads=True, create_graph=outer
-                )
-            )
-            owned = [False] * len(grads)
-        else:
-            grads, owned = _accumulated(output, fresh)
+    if torch.is_grad_enabled():  # the usual case: no context manager to enter and leave
+        grads, aux, owned, outer = _differentiated(fn, new_args, kwargs, fresh)
+    else:
+        with torch.enable_grad():
+            grads, aux, owned, outer = _differentiated(fn, new_args, kwargs, fresh)
     if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
         aux = _detached(aux)
     return grads, rebuild, aux, owned
+
+
+def _differentiated(
+    fn: Callable[..., tuple[torch.Tensor, Any]],
+    args: list[Any],
+    kwargs: dict[str, Any],
+    fresh: list[Tensor],
+) -> tuple[list[Tensor], Any, list[bool], bool]:
+    """`eager_grad`'s run of `fn` and its gradients, with grad enabled: `(grads, aux, owned,
+    outer)`, `outer` telling whether the loss's graph reaches leaves other than `fresh`."""
+    output, aux = fn(*args, **kwargs)
+    outer = _reaches_other_leaves(output, fresh)
+    if not output.requires_grad:  # the loss does not depend on the inputs: zero gradients,
+        grads = [torch.zeros_like(x) for x in fresh]  # as torch.func.grad gives
+        owned = [True] * len(grads)
+    elif outer or not all(_accumulates(x) for x in fresh):
+        grads = list(
+            torch.autograd.grad(
+                output, fresh, allow_unused=True, materialize_grads=True, create_graph=outer
+            )
+        )
+        owned = [False] * len(grads)
+    else:
+        grads, owned = _accumulated(output, fresh)
+    return grads, aux, owned, outer
 
 
 def _accumulates(leaf: Tensor) -> bool:
@@ -187,6 +202,8 @@ def _detached(tree: Any) -> Any:
     if kind is torch.Tensor:
         return tree.detach()
     if kind is tuple:
+        if len(tree) == 2:  # value_and_grad's own (loss, aux)
+            return (_detached(tree[0]), _detached(tree[1]))
         return tuple(_detached(child) for child in tree)
     if kind is list:
         return [_detached(child) for child in tree]
