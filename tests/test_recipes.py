@@ -436,6 +436,77 @@ def test_recipe_sparse_gradients_equal_torch() -> None:
         assert_same_scale(state, scaler)
 
 
+# --- choosing a fast step: a pure fused AdamW ---------------------------------------------------
+
+
+def fused_adamw(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], opt: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """docs/recipes.md's pure AdamW: torch's fused kernel, out of place."""
+    names = list(params)
+    count = opt["count"] + 1
+    new, _, mu, nu, _ = torch.ops.aten._fused_adamw(
+        [params[k] for k in names],
+        [grads[k] for k in names],
+        opt["mu"],
+        opt["nu"],
+        [],
+        [count] * len(names),
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=1e-2,
+        eps=1e-8,
+        amsgrad=False,
+        maximize=False,
+    )
+    return dict(zip(names, new, strict=True)), {"count": count, "mu": list(mu), "nu": list(nu)}
+
+
+def test_recipe_pure_fused_adamw_equals_torch() -> None:
+    """The functional step with the pure fused AdamW against `GradScaler` (with `unscale_`, so
+    that the kernel gets unscaled gradients, as famp's) and `AdamW(fused=True)`: parameters,
+    moments, step counts and scale bit for bit, skipped steps included."""
+    model, torch_model = net(), net()
+    torch_optimizer = torch.optim.AdamW(torch_model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    state = famp.init_scaler(**SCALER)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    zeros = [torch.zeros_like(p) for p in params.values()]
+    opt: dict[str, Any] = {"count": torch.zeros(()), "mu": zeros, "nu": zeros}
+    forward = famp.autocast(
+        lambda params, input: torch.func.functional_call(model, params, (input,)), POLICY
+    )
+    value_and_grad = famp.value_and_grad(
+        lambda p, input, target: loss_fn(forward(p, input), target)
+    )
+    skipped = []
+    for input, target in data():
+        torch_optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(torch_model(input), target)
+        scaler.scale(loss).backward()
+        scaler.unscale_(torch_optimizer)
+        scaler.step(torch_optimizer)
+        scaler.update()
+
+        _, grads, found_inf, state = value_and_grad(state, params, input, target)
+        update = fused_adamw(params, grads, opt)
+        params, opt = famp.skip_on_overflow(found_inf, update, (params, opt))
+
+        skipped.append(bool(found_inf))
+        names = [k for k, _ in torch_model.named_parameters()]
+        assert list(params) == names
+        for i, (name, p) in enumerate(torch_model.named_parameters()):
+            assert_bitwise_equal(params[name], p.detach())
+            moments = torch_optimizer.state[p]
+            assert_bitwise_equal(opt["mu"][i], moments["exp_avg"])
+            assert_bitwise_equal(opt["nu"][i], moments["exp_avg_sq"])
+            assert_bitwise_equal(opt["count"], moments["step"])
+        assert_same_scale(state, scaler)
+    assert skipped == [i in BAD for i in range(STEPS)]
+
+
 # --- DDP on 2 gloo ranks ------------------------------------------------------------------------
 
 
