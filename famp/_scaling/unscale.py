@@ -21,7 +21,7 @@ from famp._compat import functorch_transforms_active as are_functorch_transforms
 from famp._scaling.aliasing import shared_memory
 from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.differentiable import differentiable_unscale
-from famp._scaling.kernels import out_of_place, unscale_in_place
+from famp._scaling.kernels import out_of_place, unscale_in_place, unscale_owned
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import check_state_first, leaves_and_rebuild, path_of, to_device
@@ -125,10 +125,8 @@ def unscale_leaves(
     """
     if not state.enabled:
         return leaves, _no_overflow(state)
-    if owned is not None and group is None:
-        found_owned = _owned_on_cpu(state, leaves, owned)
-        if found_owned is not None:
-            return leaves, found_owned
+    if group is None and (found_owned := unscale_owned(state.scale, leaves, owned)) is not None:
+        return leaves, found_owned  # autograd's own grads, one dtype on the CPU: done in place
     scale_device = state.scale.device
     # What the kernel reads: plain dense tensors themselves (the fast path), a DTensor's local
     # shard, a sparse tensor's values (float16 ones coalesced first, because summing duplicate
@@ -268,31 +266,6 @@ def unscale_leaves(
     if group is not None:
         found_inf = _collectives.all_reduce_max(found_inf, group)
     return out, found_inf
-
-
-def _owned_on_cpu(state: ScalerState, leaves: list[Any], owned: list[bool]) -> Tensor | None:
-    """`found_inf` after the kernel ran in place on `leaves`, or `None` (nothing done).
-
-    `famp.value_and_grad`'s common eager case, with a few microseconds of Python where the
-    general path takes several times that: autograd's own gradients, all famp's alone
-    (`owned`: plain strided tensors, not meta), of one dtype, on the CPU with the scale, none
-    nested or requiring grad. The general path does the same for them: one kernel call, in
-    place.
-    """
-    scale = state.scale
-    if not (scale.is_cpu and leaves and all(owned)):
-        return None
-    dtype = leaves[0].dtype
-    if dtype not in FLOAT_DTYPES:
-        return None
-    for leaf in leaves:
-        if leaf.dtype is not dtype or not leaf.is_cpu or leaf.requires_grad or leaf.is_nested:
-            return None
-    if are_functorch_transforms_active():
-        return None
-    found = torch.zeros((), dtype=torch.float32)
-    unscale_in_place(leaves, found, scale.double().reciprocal().float())
-    return found
 
 
 def _no_overflow(state: ScalerState) -> Tensor:
