@@ -63,27 +63,27 @@ def packet_name(packet: OpOverloadPacket) -> str:
 _TRACED_HOOK_KEY = -0xFA4D  # negative: never meets a handle id (those count up from 0)
 
 
-def traced_module_hooks(pre: object | None, post: object | None) -> None:
-    """Set (or, with None, remove) famp's global module forward hooks while Dynamo traces.
+def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any] | None) -> None:
+    """Set famp's global module forward hooks while Dynamo traces; with both None remove them.
 
-    Eagerly famp registers them with `register_module_forward_pre_hook` and
-    `register_module_forward_hook(always_call=True)`; Dynamo cannot trace the creation of their
-    `RemovableHandle` (a class attribute counts the ids), so while tracing famp writes the same
-    entries into torch's hook dicts under a fixed key.
+    `pre` is set as a forward pre-hook and `post` as an always-called forward hook, each unless
+    None (eager code registered it already). Eagerly famp registers them with
+    `register_module_forward_pre_hook` and `register_module_forward_hook(always_call=True)`;
+    Dynamo cannot trace the creation of their `RemovableHandle` (a class attribute counts the
+    ids), so while tracing famp writes the same entries into torch's hook dicts under a fixed key.
     """
     import torch.nn.modules.module as torch_module
 
-    dicts: tuple[dict[int, Any], ...] = (
+    tables: tuple[dict[int, Any], ...] = (
         torch_module._global_forward_pre_hooks,
         torch_module._global_forward_hooks,
         torch_module._global_forward_hooks_always_called,
     )
-    if pre is not None:
-        for table, value in zip(dicts, (pre, post, True), strict=True):
+    for table, value in zip(tables, (pre, post, None if post is None else True), strict=True):
+        if pre is None and post is None:
+            table.pop(_TRACED_HOOK_KEY, None)
+        elif value is not None:
             table[_TRACED_HOOK_KEY] = value
-    else:
-        for table in dicts:
-            del table[_TRACED_HOOK_KEY]
 
 
 def tree_leaves(tree: object) -> list[object]:

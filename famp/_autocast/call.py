@@ -110,19 +110,15 @@ class CallRecord:
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (self.intercepts and self.track)
-        self.plain_ops: dict[Any, bool] = transform.plain_ops
+        # Eagerly, no module rules: op function -> overrides.plain(...), for FampMode's fast path.
+        self.plain_ops = transform.plain_ops if self.track and not self.patterns else None
 
     # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
 
     def frozen(self) -> Callable[[], CallRecord]:
         """A factory of this call's record as it is now, with a fresh cast cache."""
-        return partial(
-            CallRecord.replayed,
-            self.transform,
-            self.device_type,
-            self.module_policy,
-            tuple(self.scopes),
-        )
+        args = (self.transform, self.device_type, self.module_policy, tuple(self.scopes))
+        return partial(CallRecord.replayed, *args)
 
     @staticmethod
     def replayed(
@@ -143,11 +139,18 @@ class CallRecord:
 
     def use_hooks(self, change: int) -> None:
         if self.hooked:
-            hooks.use(change)
+            hooks.use(change, post=bool(self.patterns))
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if not self.patterns:
+            # No scopes, and no hook at exits (hooks.py): fast-path modules go to torch till then.
+            if isinstance(module, _FAST_PATH_MODULES):
+                declined = self._decline(module, args, None)
+                if declined is not None:
+                    hooks.on_exit(module, declined.close)
+            return None
         if is_compiled_module(module):
             return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
         if self.track and not torch.compiler.is_compiling():
@@ -270,7 +273,7 @@ class CallRecord:
     ) -> Any:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
         # Eagerly, most op calls: torch's kernels do it all (no module rule: no scope to enter).
-        if track and not self.patterns and plain(func, self.overrides, self.plain_ops):
+        if self.plain_ops is not None and track and plain(func, self.overrides, self.plain_ops):
             self.casts.watch(args, kwargs)
             out = call(func, args, kwargs)
             if kwargs and kwargs.get("out") is not None:

@@ -1,14 +1,18 @@
-"""The global module forward hooks through which module rules enter and leave their scopes.
+"""The global module forward hooks through which famp.autocast sees modules being entered and left.
 
-They are present only while a call with module rules runs (or a recomputation of
-such a call), registered with torch's public functions. Dynamo cannot trace the creation of their
-handles: while tracing they go through famp._compat (their additions and removals cancel out in
-a graph).
+A pre-hook is present while any call that intercepts ops (or has module rules) runs: module rules
+enter their scopes there, and torch's inference fast paths are left to torch
+(`CallRecord.enter_module`). A forward hook, which module rules need to leave their scopes, is
+present only while a call with module rules runs: any global hook sends every module call through
+torch's slower hook path, and each one costs it more. All are registered with torch's public
+functions. Dynamo cannot trace the creation of their handles: while tracing they go through
+famp._compat (their additions and removals cancel out in a graph).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,9 +22,9 @@ from torch.utils.hooks import RemovableHandle
 from famp._autocast.recompute import calls
 from famp._compat import saved_tensors_hooks_top, traced_module_hooks
 
-_hook_users = [0]  # calls with module rules running, in all threads
+_users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
-_handles: list[RemovableHandle] = []
+_handles: dict[str, RemovableHandle] = {}
 
 
 def _acts(record: Any) -> bool:
@@ -36,33 +40,55 @@ def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
 
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     stack = calls()
-    if stack and stack[-1].hooked and _acts(stack[-1]):
+    if stack and stack[-1].hooked and stack[-1].patterns and _acts(stack[-1]):
         return stack[-1].exit_module(module, output)
     return None
 
 
-def _count(change: int) -> None:
-    _hook_users[0] += change
-    if change > 0 and _hook_users[0] == 1:
-        if torch.compiler.is_compiling():
-            traced_module_hooks(pre_hook, post_hook)
-        else:
-            _handles.append(register_module_forward_pre_hook(pre_hook))
-            _handles.append(register_module_forward_hook(post_hook, always_call=True))
-    elif change < 0 and _hook_users[0] == 0:
-        if torch.compiler.is_compiling():
+def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> None:
+    """Call `leave` once, when the call of `module` now starting ends (also by an exception).
+
+    A global forward hook that removes itself: a hook of the module's own would turn torch's
+    fast path of `nn.TransformerEncoderLayer` off (torch 2.14 on) where it is set to be kept.
+    """
+
+    def hook(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if left is module:
+            handle.remove()
+            leave()
+
+    handle = register_module_forward_hook(hook, always_call=True)
+
+
+def _count(change: int, post: bool) -> None:
+    if torch.compiler.is_compiling():  # only calls with module rules are hooked while tracing
+        _users["traced"] += change
+        if change > 0 and _users["traced"] == 1:  # those an eager call has not registered
+            traced_module_hooks(
+                None if "pre" in _handles else pre_hook, None if "post" in _handles else post_hook
+            )
+        elif change < 0 and _users["traced"] == 0:
             traced_module_hooks(None, None)
-        else:
-            for handle in _handles:
-                handle.remove()
-            _handles.clear()
+        return
+    for kind, needed in (("pre", True), ("post", post)):
+        if not needed:
+            continue
+        _users[kind] += change
+        if change > 0 and _users[kind] == 1:
+            _handles[kind] = (
+                register_module_forward_pre_hook(pre_hook)
+                if kind == "pre"
+                else register_module_forward_hook(post_hook, always_call=True)
+            )
+        elif change < 0 and _users[kind] == 0:
+            _handles.pop(kind).remove()
 
 
-def use(change: int) -> None:
+def use(change: int, post: bool) -> None:
     """Count a call that needs the hooks in (+1) or out (-1): the first registers them, the last
-    removes them."""
+    removes them. `post`: the call needs the forward hook too (it has module rules)."""
     if torch.compiler.is_compiling():  # traced: the additions and removals cancel out in a graph
-        _count(change)
+        _count(change, post)
     else:
         with _HOOK_LOCK:
-            _count(change)
+            _count(change, post)

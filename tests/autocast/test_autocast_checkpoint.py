@@ -145,6 +145,41 @@ def test_checkpoint_reentrant_overrides_differ_without_famp_state() -> None:
     assert not torch.equal(plain[1][1], expected[1][1])
 
 
+class PlainEnds(Net):
+    """A block that ends in an op no rule changes, and whose output such an op reads first.
+
+    famp's mode takes a shorter path for such ops; inside a non-reentrant checkpoint's block
+    (where the last op's node may start the recomputation) and after a reentrant one's (where the
+    first event that sees its output marks its node) they must be marked as any other.
+    """
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.block(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        h = self.body(h) if self.mode is None else checkpoint(self.body, h, **self.mode)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_overrides_block_between_ops_no_rule_changes(mode: str) -> None:
+    x, kwargs = _x(), _rules("overrides")
+    expected = _run(PlainEnds(None), kwargs, x)
+    # The same transform twice: the shorter path is taken from an op's second call on.
+    net = PlainEnds(MODES[mode])
+    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **kwargs)
+    params = [x, *net.parameters()]
+    for _ in range(2):
+        for p in params:
+            p.grad = None
+        loss = f(x)
+        loss.backward()
+    _assert_same((loss, [p.grad for p in params]), expected)  # type: ignore[misc]
+    plain = _run(PlainEnds(None), {}, x)  # the overrides change the block's gradients
+    assert not torch.equal(plain[1][1], expected[1][1])
+
+
 # --- nested famp calls inside (and around) a checkpointed block ---------------------------------
 
 

@@ -143,6 +143,32 @@ def test_cast_cache_sees_writes_to_weights_an_op_reads_in_a_list(kind: str) -> N
     assert not torch.equal(second, first)
 
 
+@pytest.mark.parametrize("kind", ["track_casts", "override", "module_rule"])
+def test_cast_cache_sees_an_out_write_into_a_weights_data_with_grad_enabled(kind: str) -> None:
+    # With grad enabled, an op whose name writes nothing takes famp's shorter path per op; its
+    # write through `out=` into `.data` (a version counter of its own) must still drop the casts.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = lin(x)
+        torch.add(torch.ones_like(lin.weight), lin.weight.data, out=lin.weight.data)
+        return first, lin(x)
+
+    state = copy.deepcopy(lin.state_dict())
+    transform = famp.autocast(f, "c=bf16,o=bf16", **_options(kind))
+    transform(x)  # a second call too: per-op answers are kept from an op's first call
+    lin.load_state_dict(state)
+    first, second = transform(x)
+    lin.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert_bitwise_equal(first, ref_first)
+    assert_bitwise_equal(second, ref_second)
+    assert not torch.equal(second, first)
+
+
 def test_the_reference_for_alias_writes_differs_from_torch_autocast_with_its_cache() -> None:
     # The cells above can fail: torch's own cache reads the stale cast after a write via `.data`.
     x = torch.randn(4, 8)
@@ -224,6 +250,51 @@ def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there()
     with torch.autocast("cpu", dtype=BF16):
         composite = enc(x, src_key_padding_mask=mask)
     assert not torch.equal(f(x), composite.to(BF16))
+
+
+def test_inference_fast_path_that_raises_leaves_nothing_behind() -> None:
+    # famp leaves the module to torch until it returns; when it raises, famp's interception
+    # and the global hook that waits for the module's return are gone as well.
+    import torch.nn.modules.module as torch_module
+
+    enc = _encoder(nested=False)
+    f = famp.autocast(enc, "c=bf16,o=bf16", track_casts=True)
+    with torch.no_grad():
+        bad = torch.randn(3, 5, 12)  # 12 features where the layers take 16
+        with pytest.raises(RuntimeError) as theirs, torch.autocast("cpu", dtype=BF16):
+            enc(bad)
+        with pytest.raises(RuntimeError) as ours:
+            f(bad)
+        assert str(ours.value) == str(theirs.value)
+        assert not torch_module._global_forward_hooks
+        assert not torch_module._global_forward_pre_hooks
+        assert torch._C._len_torch_function_stack() == 0
+        x = torch.randn(3, 5, 16)
+        with torch.autocast("cpu", dtype=BF16):
+            expected = enc(x)
+        assert_bitwise_equal(f(x), expected)
+
+
+def test_a_call_without_module_rules_nested_in_one_with_them_keeps_its_scopes() -> None:
+    # Only calls with module rules track module exits; a nested call without them (with an
+    # override, so it intercepts) leaves the outer call's scopes as they were: the outer rule
+    # still applies to the root module called after it.
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+    head = nn.Linear(16, 4)
+    x = torch.randn(3, 16)
+    rules = famp.default_rules("cpu").override({"rms_norm": "lower"})  # changes no op here
+    inner = famp.autocast(body, "c=bf16,o=bf16", rules=rules)
+    outer = famp.autocast(lambda x: head(inner(x)), "c=bf16,o=f32", module_rules={"": "f32"})
+    with torch.autocast("cpu", dtype=BF16):
+        # A nested call casts its inputs to its compute dtype, as a matched module's are.
+        hidden = body(x.to(BF16)).to(BF16)
+    expected = head(hidden.float())  # the rule "" runs the root `head` in float32
+    actual = outer(x)
+    assert actual.dtype == torch.float32
+    assert_bitwise_equal(actual, expected)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not torch.equal(head(hidden).float(), expected)  # the rule made a difference
 
 
 def test_nested_tensor_fast_path_fails_as_under_torch_autocast() -> None:
@@ -448,6 +519,33 @@ def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
         ):
             famp.autocast(wrapped, "c=bf16", module_rules={"_orig_mod.3": "f32"})(x)
     assert_bitwise_equal(actual, expected)
+
+
+def test_torch_compile_model_inside_a_call_with_overrides_only_gives_eager_bits() -> None:
+    # Without module rules famp's mode takes a shorter path per op eagerly; Dynamo traces the
+    # compiled model with the mode active, and takes the full one. torch traces the backward of a
+    # region compiled inside autocast under that autocast unless told not to (its own eager
+    # semantics, and famp's: the overrides' float32 ops get float32 gradients).
+    import torch._functorch.config as functorch_config
+
+    model, x = _mlp(), torch.randn(5, 8)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    def run(m: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad()
+        f = famp.autocast(lambda x: m(x).float().pow(2).sum(), "c=bf16,o=f32", rules=_rules())
+        loss = f(x)
+        loss.backward()
+        return [loss, *(p.grad for p in model.parameters())]  # type: ignore[misc]
+
+    expected = run(model)
+    with warnings.catch_warnings():
+        # torch warns that famp's global module hook also fires for the compile wrapper.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        with functorch_config.patch(backward_pass_autocast="off"):
+            actual = run(compiled)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
 
 
 # --- torch.func: grad, vmap, jacrev, functional_call ---------------------------------------------
