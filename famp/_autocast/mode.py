@@ -68,7 +68,6 @@ class FampMode(TorchFunctionMode):
             and torch.is_grad_enabled()
             and saved_tensors_hooks_top() is None
             and torch.get_autocast_dtype(owner.device_type) is owner.seen_dtype
-            and func is not checkpoint
             and plain(func, owner.overrides, owner.plain_ops)
         ):
             owner.casts.watch(args, kwargs)
