@@ -198,8 +198,8 @@ class CallRecord:
 
         `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a
         fused path (and nested tensors) in eval mode without grad unless an argument "has a torch
-        function", which famp's mode would make true. There, famp runs the module's `forward`
-        with its mode off and the module's autocast state set around the whole `forward`.
+        function", which famp's modes (a nested call's outer calls' too) would make true. There
+        famp runs the `forward` with its modes off and the module's autocast state around it.
         """
         if not (
             self.track
@@ -207,7 +207,7 @@ class CallRecord:
             and not torch.compiler.is_compiling()
             and not module.training
             and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
-            and torch_function_modes() == 1  # famp's mode alone: another would decline too
+            and torch_function_modes() == sum(1 for r in calls() if r.intercepts)  # famp's only
         ):
             return None
         tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
@@ -215,7 +215,7 @@ class CallRecord:
             torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         ):
             return None
-        if self.overrides is not None and not self.transform.warned_fast_path:
+        if not self.transform.warned_fast_path and any(r.overrides is not None for r in calls()):
             self.transform.warned_fast_path = True
             warnings.warn(
                 f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "

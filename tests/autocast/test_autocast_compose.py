@@ -275,6 +275,36 @@ def test_inference_fast_path_that_raises_leaves_nothing_behind() -> None:
         assert_bitwise_equal(f(x), expected)
 
 
+@pytest.mark.parametrize("outer_kind", ["module_rule", "override"])
+def test_inference_fast_path_in_a_nested_call_gives_torch_autocast_bits(outer_kind: str) -> None:
+    # The modes on the stack are all famp's (the outer call's and the nested one's): famp leaves
+    # the encoder to torch's fast path as torch.autocast does.
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=False)
+    torch.manual_seed(1)
+    head = nn.Linear(16, 4).eval()
+    inner = famp.autocast(
+        lambda x: enc(x, src_key_padding_mask=mask), "c=bf16,o=bf16", track_casts=True
+    )
+    outer_options: dict[str, Any] = (
+        {"module_rules": {"": "f32"}}  # "": the root `head`
+        if outer_kind == "module_rule"
+        else {"rules": famp.default_rules("cpu").override({"linear": "float32"})}
+    )
+    outer = famp.autocast(lambda x: head(inner(x)), "c=bf16,o=f32", **outer_options)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=BF16):
+            # A nested call casts its inputs to its compute dtype, as a matched module's are.
+            encoded = enc(x.to(BF16), src_key_padding_mask=mask).to(BF16)
+        expected = head(encoded.float())  # `head` in float32, by the rule or the override
+        if outer_kind == "override":
+            with pytest.warns(famp.AutocastWarning, match="overrides do not apply inside"):
+                actual = outer(x)
+        else:
+            actual = outer(x)
+    assert_bitwise_equal(actual, expected)
+
+
 def test_a_call_without_module_rules_nested_in_one_with_them_keeps_its_scopes() -> None:
     # Only calls with module rules track module exits; a nested call without them (with an
     # override, so it intercepts) leaves the outer call's scopes as they were: the outer rule
