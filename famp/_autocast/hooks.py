@@ -50,10 +50,12 @@ def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> None:
 
     A global forward hook that removes itself: a hook of the module's own would turn torch's
     fast path of `nn.TransformerEncoderLayer` off (torch 2.14 on) where it is set to be kept.
+    Only this thread's call of the module ends it (another thread may call the same module).
     """
+    thread = threading.get_ident()
 
     def hook(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if left is module:
+        if left is module and threading.get_ident() == thread:
             handle.remove()
             leave()
 

@@ -275,6 +275,50 @@ def test_inference_fast_path_that_raises_leaves_nothing_behind() -> None:
         assert_bitwise_equal(f(x), expected)
 
 
+def test_inference_fast_path_while_another_thread_calls_the_same_module() -> None:
+    # Inference served from two threads: the other thread's call of the module famp left to
+    # torch ends while famp's is still inside it. Only famp's own thread's return ends famp's
+    # hands-off (interception back on, the waiting hook removed).
+    import threading
+
+    import torch.nn.modules.module as torch_module
+
+    x, mask = torch.randn(3, 5, 16), _padding_mask()
+    enc = _encoder(nested=False)
+    with torch.no_grad():
+        plain = enc(x, src_key_padding_mask=mask)  # what the other thread computes
+        with torch.autocast("cpu", dtype=BF16):
+            expected = enc(x, src_key_padding_mask=mask)
+    others: list[torch.Tensor] = []
+
+    def other_thread() -> None:
+        with torch.no_grad():
+            others.append(enc(x, src_key_padding_mask=mask))
+
+    def in_the_middle(module: nn.Module, args: Any) -> None:
+        handle.remove()  # once: the other thread's call passes here too
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join(timeout=60)
+
+    handle = enc.layers[1].register_forward_pre_hook(in_the_middle)
+    try:
+        f = famp.autocast(
+            lambda x: enc(x, src_key_padding_mask=mask), "c=bf16,o=bf16", track_casts=True
+        )
+        with torch.no_grad():
+            actual = f(x)
+    finally:
+        handle.remove()
+    assert len(others) == 1
+    assert_bitwise_equal(others[0], plain)
+    assert torch._C._is_torch_function_enabled()
+    assert not torch_module._global_forward_hooks
+    assert not torch_module._global_forward_pre_hooks
+    assert actual.dtype == BF16
+    assert_bitwise_equal(actual, expected.to(BF16))
+
+
 @pytest.mark.parametrize("outer_kind", ["module_rule", "override"])
 def test_inference_fast_path_in_a_nested_call_gives_torch_autocast_bits(outer_kind: str) -> None:
     # The modes on the stack are all famp's (the outer call's and the nested one's): famp leaves
