@@ -20,7 +20,7 @@ import torch
 
 from famp._autocast import hooks
 from famp._autocast.casts import apply_rule
-from famp._autocast.mode import FampMode
+from famp._autocast.mode import FampMode, run_plain
 from famp._autocast.op_calls import call, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
 from famp._autocast.policy import Policy
@@ -274,11 +274,7 @@ class CallRecord:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
         # Eagerly, most op calls: torch's kernels do it all (no module rule: no scope to enter).
         if self.plain_ops is not None and track and plain(func, self.overrides, self.plain_ops):
-            self.casts.watch(args, kwargs)
-            out = call(func, args, kwargs)
-            if kwargs and kwargs.get("out") is not None:
-                self.casts.invalidate(kwargs["out"])
-            return out
+            return run_plain(self, func, args, kwargs)
         dev = self.device_type
         scope = self.scopes[-1] if self.scopes else None
         state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))

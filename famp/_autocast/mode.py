@@ -39,6 +39,18 @@ def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs
         return fn(*args, **kwargs)
 
 
+def run_plain(owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+    """An op call that needs nothing of famp (`overrides.plain`), eagerly: torch's kernels do it
+    all; the call record `owner` watches the weights it reads and catches a write via `out=`."""
+    owner.casts.watch(args, kwargs)
+    if not kwargs:
+        return call(func, args, {}) if type(func) is FunctionType else func(*args)
+    out = call(func, args, kwargs)
+    if kwargs.get("out") is not None:
+        owner.casts.invalidate(kwargs["out"])
+    return out
+
+
 class FampMode(TorchFunctionMode):
     """Applies one `famp.autocast` call's overrides and module scopes; see the module docstring."""
 
@@ -70,13 +82,7 @@ class FampMode(TorchFunctionMode):
             and torch.get_autocast_dtype(owner.device_type) is owner.seen_dtype
             and plain(func, owner.overrides, owner.plain_ops)
         ):
-            owner.casts.watch(args, kwargs)
-            if kwargs is None:
-                return call(func, args, {}) if type(func) is FunctionType else func(*args)
-            out = call(func, args, kwargs)
-            if kwargs.get("out") is not None:
-                owner.casts.invalidate(kwargs["out"])
-            return out
+            return run_plain(owner, func, args, kwargs)
         if kwargs is None:
             kwargs = {}
         if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping
