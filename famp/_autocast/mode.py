@@ -70,8 +70,7 @@ class FampMode(TorchFunctionMode):
         if (
             # Eagerly, most calls: an op that is not overridden and writes into no argument, run
             # outside any checkpointed block with the call's own autocast dtype and nothing
-            # suspended. What the general path below does for it, in fewer steps: watch the
-            # weights it reads, call it, and catch a write through `out=`.
+            # suspended, goes straight to `run_plain`, where the general path below ends too.
             owner.plain_ops is not None
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
             and not owner.suspended
