@@ -9,6 +9,8 @@ A cell that raises records its error instead, so that one failure does not hide 
 - ``ddp_module_rule``: a module rule written for the wrapper (``module.head``) under DDP against
   the same rule (``head``) on the unwrapped model, gradients all-reduced by hand (mean over 2
   ranks: exact). ``ddp_unprefixed_warns`` records whether the unprefixed rule warned.
+  ``ddp_override``: an op override under DDP against the same override on the unwrapped model,
+  gradients all-reduced by hand.
 - ``fsdp2_default``: ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bfloat16)`` under
   famp against ``torch.autocast``; ``fsdp2_module_rule``: a float32 rule on the head (full-precision
   parameters) against the head run by hand under ``torch.autocast(enabled=False)``.
@@ -113,6 +115,23 @@ def ddp_module_rule(rank: int) -> dict[str, Any]:
     return {"actual": actual, "expected": expected}
 
 
+def ddp_override(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    wrapped, plain = DistributedDataParallel(net()), net()
+    actual = step(famp.autocast(wrapped, "c=bf16,o=f32", rules=rules), wrapped, rank)
+    expected = step(famp.autocast(plain, "c=bf16,o=f32", rules=rules), plain, rank)
+    default = net()
+    changed = not torch.equal(
+        step(famp.autocast(default, "c=bf16,o=f32"), default, rank)[0], expected[0]
+    )
+    for g in expected[1:]:
+        dist.all_reduce(g)
+        g.div_(2)
+    return {"actual": actual, "expected": expected, "override_changed_the_loss": changed}
+
+
 def ddp_unprefixed_warns(rank: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -176,6 +195,7 @@ def fsdp1_module_rule(rank: int) -> dict[str, Any]:
 CELLS = [
     ddp_default,
     ddp_module_rule,
+    ddp_override,
     ddp_unprefixed_warns,
     fsdp2_default,
     fsdp2_module_rule,

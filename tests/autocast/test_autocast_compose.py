@@ -453,6 +453,7 @@ WORKER = pathlib.Path(__file__).with_name("compose_worker.py")
 DISTRIBUTED_CELLS = [
     "ddp_default",
     "ddp_module_rule",
+    "ddp_override",
     "fsdp2_default",
     "fsdp2_module_rule",
     "fsdp1_default",
@@ -478,6 +479,7 @@ def test_distributed_cell_gives_its_references_bits(ranks: list[dict[str, Any]],
         for actual, expected in zip(result["actual"], result["expected"], strict=True):
             assert_bitwise_equal(actual, expected)
         assert result["actual"][0].dtype == torch.float32  # the loss
+        assert result.get("override_changed_the_loss", True)  # the override cell is not vacuous
 
 
 @pytest.mark.slow
