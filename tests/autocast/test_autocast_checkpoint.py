@@ -4,7 +4,8 @@ Reference: the same `famp.autocast` function with the block called directly. Eac
 loss and the gradients of the input and of every parameter, bit for bit, for op overrides, module
 rules and the default rules (whose reference is itself `torch.autocast`'s, see test_autocast_zoo),
 with reentrant, non-reentrant and selective checkpointing; also of FSDP2-wrapped blocks, under
-`torch.compile`, and with famp calls nested inside the checkpointed block.
+`torch.compile`, with famp calls nested inside the checkpointed block, and with saved-tensor hooks
+that recompute nothing (activation offloading).
 """
 
 from __future__ import annotations
@@ -370,3 +371,47 @@ def test_checkpoint_mode_recomputation_that_raises_leaves_nothing_behind(mode: s
     assert recompute.calls() == []
     assert hooks.post_hook not in torch_module._global_forward_hooks.values()
     assert torch._C._len_torch_function_stack() == 0
+
+
+class _Offloaded(Net):
+    """`Net` whose forward saves its activations through `hooks` (`None`: none of its own)."""
+
+    def __init__(self, mode: dict[str, Any] | None, hooks: Callable[[], Any]) -> None:
+        super().__init__(mode)
+        self.hooks = hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.hooks():
+            return super().forward(x)
+
+
+HOOKS: dict[str, Callable[[], Any]] = {
+    "save_on_cpu": torch.autograd.graph.save_on_cpu,  # activation offloading
+    "clone": functools.partial(
+        torch.autograd.graph.saved_tensors_hooks, lambda t: t.clone(), lambda t: t
+    ),
+}
+
+
+@pytest.mark.parametrize("where", ["around the call", "inside the call"])
+@pytest.mark.parametrize("hooks", list(HOOKS))
+@pytest.mark.parametrize("mode", [None, "nonreentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["overrides", "module_rules", "default", "track_casts"])
+def test_saved_tensor_hooks_that_recompute_nothing_change_no_bit(
+    kind: str, mode: str | None, hooks: str, where: str
+) -> None:
+    # famp tells a non-reentrant checkpoint's block by the saved-tensor hooks active around an
+    # op. Other hooks there (activation offloading, a user's pack and unpack), around the whole
+    # call or inside it, with or without a checkpointed block within, make famp bracket nodes
+    # that are never recomputed: the loss and the gradients stay those of the plain call. With
+    # `track_casts` famp watches every op under the default rules, whose bfloat16 casts of the
+    # weight `Block` uses twice come from torch's cast cache: kept for the whole call, as there.
+    x = _x()
+    kwargs = {"track_casts": True} if kind == "track_casts" else _rules(kind)
+    expected = _run(Net(None), kwargs, x)
+    if where == "around the call":
+        with HOOKS[hooks]():
+            actual = _run(Net(MODES[mode] if mode else None), kwargs, x)
+    else:
+        actual = _run(_Offloaded(MODES[mode] if mode else None, HOOKS[hooks]), kwargs, x)
+    _assert_same(actual, expected)
