@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 
 import famp
 from tests.helpers import assert_bitwise_equal, rank_files, torchrun
@@ -659,6 +660,10 @@ def _torch_call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return _call(p, x)
 
 
+def _ones(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.ones_like(v) for k, v in p.items()}
+
+
 FUNC_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "grad": lambda f: torch.func.grad(f),
     "vmap_grad": lambda f: torch.func.vmap(
@@ -666,9 +671,17 @@ FUNC_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] =
     ),
     "jacrev": lambda f: torch.func.jacrev(lambda p, x: f(p, x) * x.sum()),
     "functional_call": lambda f: f,
+    # Forward mode: a directional derivative, the Jacobian by columns, a Hessian-vector product.
+    "jvp": lambda f: lambda p, x: torch.func.jvp(lambda q: f(q, x), (p,), (_ones(p),)),
+    "jacfwd": lambda f: torch.func.jacfwd(lambda p, x: f(p, x) * x.sum()),
+    "jvp_of_grad": lambda f: (
+        lambda p, x: torch.func.jvp(lambda q: torch.func.grad(f)(q, x), (p,), (_ones(p),))
+    ),
 }
 
 
+# torch's forward mode scripts its decompositions with `torch.jit.script` on first use, which warns.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is")
 @pytest.mark.parametrize("transform", sorted(FUNC_TRANSFORMS))
 def test_torch_func_default_rules_give_torch_autocast_bits(transform: str) -> None:
     x = torch.randn(4, 8)
@@ -692,6 +705,21 @@ def test_torch_func_grad_with_rules_gives_the_eager_autograd_bits() -> None:
     expected = dict(zip(params, grads, strict=True))
     for k in params:
         assert_bitwise_equal(actual[k], expected[k])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is")
+def test_torch_func_jvp_with_rules_gives_the_eager_forward_ad_bits() -> None:
+    # Forward mode with an override and a module rule (which change ops' dtypes, so torch.autocast
+    # is no reference): torch.func.jvp equals eager dual tensors through the same call.
+    x = torch.randn(4, 8)
+    tangents = _ones(_PARAMS)
+    actual = torch.func.jvp(lambda p: _rules_call(p, x), (_PARAMS,), (tangents,))
+    with forward_ad.dual_level():
+        duals = {k: forward_ad.make_dual(v, tangents[k]) for k, v in _PARAMS.items()}
+        primal, tangent = forward_ad.unpack_dual(_rules_call(duals, x))
+        expected = (primal, tangent)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
 
 
 @pytest.mark.parametrize("transform", ["jacrev", "vmap_grad"])
