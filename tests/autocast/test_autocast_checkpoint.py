@@ -415,3 +415,36 @@ def test_saved_tensor_hooks_that_recompute_nothing_change_no_bit(
     else:
         actual = _run(_Offloaded(MODES[mode] if mode else None, HOOKS[hooks]), kwargs, x)
     _assert_same(actual, expected)
+
+
+class _DropoutNet(nn.Module):
+    """A checkpointed block that draws random numbers (dropout) between overridden ops."""
+
+    def __init__(self, mode: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.drop, self.norm = nn.Linear(8, 16), nn.Dropout(0.5), nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        self.mode = mode
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(F.gelu(self.drop(self.inp(h))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x) if self.mode is None else checkpoint(self.block, x, **self.mode)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_mode_block_with_dropout(mode: str) -> None:
+    # torch's checkpoint restores the random state for the recomputation; famp's replay must
+    # neither draw numbers nor lose its overrides around the dropout: the same mask, the same bits.
+    rules = famp.default_rules("cpu").override(
+        {"gelu": "lower", "layer_norm": "lower", "dropout": "lower"}
+    )
+    x = _x()
+    results = []
+    for net in (_DropoutNet(None), _DropoutNet(MODES[mode])):
+        torch.manual_seed(123)
+        results.append(_run(net, {"rules": rules}, x))
+    _assert_same(results[1], results[0])
