@@ -276,6 +276,66 @@ def test_inference_fast_path_that_raises_leaves_nothing_behind() -> None:
         assert_bitwise_equal(f(x), expected)
 
 
+def _thread_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.Softmax(-1),
+        nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def test_calls_with_rules_in_four_threads_give_each_threads_own_bits() -> None:
+    # Four threads at once, each with its own model and rules (two overrides, module rules,
+    # track_casts): famp's module hooks are global and counted across threads, its call stacks
+    # are per thread. Every step of every thread equals the same call run alone, and no hook is
+    # left behind.
+    import threading
+
+    options: list[dict[str, Any]] = [
+        {"rules": famp.default_rules("cpu").override({"gelu": "lower", "softmax": "lower"})},
+        {"rules": famp.default_rules("cpu").override({"layer_norm": "lower", "linear": "float32"})},
+        {"module_rules": {"3": "f32", "5": "c=f16,o=f16"}},
+        {"track_casts": True},
+    ]
+    x = torch.randn(5, 8)
+    models = [_thread_model(i) for i in range(len(options))]  # seeded here: the RNG is global
+
+    def steps(i: int, n: int, start: threading.Barrier | None = None) -> list[list[torch.Tensor]]:
+        model = models[i]
+        f = famp.autocast(lambda x: model(x).float().square().sum(), "c=bf16,o=f32", **options[i])
+        if start is not None:
+            start.wait(timeout=30)
+        out = []
+        for _ in range(n):
+            for p in model.parameters():
+                p.grad = None
+            loss = f(x)
+            loss.backward()
+            out.append([loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)])
+        return out
+
+    alone = [steps(i, 1)[0] for i in range(len(options))]
+    results: dict[int, list[list[torch.Tensor]]] = {}
+    start = threading.Barrier(len(options))
+
+    def worker(i: int) -> None:
+        results[i] = steps(i, 30, start)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(options))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == list(range(len(options)))
+    for i, runs in results.items():
+        for run in runs:
+            assert len(run) == len(alone[i]) == 9  # the loss and eight gradients
+            for a, e in zip(run, alone[i], strict=True):
+                assert_bitwise_equal(a, e)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
 def test_inference_fast_path_while_another_thread_calls_the_same_module() -> None:
     # Inference served from two threads: the other thread's call of the module famp left to
     # torch ends while famp's is still inside it. Only famp's own thread's return ends famp's
