@@ -685,6 +685,74 @@ def test_torch_compile_model_inside_a_call_with_overrides_only_gives_eager_bits(
         assert_bitwise_equal(a, e)
 
 
+# --- torch.export: strict (Dynamo) and non-strict ------------------------------------------------
+
+
+def _export_options(kind: str) -> dict[str, Any]:
+    if kind == "override":
+        rules = famp.default_rules("cpu").override({"layer_norm": "lower", "gelu": "lower"})
+        return {"rules": rules}
+    return {
+        "default": {},
+        "module_rule": {"module_rules": {"1": "f32"}},
+        "track_casts": {"track_casts": True},
+    }[kind]
+
+
+class _FampModel(nn.Module):
+    """A model whose forward is a famp.autocast call: what torch.export traces."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+        self.call = famp.autocast(self.body, "c=bf16,o=f32", **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)
+
+
+class _TorchModel(_FampModel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return self.body(x).float()
+
+
+@pytest.mark.parametrize("kind", ["default", "override", "module_rule", "track_casts"])
+def test_non_strict_export_gives_the_eager_calls_bits(kind: str) -> None:
+    x = torch.randn(5, 8)
+    model = _FampModel(_export_options(kind))
+    exported = torch.export.export(model, (x,), strict=False).module()
+    assert_bitwise_equal(exported(x), model(x))
+    if kind == "default":  # and torch.autocast's exported program's
+        theirs = torch.export.export(_TorchModel({}), (x,), strict=False).module()
+        assert_bitwise_equal(exported(x), theirs(x))
+
+
+# Strict export names famp's stack of running calls among the side effects of the forward: a
+# famp call appends its record to it and removes it before it returns (no net change).
+@pytest.mark.filterwarnings("ignore:While compiling, we found certain side effects")
+def test_strict_export_does_what_it_does_with_torch_autocast() -> None:
+    # Strict export (Dynamo) of a model that casts an autocast output back to float32 makes a
+    # program that fails when run, with torch.autocast as with famp (torch 2.13 to 2.15): famp
+    # gives torch's error, or, where torch's program runs, its bits.
+    x = torch.randn(5, 8)
+
+    def run(model: nn.Module) -> torch.Tensor | str:
+        program = torch.export.export(model, (x,), strict=True).module()
+        try:
+            return program(x)
+        except RuntimeError as error:
+            return str(error)
+
+    theirs, ours = run(_TorchModel({})), run(_FampModel({}))
+    if isinstance(theirs, str):
+        assert ours == theirs
+    else:
+        assert isinstance(ours, torch.Tensor)
+        assert_bitwise_equal(ours, theirs)
+
+
 # --- torch.func: grad, vmap, jacrev, functional_call ---------------------------------------------
 
 # Without the LayerNorm: torch's own batching rules fail on it under autocast in jacrev and vmap
