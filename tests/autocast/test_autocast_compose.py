@@ -66,6 +66,36 @@ def _write_out_kwarg(lin: nn.Linear) -> None:
     torch.add(torch.ones_like(lin.weight), lin.weight.data, out=lin.weight.data)
 
 
+def _write_setitem(lin: nn.Linear) -> None:
+    lin.weight[0] = 1.0  # Tensor.__setitem__: index_put_ on the weight itself
+
+
+def _write_init(lin: nn.Linear) -> None:
+    nn.init.normal_(lin.weight, generator=torch.Generator().manual_seed(5))  # in-place random
+
+
+def _write_vector_to_parameters(lin: nn.Linear) -> None:
+    flat = torch.nn.utils.parameters_to_vector(lin.parameters())
+    torch.nn.utils.vector_to_parameters(flat * 0.5 + 1.0, lin.parameters())
+
+
+def _step(optimizer: type[torch.optim.Optimizer], **options: Any) -> Callable[[nn.Linear], None]:
+    """An optimizer step on the weights, as a training loop inside the call would take it."""
+
+    def write(lin: nn.Linear) -> None:
+        for p in lin.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer(lin.parameters(), lr=0.5, **options).step()
+        for p in lin.parameters():
+            p.grad = None
+
+    return write
+
+
+def _write_load_state_dict(lin: nn.Linear, assign: bool = False) -> None:
+    lin.load_state_dict({k: v + 1.0 for k, v in lin.state_dict().items()}, assign=assign)
+
+
 ALIAS_WRITES: dict[str, Callable[[nn.Linear], None]] = {
     "out_kwarg": _write_out_kwarg,
     "data": _write_data,
@@ -75,6 +105,14 @@ ALIAS_WRITES: dict[str, Callable[[nn.Linear], None]] = {
     "view_made_under_no_grad": _write_view_no_grad,
     "data_assignment": _write_data_set,
     "ema_lerp": _write_swa,
+    "setitem": _write_setitem,
+    "init_normal": _write_init,
+    "vector_to_parameters": _write_vector_to_parameters,
+    "sgd_step": _step(torch.optim.SGD, foreach=False),
+    "sgd_step_foreach": _step(torch.optim.SGD, foreach=True),
+    "adamw_step_fused": _step(torch.optim.AdamW, fused=True),
+    "load_state_dict": _write_load_state_dict,
+    "load_state_dict_assign": functools.partial(_write_load_state_dict, assign=True),
 }
 
 
