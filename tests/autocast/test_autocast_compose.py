@@ -156,6 +156,24 @@ def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
     assert not torch.equal(second, first)  # the write changed the weight: a stale cast would show
 
 
+@pytest.mark.parametrize("kind", ["default", "track_casts", "override"])
+def test_swapping_a_cast_weight_fails_where_torch_autocast_fails(kind: str) -> None:
+    # torch.utils.swap_tensors refuses a weight that torch's cast cache holds a reference to;
+    # famp keeps torch's cache (and its error); without the cache, the swap goes through.
+    def swap(lin: nn.Linear) -> None:
+        torch.utils.swap_tensors(lin.weight, nn.Parameter(lin.weight.detach() + 1.0))
+
+    x = torch.randn(4, 8)
+    _, f = _write_between_uses(swap)
+    with pytest.raises(RuntimeError) as theirs, torch.autocast("cpu", dtype=BF16):
+        f(x)
+    _, f = _write_between_uses(swap)
+    options = {} if kind == "default" else _options(kind)
+    with pytest.raises(RuntimeError) as ours:
+        famp.autocast(f, "c=bf16,o=bf16", **options)(x)
+    assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("kind", ["track_casts", "override", "module_rule"])
 def test_cast_cache_sees_writes_to_weights_an_op_reads_in_a_list(kind: str) -> None:
     # nn.LSTM hands its weights to torch.lstm as one list argument; torch's autocast caches their
