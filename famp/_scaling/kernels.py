@@ -5,11 +5,11 @@ there are five ways to its results, chosen per call: runs of the kernel's functi
 the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), famp's compiled
 one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
 (other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
-`torch.func` transforms and, off the CPU, inductor need. Compiled on the CPU, all of the eager
-choice is one opaque node (`unscale_op`), and big gradients that only the step reads are unscaled
-in place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit,
-NaN bit patterns included. `differentiable.py` gives the same results with the backward of
-torch's gradient-penalty recipe.
+`torch.func` transforms need, and devices whose kernel lacks a dtype. Compiled on the CPU, all of
+the eager choice is one opaque node (`unscale_op`); gradients that only the step reads (big ones
+on the CPU, all on CUDA) are unscaled in place by the kernel (`unscale_in_place_op`). Each is
+tested against `GradScaler` bit for bit, NaN bit patterns included. `differentiable.py` gives
+the same results with the backward of torch's gradient-penalty recipe.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def out_of_place(
 def _compiled(
     tensors: list[Tensor], found: Tensor, inv: Tensor, fresh: bool
 ) -> tuple[list[Tensor], Tensor]:
-    """What `torch.compile` traces: on the CPU one `famp` operator, elsewhere kernel or ops.
+    """What `torch.compile` traces: on the CPU one `famp` operator, on CUDA the kernel.
 
     On the CPU, plain tensors that carry no graph take one opaque node, whatever the number of
     tensors, their sizes or symbolic shapes. `fresh` ones (intermediate results nothing else
@@ -63,19 +63,31 @@ def _compiled(
     where something else may still read the tensor; the step's first run compiles no program.
     Others go through `unscale_op`: the eager `out_of_place` (about one pass over memory, as a
     clone) into new tensors, one node, which compiles faster than the copies and the mutating
-    operator (about 1 s more for 120 small grads). Elsewhere big float32/float64 tensors
-    are traced as plain ops, which inductor fuses into one read and one write per tensor where
-    the kernel's functional variant makes two passes; but each tensor so traced adds about 0.15 s
-    of compile time (docs/benchmarks.md), so only tensors over `eager_cpu.CHUNK_BYTES` take it. Half
-    dtypes keep the kernel, whose NaN bit patterns inductor does not keep.
+    operator (about 1 s more for 120 small grads). On CUDA, for dtypes the kernel runs there,
+    the kernel: `fresh` tensors copied and the copies unscaled in place as on the CPU (inductor
+    drops the copies: one launch for all of them), others through its functional variant. Traced
+    as plain ops, inductor launches three kernels per tensor, and the host's launches dominate
+    (docs/benchmarks.md, "CUDA, second measurements": 2.6 against 1.1 times a clone, 200 grads).
+    Elsewhere, and for subclasses or tensors that carry a graph, big float32/float64 tensors are
+    traced as plain ops, which inductor fuses into one read and one write per tensor where the
+    kernel's functional variant makes two passes; but each tensor so traced adds about 0.15 s of
+    compile time, so only tensors over `eager_cpu.CHUNK_BYTES` take it. Half dtypes keep the
+    kernel, whose NaN bit patterns inductor does not keep.
     """
-    if inv.device.type == "cpu" and _opaque(tensors):
+    device_type = inv.device.type
+    if device_type == "cpu" and _opaque(tensors):
         if fresh and _wide(tensors):  # `found` is this call's own: the kernel updates it
             copies = [x.clone() for x in tensors]
             unscale_in_place_op(copies, found, inv)
             return copies, found
         new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
         return list(new), found
+    if device_type == "cuda" and _opaque(tensors) and _runs(tensors, inv):
+        if fresh:  # as on the CPU: inductor unscales them where they lie, one launch
+            copies = [x.clone() for x in tensors]
+            unscale_in_place_op(copies, found, inv)
+            return copies, found
+        return _kernel(tensors, found, inv)
     kernel: list[int] = []
     fused: list[int] = []
     for i, x in enumerate(tensors):  # total: every tensor takes exactly one of the two paths
@@ -153,7 +165,7 @@ def _(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], 
 torch.library.define("famp::unscale_", "(Tensor(a!)[] tensors, Tensor(b!) found, Tensor inv) -> ()")
 
 
-@torch.library.impl("famp::unscale_", "cpu")
+@torch.library.impl("famp::unscale_", ("cpu", "cuda"))
 def _unscale_in_place_impl(tensors: list[Tensor], found: Tensor, inv: Tensor) -> None:
     """torch's `_amp_foreach_non_finite_check_and_unscale_`: `GradScaler.unscale_`'s kernel."""
     amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
