@@ -36,6 +36,16 @@ saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
+def refused_mark_dynamic(error: BaseException) -> Any:
+    """For Dynamo's error that a graph specialized a size marked `mark_dynamic`, a context that
+    lets it (a private config); else None. `famp.autocast`'s own compile (on CUDA by default)
+    retries in it: the caller marked that input for a compile of its own, which is not refused."""
+    shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")  # loaded by any compile
+    if shapes is None or not isinstance(error, shapes.ConstraintViolationError):
+        return None
+    return torch._dynamo.config.patch(allow_ignore_mark_dynamic=True)
+
+
 # The types of `torch.ops.aten.<op>` (a packet) and `torch.ops.aten.<op>.<overload>`: famp's mode
 # receives them as the functions of op calls and names the aten op from them. Not public types.
 OpOverload = torch._ops.OpOverload
@@ -94,11 +104,9 @@ def tree_leaves(tree: object) -> list[object]:
 
 
 def in_backward() -> bool:
-    """Whether an autograd backward pass is running on this thread.
-
-    No public query: famp's checkpoint hooks leave what they entered in a node's post-hook, which
-    never runs when that node's backward raises; a later call outside backward cleans up.
-    """
+    """Whether an autograd backward pass is running on this thread. No public query: famp's
+    checkpoint hooks leave what they entered in a node's post-hook, which never runs when that
+    node's backward raises; a later call outside backward cleans up."""
     return bool(torch._C._current_graph_task_id() != -1)
 
 
@@ -192,11 +200,9 @@ amp_update_scale_ = torch._amp_update_scale_
 
 
 def fsdp1_flat_params(module: Any) -> Any:
-    """An FSDP1 unit's flat-parameter handle, or None for a unit without parameters of its own.
-
+    """An FSDP1 unit's flat-parameter handle, or None for a unit without parameters of its own:
     FSDP1 exposes no public accessor for the flat parameter's original names and shapes, its
-    compute dtype or its `use_orig_params` flag; `layout_of` needs all four.
-    """
+    compute dtype or its `use_orig_params` flag; `layout_of` needs all four."""
     return module._handle
 
 
@@ -237,23 +243,17 @@ amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finit
 
 
 def python_modes_active() -> bool:
-    """Whether a Python torch-function mode or dispatch mode is active on this thread.
-
-    famp's eager fused unscale (`_scaling/fused.py`) calls a function it compiled with
-    `torch.compile`; under a user's mode (a `FlopCounterMode`, a `TorchFunctionMode`) that call
-    would trace or dispatch through the mode, so famp takes the kernel instead. torch has no
-    public query of either mode stack.
-    """
+    """Whether a Python torch-function mode or dispatch mode is active on this thread: famp's
+    eager fused unscale (`_scaling/fused.py`) calls a function it compiled with `torch.compile`;
+    under a user's mode (a `FlopCounterMode`, a `TorchFunctionMode`) that call would trace or
+    dispatch through the mode, so famp takes the kernel instead. No public query of either."""
     return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
 
 
 def dynamo_disabled() -> bool:
-    """Whether `torch.compile` is switched off in this process (`TORCHDYNAMO_DISABLE=1`).
-
-    Then a compiled function runs its Python body op by op; famp's eager fused unscale would be
-    slower than the kernel it replaces, so it keeps the kernel. Only a private config holds it.
-    Imported lazily: `torch._dynamo` is heavy, and only the fused unscale needs it.
-    """
+    """Whether `torch.compile` is switched off in this process (`TORCHDYNAMO_DISABLE=1`): then a
+    compiled function runs its Python body op by op, and famp's eager fused unscale keeps the
+    kernel. Only a private config holds it. Imported lazily: `torch._dynamo` is heavy."""
     import torch._dynamo
 
     return bool(torch._dynamo.config.disable)
@@ -263,11 +263,9 @@ def dynamo_disabled() -> bool:
 
 
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` and skips in its kernel.
-
-    torch marks such optimizers (fused Adam, AdamW, SGD, Adagrad) only with this private attribute,
-    the one `GradScaler.step` reads.
-    """
+    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` and skips in its kernel. torch
+    marks such optimizers (fused Adam, AdamW, SGD, Adagrad) only with this private attribute, the
+    one `GradScaler.step` reads."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 

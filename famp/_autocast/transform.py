@@ -25,18 +25,16 @@ from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, drop_abandoned_replays, end_of_outermost_call, observe
 from famp._autocast.region import region
 from famp._autocast.rules import OpRules
-from famp._compat import functorch_transforms_active, tree_leaves
+from famp._compat import functorch_transforms_active, refused_mark_dynamic, tree_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def own_code(fn: Callable[..., Any]) -> Any:
-    """A copy of a function with a code object of its own.
-
-    Dynamo keeps its compiled graphs per code object, at most `recompile_limit` (8) of them: the
-    transforms of one process would all share the code of the one wrapper below, so that from the
-    ninth transform compiled on, torch would run them uncompiled, with only a warning.
-    """
+    """A copy of a function with a code object of its own: Dynamo keeps its compiled graphs per
+    code object, at most `recompile_limit` (8) of them, and the transforms of one process would
+    all share the code of the one wrapper below, so that from the ninth transform compiled on,
+    torch would run them uncompiled, with only a warning."""
     code = fn.__code__
     copy = types.FunctionType(
         code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
@@ -129,7 +127,13 @@ class Transform:
         if self.compiled is None:
             run = types.MethodType(own_code(Transform.run), self)
             self.compiled = torch.compile(run, fullgraph=True)
-        return self.compiled(device_type, *args, **kwargs)
+        try:
+            return self.compiled(device_type, *args, **kwargs)
+        except Exception as error:  # raised while tracing, before anything ran
+            if (lets := refused_mark_dynamic(error)) is None:
+                raise
+        with lets:  # an input marked `mark_dynamic` for the caller's compile: specialized here
+            return self.compiled(device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = CallRecord(self, device_type)
@@ -217,7 +221,8 @@ def autocast(
         rules: op rules for the device (`famp.OpRules`); None means `famp.default_rules`.
         module_rules: glob pattern over module paths → `Policy` or policy string.
         compile: True compiles with `torch.compile(fullgraph=True)`; None compiles when the
-            device type is "cuda"; False never compiles.
+            device type is "cuda"; False never compiles. Sizes marked `mark_dynamic` for a
+            compile of the caller's may be fixed in this one's graph.
         track_casts: watch every op eagerly so that an in-place write to a weight inside the
             call (an optimizer or EMA update under `torch.no_grad()`) drops its cached cast,
             which torch's cache would keep reading. Always on with overrides or module rules;

@@ -1031,6 +1031,48 @@ def test_compile_argument_decides_when_to_compile(monkeypatch: pytest.MonkeyPatc
     assert len(compiled) == 2
 
 
+def test_own_compile_specializes_an_input_the_caller_marked_dynamic() -> None:
+    # famp.autocast's own compile (compile=True; on CUDA by default) is famp's: an input that
+    # the caller marked with mark_dynamic for a compile of theirs, and that this graph
+    # specializes (x @ w with a w of fixed size), runs as under torch.autocast, which does not
+    # compile. Before, it raised Dynamo's ConstraintViolationError (found on an H100).
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    w = torch.randn(5, 3)
+    policy = "params=float32,compute=bfloat16,output=float32"
+    dot = famp.autocast(lambda x: x @ w, policy, compile=True)
+
+    def marked(n: int, dims: tuple[int, ...]) -> torch.Tensor:
+        x = torch.randn(n, 5)
+        for d in dims:
+            torch._dynamo.mark_dynamic(x, d)
+        return x
+
+    for x in (marked(4, (1,)), marked(4, (0, 1)), marked(6, (0, 1)), marked(7, (0,))):
+        with torch.autocast("cpu", dtype=BF16):
+            expected = (x @ w).float()
+        assert_bitwise_equal(dot(x), expected)
+    # famp.value_and_grad eagerly: w a fresh leaf (no mark), x marked (the case the H100 found)
+    dot_w = famp.autocast(lambda w, x: x @ w, policy, compile=True)
+    w1, x1 = torch.full((5,), 2.0), torch.arange(1.0, 6.0)
+    torch._dynamo.mark_dynamic(x1, 0)
+    loss, grad, found_inf, _ = famp.value_and_grad(dot_w)(famp.init_scaler(2.0**10), w1, x1)
+    param = nn.Parameter(w1.clone())
+    with torch.autocast("cpu", dtype=BF16):
+        expected = x1 @ param
+    expected.float().backward()
+    assert_bitwise_equal(loss, expected.float())
+    assert param.grad is not None
+    assert_bitwise_equal(grad, param.grad)
+    assert found_inf.item() == 0.0
+    # The caller's own compile keeps its marks: famp's call inside it refuses what
+    # torch.autocast inside it refuses.
+    for inner in (dot, lambda x: torch.autocast("cpu", dtype=BF16)(lambda: x @ w)()):
+        with pytest.raises(ConstraintViolationError):
+            torch.compile(inner, fullgraph=True)(marked(4, (1,)))
+        torch.compiler.reset()
+
+
 def test_overload_keys_apply_to_python_calls_of_that_overload() -> None:
     x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
     rules = _cpu_rules({"conv2d.padding": "float32"})
