@@ -9,7 +9,8 @@ out-of-place `famp::unscale`, which compiles faster. Checked here, on both paths
 fixture lowers `fused.MIN_BYTES` to 0 for the first): the code inductor writes, torch's bits
 (its kernel on the same scaled gradients, NaN payloads included) in static and dynamic shapes,
 and gradients that share memory (one tensor for two parameters, expanded, a transposed view of
-another), where unscaling in place would unscale some element twice."""
+another), where unscaling in place would unscale some element twice. On CUDA (tests marked
+`cuda`) every such gradient takes `famp::unscale_`, whatever its size."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from torch._inductor.utils import run_and_get_code
 import famp
 from famp._scaling import fused
 from tests.helpers import assert_bitwise_equal
-from tests.scaling.test_scaler import torch_unscale
+from tests.scaling.test_scaler import torch_unscale, torch_unscale_anywhere
 from tests.scaling.test_scaler_unscale import random_bits
 
 SHAPES = {"a": (12, 20), "b": (20, 12), "c": (7,)}
@@ -215,6 +216,73 @@ def test_compiled_value_and_grad_of_gradients_that_share_memory(
         assert found_inf.item() == float(bad)
         for key, value in p.items():  # the parameters are inputs: never written
             assert_bitwise_equal(value, originals[key])
+
+
+# --- CUDA: every gradient that only the step reads is unscaled in place ----------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_value_and_grad_on_cuda_unscales_in_place_once(case: str) -> None:
+    """On CUDA, whatever their sizes, one `famp::unscale_` call and no out-of-place kernel; torch's
+    kernel on `torch.func.grad`'s scaled gradients, each gradient unscaled once where they share
+    memory; an infinity in x overflows the second step."""
+    fn = CASES[case]
+    run = compiled(_case_step, "cuda", tag=case)
+    p = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(3, 4) - 5}
+    if case == "a view of another":
+        p["b"] = p["b"].t().contiguous()
+    p = {k: v.cuda() for k, v in p.items()}
+    x = (torch.arange(12.0).reshape(3, 4) % 5 - 2).cuda()
+    for bad in (False, True):
+        if bad:
+            x[1, 2] = math.inf
+        state = famp.init_scaler(2.0**10, device="cuda")
+        originals = {k: v.clone() for k, v in p.items()}
+        if bad:
+            _, grads, found_inf, _ = run(state, p, x, case)
+        else:
+            (_, grads, found_inf, _), (code,) = run_and_get_code(run, state, p, x, case)
+            call = code[code.index("def call(") :]
+            assert call.count("torch.ops.famp.unscale_.default(") == 1
+            assert "_amp_foreach_non_finite_check_and_unscale" not in call
+        scaled = torch.func.grad(lambda p, x: fn(p, x) * 2.0**10)(p, x)
+        expected, expected_found = torch_unscale(2.0**10, list(scaled.values()))
+        for key, want in zip(scaled, expected, strict=True):
+            assert_bitwise_equal(grads[key], want)
+        assert_bitwise_equal(found_inf, expected_found)
+        assert found_inf.item() == float(bad)
+        for key, value in p.items():
+            assert_bitwise_equal(value, originals[key])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_value_and_grad_on_cuda_on_random_bits_equals_torchs_kernel(
+    dynamic: bool,
+) -> None:
+    """Every float dtype on CUDA: torch's kernel in place for those it runs there, the CPU
+    kernel's bits for bfloat16 where the CUDA kernel lacks it (`torch_unscale_anywhere`)."""
+    famp_run = compiled(_famp_grads, "cuda", dynamic)
+    torch_run = compiled(_scaled_grads, "cuda", dynamic)
+    gen = torch.Generator().manual_seed(7 + dynamic)
+    for scale in (2.0**16, 1.0):
+        for n in (9, 13):
+            p = {f"g{i}": torch.zeros(n + i, dtype=d) for i, d in enumerate(DTYPES)}
+            c = {k: random_bits(v.shape, v.dtype, gen) for k, v in p.items()}
+            for v in c.values():
+                v[::3] = math.inf if n % 2 else math.nan
+            p, c = ({k: v.cuda() for k, v in d.items()} for d in (p, c))
+            state = famp.init_scaler(scale, device="cuda")
+            grads, found_inf, _ = famp_run(state, p, c)
+            scaled = torch_run(state.scale, p, c)
+            expected, expected_found = torch_unscale_anywhere(
+                scale, list(scaled.values()), allow_fp16=True
+            )
+            for key, want in zip(scaled, expected, strict=True):
+                assert_bitwise_equal(grads[key], want)
+            assert_bitwise_equal(found_inf, expected_found)
+            assert found_inf.item() == 1.0
 
 
 # --- activation checkpointing: compiled, refused, never other numbers -------------------------
