@@ -36,14 +36,23 @@ saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
-def refused_mark_dynamic(error: BaseException) -> Any:
-    """For Dynamo's error that a graph specialized a size marked `mark_dynamic`, a context that
-    lets it (a private config); else None. `famp.autocast`'s own compile (on CUDA by default)
-    retries in it: the caller marked that input for a compile of its own, which is not refused."""
-    shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")  # loaded by any compile
-    if shapes is None or not isinstance(error, shapes.ConstraintViolationError):
-        return None
+# `famp.autocast`'s own compile (`_autocast/compiled.py`) relaxes `mark_dynamic` marks that a
+# caller set for a compile of theirs; no public API reads marks, relaxes them or names the error.
+def dynamic_marks(tensor: torch.Tensor) -> bool:
+    """Whether `torch._dynamo.mark_dynamic` marked a size of `tensor` (a private attribute)."""
+    return hasattr(tensor, "_dynamo_dynamic_indices")
+
+
+def relaxed_marks() -> Any:
+    """A context in which Dynamo lets a graph fix marked sizes (a private config)."""
     return torch._dynamo.config.patch(allow_ignore_mark_dynamic=True)
+
+
+def refused_marks(error: BaseException) -> bool:
+    """Whether `error` is Dynamo refusing a graph that fixed a marked size (its module is loaded
+    by any compile; not imported here: it imports sympy)."""
+    shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")
+    return shapes is not None and isinstance(error, shapes.ConstraintViolationError)
 
 
 # The types of `torch.ops.aten.<op>` (a packet) and `torch.ops.aten.<op>.<overload>`: famp's mode
@@ -77,11 +86,9 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
     """Set famp's global module forward hooks while Dynamo traces; with both None remove them.
 
     `pre` is set as a forward pre-hook and `post` as an always-called forward hook, each unless
-    None (eager code registered it already). Eagerly famp registers them with
-    `register_module_forward_pre_hook` and `register_module_forward_hook(always_call=True)`;
-    Dynamo cannot trace the creation of their `RemovableHandle` (a class attribute counts the
-    ids), so while tracing famp writes the same entries into torch's hook dicts under a fixed key.
-    """
+    None (eager code registered it already, with `register_module_forward_pre_hook` and
+    `register_module_forward_hook(always_call=True)`). Dynamo cannot trace the creation of their
+    `RemovableHandle`s, so while tracing famp writes the same entries into torch's hook dicts."""
     import torch.nn.modules.module as torch_module
 
     tables: tuple[dict[int, Any], ...] = (
@@ -192,10 +199,9 @@ torch_pytree = torch_pytree_module
 # The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
 # calls it (there is no public functional name for it).
 amp_update_scale = torch.ops.aten._amp_update_scale
-# Its in-place form, the one `GradScaler.update` calls, through torch's Python binding: eagerly,
-# `update_scale` runs it on fresh copies of the scale and tracker. The functional operator above
-# is exactly that (copies, then this kernel), but its operator call costs about 4.4 µs against
-# 1.2 µs for the binding and 1.2 µs per copy.
+# Its in-place form (`GradScaler.update`'s), through torch's Python binding: eagerly `update_scale`
+# runs it on copies of the scale and tracker, what the functional operator above does, whose
+# operator call costs about 4.4 µs against 1.2 µs for the binding and 1.2 µs per copy.
 amp_update_scale_ = torch._amp_update_scale_
 
 
@@ -224,12 +230,9 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
-    """DCP's per-item storage record, for a `.metadata` that `dcp.load` reads.
-
-    `FileSystemReader` looks up each item's byte range in `Metadata.storage_data` as an
-    instance of this class (unpickled by name); torch has no public constructor for it. Imported
-    lazily: `torch.distributed.checkpoint` is heavy.
-    """
+    """DCP's per-item storage record, for a `.metadata` that `dcp.load` reads: `FileSystemReader`
+    looks up each item's byte range in `Metadata.storage_data` as an instance of this class
+    (unpickled by name), which has no public constructor. Imported lazily: DCP is heavy."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
@@ -271,8 +274,7 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists.
-    The unscale kernel's functional variant is this and the in-place kernel; eagerly famp runs the
-    two itself, without that variant's operator-call overhead."""
+    Eagerly famp runs it and the in-place kernel itself (the kernel's functional variant)."""
     return tuple(torch._foreach_clone(tensors))
 
 

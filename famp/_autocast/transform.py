@@ -19,28 +19,16 @@ from typing import Any, TypeVar
 import torch
 
 from famp._autocast.call import CallRecord
+from famp._autocast.compiled import call_compiled, own_code
 from famp._autocast.mode import FampMode
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, drop_abandoned_replays, end_of_outermost_call, observe
 from famp._autocast.region import region
 from famp._autocast.rules import OpRules
-from famp._compat import functorch_transforms_active, refused_mark_dynamic, tree_leaves
+from famp._compat import functorch_transforms_active, tree_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def own_code(fn: Callable[..., Any]) -> Any:
-    """A copy of a function with a code object of its own: Dynamo keeps its compiled graphs per
-    code object, at most `recompile_limit` (8) of them, and the transforms of one process would
-    all share the code of the one wrapper below, so that from the ninth transform compiled on,
-    torch would run them uncompiled, with only a warning."""
-    code = fn.__code__
-    copy = types.FunctionType(
-        code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
 
 
 def _devices(tree: Any, found: set[str]) -> None:
@@ -127,13 +115,7 @@ class Transform:
         if self.compiled is None:
             run = types.MethodType(own_code(Transform.run), self)
             self.compiled = torch.compile(run, fullgraph=True)
-        try:
-            return self.compiled(device_type, *args, **kwargs)
-        except Exception as error:  # raised while tracing, before anything ran
-            if (lets := refused_mark_dynamic(error)) is None:
-                raise
-        with lets:  # an input marked `mark_dynamic` for the caller's compile: specialized here
-            return self.compiled(device_type, *args, **kwargs)
+        return call_compiled(self.compiled, device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = CallRecord(self, device_type)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -1031,13 +1032,21 @@ def test_compile_argument_decides_when_to_compile(monkeypatch: pytest.MonkeyPatc
     assert len(compiled) == 2
 
 
-def test_own_compile_specializes_an_input_the_caller_marked_dynamic() -> None:
+def test_own_compile_specializes_an_input_the_caller_marked_dynamic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # famp.autocast's own compile (compile=True; on CUDA by default) is famp's: an input that
     # the caller marked with mark_dynamic for a compile of theirs, and that this graph
     # specializes (x @ w with a w of fixed size), runs as under torch.autocast, which does not
-    # compile. Before, it raised Dynamo's ConstraintViolationError (found on an H100).
+    # compile. Before, it raised Dynamo's ConstraintViolationError (found on an H100). Marked
+    # arguments are found before the call: torch logs no refused guard for them.
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
+    refused: list[logging.LogRecord] = []
+    guards_log = logging.getLogger("torch._guards")  # where Dynamo logs a refused guard
+    handler = logging.Handler()
+    handler.emit = refused.append  # type: ignore[method-assign]
+    monkeypatch.setattr(guards_log, "handlers", [*guards_log.handlers, handler])  # restored after
     w = torch.randn(5, 3)
     policy = "params=float32,compute=bfloat16,output=float32"
     dot = famp.autocast(lambda x: x @ w, policy, compile=True)
@@ -1065,6 +1074,14 @@ def test_own_compile_specializes_an_input_the_caller_marked_dynamic() -> None:
     assert param.grad is not None
     assert_bitwise_equal(grad, param.grad)
     assert found_inf.item() == 0.0
+    assert refused == []
+    # A marked tensor the arguments do not reach (a closure's): one refused trace, then a retry.
+    y = marked(4, (1,))
+    closure = famp.autocast(lambda: y @ w, policy, device_type="cpu", compile=True)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = (y @ w).float()
+    assert_bitwise_equal(closure(), expected)
+    assert refused, "the closure's marks were not refused: the retry went untested"
     # The caller's own compile keeps its marks: famp's call inside it refuses what
     # torch.autocast inside it refuses.
     for inner in (dot, lambda x: torch.autocast("cpu", dtype=BF16)(lambda: x @ w)()):

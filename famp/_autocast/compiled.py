@@ -1,0 +1,70 @@
+"""`famp.autocast`'s own compile (`compile=True`; on CUDA by default): its calls.
+
+The compile is famp's, not the caller's: a size that the caller marked with
+`torch._dynamo.mark_dynamic` for a compile of theirs may be fixed in this graph (`x @ w` with a
+weight of fixed size fixes `x`'s), where Dynamo would refuse the graph and `torch.autocast`, which
+does not compile, runs. Marked tensors among the arguments are found before the call; a marked
+tensor the arguments do not reach (a closure's, a module's buffer) costs one refused trace, which
+torch logs, and a retry.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from famp._compat import dynamic_marks, refused_marks, relaxed_marks, tree_leaves
+
+
+def own_code(fn: Callable[..., Any]) -> Any:
+    """A copy of a function with a code object of its own: Dynamo keeps its compiled graphs per
+    code object, at most `recompile_limit` (8) of them, and the transforms of one process would
+    all share the code of one wrapper, so that from the ninth transform compiled on, torch would
+    run them uncompiled, with only a warning."""
+    code = fn.__code__
+    copy = types.FunctionType(
+        code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`compiled(*args, **kwargs)`, with the caller's `mark_dynamic` marks relaxed where needed."""
+    if _marked(args) or _marked(kwargs):
+        with relaxed_marks():
+            return compiled(*args, **kwargs)
+    try:
+        return compiled(*args, **kwargs)
+    except Exception as error:  # raised while tracing, before anything ran
+        if not refused_marks(error):
+            raise
+    with relaxed_marks():
+        return compiled(*args, **kwargs)
+
+
+def _marked(tree: Any) -> bool:
+    """Whether a tensor in `tree` carries `mark_dynamic` marks: the common containers directly,
+    anything else through torch's pytree registry (as `transform._devices` walks them)."""
+    if isinstance(tree, (list, tuple)):
+        items: Any = tree
+    elif isinstance(tree, dict):
+        items = tree.values()
+    else:
+        items = (tree,)
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            marked = dynamic_marks(item)
+        elif isinstance(item, (list, tuple, dict)):
+            marked = _marked(item)
+        elif item is None or isinstance(item, (int, float, str, bool)):
+            continue
+        else:
+            leaves = tree_leaves(item)
+            marked = any(isinstance(x, torch.Tensor) and dynamic_marks(x) for x in leaves)
+        if marked:
+            return True
+    return False
