@@ -14,9 +14,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from famp._compat import dynamic_marks, refused_marks, relaxed_marks, tree_leaves
+from famp._compat import refused_marks, relaxed_marks
 
 
 def own_code(fn: Callable[..., Any]) -> Any:
@@ -32,9 +30,10 @@ def own_code(fn: Callable[..., Any]) -> Any:
     return copy
 
 
-def call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`compiled(*args, **kwargs)`, with the caller's `mark_dynamic` marks relaxed where needed."""
-    if _marked(args) or _marked(kwargs):
+def call_compiled(compiled: Callable[..., Any], marked: bool, *args: Any, **kwargs: Any) -> Any:
+    """`compiled(*args, **kwargs)`, with the marks relaxed where `marked` (a tensor among the
+    arguments carries `mark_dynamic` marks) or where Dynamo refused marks the arguments hide."""
+    if marked:
         with relaxed_marks():
             return compiled(*args, **kwargs)
     try:
@@ -44,27 +43,3 @@ def call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             raise
     with relaxed_marks():
         return compiled(*args, **kwargs)
-
-
-def _marked(tree: Any) -> bool:
-    """Whether a tensor in `tree` carries `mark_dynamic` marks: the common containers directly,
-    anything else through torch's pytree registry (as `transform._devices` walks them)."""
-    if isinstance(tree, (list, tuple)):
-        items: Any = tree
-    elif isinstance(tree, dict):
-        items = tree.values()
-    else:
-        items = (tree,)
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            marked = dynamic_marks(item)
-        elif isinstance(item, (list, tuple, dict)):
-            marked = _marked(item)
-        elif item is None or isinstance(item, (int, float, str, bool)):
-            continue
-        else:
-            leaves = tree_leaves(item)
-            marked = any(isinstance(x, torch.Tensor) and dynamic_marks(x) for x in leaves)
-        if marked:
-            return True
-    return False

@@ -26,13 +26,14 @@ from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, drop_abandoned_replays, end_of_outermost_call, observe
 from famp._autocast.region import region
 from famp._autocast.rules import OpRules
-from famp._compat import functorch_transforms_active, tree_leaves
+from famp._compat import dynamic_marks, functorch_transforms_active, tree_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _devices(tree: Any, found: set[str]) -> None:
-    # The common containers directly (fast); anything else through torch's pytree registry.
+def _any_tensor(tree: Any, test: Callable[[torch.Tensor], object]) -> bool:
+    """Whether `test` holds for a tensor in `tree`, tried in order until one does: the common
+    containers directly (fast), anything else through torch's pytree registry."""
     if isinstance(tree, (list, tuple)):
         items: Any = tree
     elif isinstance(tree, dict):
@@ -40,15 +41,19 @@ def _devices(tree: Any, found: set[str]) -> None:
     else:
         items = (tree,)
     for item in items:
-        if type(item) in _PLAIN:  # a plain tensor's is_cpu: no device object to build
-            found.add("cpu" if item.is_cpu else item.device.type)
-        elif isinstance(item, torch.Tensor):
-            found.add(item.device.type)
+        if isinstance(item, torch.Tensor):
+            if test(item):
+                return True
         elif isinstance(item, (list, tuple, dict)):
-            _devices(item, found)
-        elif item is not None and not isinstance(item, (int, float, str, bool)):
-            leaves = tree_leaves(item)
-            found.update(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+            if _any_tensor(item, test):
+                return True
+        elif (
+            item is not None
+            and not isinstance(item, (int, float, str, bool))
+            and any(test(x) for x in tree_leaves(item) if isinstance(x, torch.Tensor))
+        ):
+            return True
+    return False
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -56,8 +61,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     found: set[str] = set()
-    _devices(args, found)
-    _devices(kwargs, found)
+
+    def add(x: torch.Tensor) -> None:  # a plain tensor's is_cpu: no device object to build
+        found.add("cpu" if type(x) in _PLAIN and x.is_cpu else x.device.type)
+
+    _any_tensor(args, add)
+    _any_tensor(kwargs, add)
     accelerators = sorted(found - {"cpu", "meta"})
     if len(accelerators) > 1:
         raise ValueError(
@@ -115,7 +124,8 @@ class Transform:
         if self.compiled is None:
             run = types.MethodType(own_code(Transform.run), self)
             self.compiled = torch.compile(run, fullgraph=True)
-        return call_compiled(self.compiled, device_type, *args, **kwargs)
+        marked = _any_tensor(args, dynamic_marks) or _any_tensor(kwargs, dynamic_marks)
+        return call_compiled(self.compiled, marked, device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         record = CallRecord(self, device_type)

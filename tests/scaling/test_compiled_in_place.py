@@ -186,66 +186,30 @@ def _case_step(state: famp.ScalerState, p: Any, x: torch.Tensor, case: str) -> A
     return famp.value_and_grad(CASES[case])(state, p, x)
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_compiled_value_and_grad_of_gradients_that_share_memory(
-    path: str, case: str, backend: str
-) -> None:
-    """Each gradient unscaled once: torch's kernel on `torch.func.grad`'s scaled gradients.
+def _two_steps(run: Any, case: str, device: str, on_code: Any = None) -> None:
+    """Two steps of `case`, the second overflowing (an infinity in x): each gradient is torch's
+    kernel on `torch.func.grad`'s scaled gradients, unscaled once; the parameters, inputs of the
+    step, are never written. `on_code` reads the code inductor wrote for the first step.
 
     The values are small integers times powers of two, so eager and inductor agree exactly on
-    the scaled gradients. An infinity in x overflows the second step.
+    the scaled gradients.
     """
     fn = CASES[case]
-    run = compiled(_case_step, path, backend=backend, tag=case)
     p = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(3, 4) - 5}
     if case == "a view of another":
         p["b"] = p["b"].t().contiguous()
-    x = torch.arange(12.0).reshape(3, 4) % 5 - 2
+    p = {k: v.to(device) for k, v in p.items()}
+    x = (torch.arange(12.0).reshape(3, 4) % 5 - 2).to(device)
     for bad in (False, True):
         if bad:
             x[1, 2] = math.inf
-        state = famp.init_scaler(2.0**10)
+        state = famp.init_scaler(2.0**10, device=device)
         originals = {k: v.clone() for k, v in p.items()}
-        _, grads, found_inf, _ = run(state, p, x, case)
-        scaled = torch.func.grad(lambda p, x: fn(p, x) * 2.0**10)(p, x)
-        expected, expected_found = torch_unscale(2.0**10, list(scaled.values()))
-        for key, want in zip(scaled, expected, strict=True):
-            assert_bitwise_equal(grads[key], want)
-        assert_bitwise_equal(found_inf, expected_found)
-        assert found_inf.item() == float(bad)
-        for key, value in p.items():  # the parameters are inputs: never written
-            assert_bitwise_equal(value, originals[key])
-
-
-# --- CUDA: every gradient that only the step reads is unscaled in place ----------------------
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", list(CASES))
-def test_compiled_value_and_grad_on_cuda_unscales_in_place_once(case: str) -> None:
-    """On CUDA, whatever their sizes, one `famp::unscale_` call and no out-of-place kernel; torch's
-    kernel on `torch.func.grad`'s scaled gradients, each gradient unscaled once where they share
-    memory; an infinity in x overflows the second step."""
-    fn = CASES[case]
-    run = compiled(_case_step, "cuda", tag=case)
-    p = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(3, 4) - 5}
-    if case == "a view of another":
-        p["b"] = p["b"].t().contiguous()
-    p = {k: v.cuda() for k, v in p.items()}
-    x = (torch.arange(12.0).reshape(3, 4) % 5 - 2).cuda()
-    for bad in (False, True):
-        if bad:
-            x[1, 2] = math.inf
-        state = famp.init_scaler(2.0**10, device="cuda")
-        originals = {k: v.clone() for k, v in p.items()}
-        if bad:
+        if on_code is None or bad:
             _, grads, found_inf, _ = run(state, p, x, case)
         else:
             (_, grads, found_inf, _), (code,) = run_and_get_code(run, state, p, x, case)
-            call = code[code.index("def call(") :]
-            assert call.count("torch.ops.famp.unscale_.default(") == 1
-            assert "_amp_foreach_non_finite_check_and_unscale" not in call
+            on_code(code[code.index("def call(") :])
         scaled = torch.func.grad(lambda p, x: fn(p, x) * 2.0**10)(p, x)
         expected, expected_found = torch_unscale(2.0**10, list(scaled.values()))
         for key, want in zip(scaled, expected, strict=True):
@@ -254,6 +218,31 @@ def test_compiled_value_and_grad_on_cuda_unscales_in_place_once(case: str) -> No
         assert found_inf.item() == float(bad)
         for key, value in p.items():
             assert_bitwise_equal(value, originals[key])
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_value_and_grad_of_gradients_that_share_memory(
+    path: str, case: str, backend: str
+) -> None:
+    """Each gradient unscaled once, in place or out of place."""
+    _two_steps(compiled(_case_step, path, backend=backend, tag=case), case, "cpu")
+
+
+# --- CUDA: every gradient that only the step reads is unscaled in place ----------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_value_and_grad_on_cuda_unscales_in_place_once(case: str) -> None:
+    """On CUDA, whatever their sizes, one `famp::unscale_` call and no out-of-place kernel, and
+    each gradient unscaled once where they share memory."""
+
+    def one_kernel_in_place(call: str) -> None:
+        assert call.count("torch.ops.famp.unscale_.default(") == 1
+        assert "_amp_foreach_non_finite_check_and_unscale" not in call
+
+    _two_steps(compiled(_case_step, "cuda", tag=case), case, "cuda", one_kernel_in_place)
 
 
 @pytest.mark.cuda
