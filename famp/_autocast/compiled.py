@@ -5,7 +5,9 @@ The compile is famp's, not the caller's: a size that the caller marked with
 weight of fixed size fixes `x`'s), where Dynamo would refuse the graph and `torch.autocast`, which
 does not compile, runs. Marked tensors among the arguments are found before the call; a marked
 tensor the arguments do not reach (a closure's, a module's buffer) costs one refused trace, which
-torch logs, and a retry.
+torch logs, and a retry. Dynamo's switch is process-wide while such a call runs: a compile on
+another thread meanwhile would not refuse its own marks either (marks refuse graphs; they change
+no number).
 """
 
 from __future__ import annotations
