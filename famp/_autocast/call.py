@@ -21,7 +21,7 @@ import torch
 from famp._autocast import hooks
 from famp._autocast.casts import apply_rule
 from famp._autocast.mode import FampMode, run_plain
-from famp._autocast.op_calls import call, op_name, writes_first_arg, written
+from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
@@ -171,7 +171,8 @@ class CallRecord:
         inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
-        args = policy.cast_to_compute(args)
+        if module.__dict__.get("inplace") is not True:  # `nn.ReLU(inplace=True)`: as torch, no
+            args = policy.cast_to_compute(args)  # cast for a write into the caller's tensor
         self.declined.append(self._decline(module, args, inner))
         return args
 
@@ -286,8 +287,9 @@ class CallRecord:
         # graph's casts are explicit: nothing to watch (`track` is False).
         if track:
             self.casts.watch(args, kwargs)
+        inplace = inplace_target(func, args, kwargs)  # an in-place op: no rule (torch casts none)
         rule = None
-        if self.overrides is not None and enabled:
+        if self.overrides is not None and enabled and inplace is None:
             rule = self.overrides.rule(packet, overload, args, kwargs)
         if rule is not None:
             out = apply_rule(
@@ -298,8 +300,8 @@ class CallRecord:
                 out = call(func, args, kwargs)
         else:
             out = call(func, args, kwargs)
-        if track and writes_first_arg(packet, kwargs):
-            self.casts.invalidate(written(args, kwargs))
+        if track and (inplace is not None or writes_first_arg(packet, kwargs)):
+            self.casts.invalidate(written(args, kwargs) if inplace is None else inplace)
         return out
 
     def _off(self) -> Any:

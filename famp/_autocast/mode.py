@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from famp._autocast.op_calls import call
+from famp._autocast.op_calls import call, inplace_target
 from famp._autocast.overrides import plain
 from famp._autocast.recompute import bracket_outputs, observe
 from famp._compat import saved_tensors_hooks_top
@@ -41,13 +41,17 @@ def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs
 
 def run_plain(owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
     """An op call that needs nothing of famp (`overrides.plain`), eagerly: torch's kernels do it
-    all; the call record `owner` watches the weights it reads and catches a write via `out=`."""
+    all; the call record `owner` watches the weights it reads and catches a write via `out=` or
+    an `inplace` flag."""
     owner.casts.watch(args, kwargs)
-    if not kwargs:
-        return call(func, args, {}) if type(func) is FunctionType else func(*args)
-    out = call(func, args, kwargs)
-    if kwargs.get("out") is not None:
-        owner.casts.invalidate(kwargs["out"])
+    if not kwargs and type(func) is not FunctionType:
+        return func(*args)
+    out = call(func, args, kwargs or {})
+    target = kwargs.get("out") if kwargs else None
+    if target is None and type(func) is FunctionType:
+        target = inplace_target(func, args, kwargs or {})  # `F.relu(x, inplace=True)`
+    if target is not None:
+        owner.casts.invalidate(target)
     return out
 
 

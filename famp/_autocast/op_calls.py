@@ -201,6 +201,47 @@ def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 
 
+def _inplace_flags() -> dict[Callable[..., Any], tuple[int, str]]:
+    """torch's Python functions with an `inplace` flag (`F.relu`, `F.dropout`, `F.hardtanh`, ...)
+    -> (the flag's position, the first parameter's name)."""
+    flags: dict[Callable[..., Any], tuple[int, str]] = {}
+    for module in (torch.nn.functional, torch.functional):
+        for value in vars(module).values():
+            if isinstance(value, types.FunctionType):
+                code = value.__code__
+                names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+                if "inplace" in names and names[0] != "inplace":
+                    flags[value] = (names.index("inplace"), names[0])
+    return flags
+
+
+_INPLACE: dict[Callable[..., Any], tuple[int, str]] = {}
+
+
+@assume_constant_result  # a constant of the function: Dynamo calls it instead of tracing it
+def _inplace_flag(func: Callable[..., Any]) -> tuple[int, str] | None:
+    if not _INPLACE:
+        _INPLACE.update(_inplace_flags())
+    return recall(_INPLACE, func)
+
+
+def inplace_target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a call writes into through an `inplace` flag it sets (`F.relu(x, inplace=True)`, and so
+    `nn.ReLU(inplace=True)`): its first argument; None for any other call.
+
+    Such a call is an in-place op under another name: torch's autocast casts none (the function
+    calls `torch.relu_` and the like), and it writes into a tensor a weight may share.
+    """
+    flag = _inplace_flag(func)
+    if flag is None:
+        return None
+    index, first = flag
+    on = kwargs["inplace"] if kwargs and "inplace" in kwargs else len(args) > index and args[index]
+    if not on:
+        return None
+    return args[0] if args else kwargs.get(first)
+
+
 def written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a call that `writes_first_arg` writes into: its `out=` tensor(s), else its first arg."""
     out = kwargs.get("out") if kwargs else None

@@ -359,6 +359,43 @@ def test_override_linear_to_float32_equals_a_float32_linear() -> None:
         assert_bitwise_equal(a, e)
 
 
+# Calls that write into their first argument through an `inplace` flag (torch calls `relu_` and
+# the like): torch's autocast casts none of them.
+INPLACE_FLAG_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": lambda y: F.relu(y, inplace=True),
+    "hardtanh_flag_by_position": lambda y: F.hardtanh(y, -0.5, 0.5, True),
+    "leaky_relu": lambda y: F.leaky_relu(y, 0.1, inplace=True),
+    "relu_module": lambda y: nn.ReLU(inplace=True)(y),
+}
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(INPLACE_FLAG_CALLS))
+def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, compile: bool) -> None:
+    # An override of the op would cast the bfloat16 input to a float32 copy and write into that:
+    # the caller's tensor would keep its old values. As torch's autocast, famp casts nothing.
+    rules = _cpu_rules({"relu": "float32", "hardtanh": "float32", "leaky_relu": "float32"})
+    call = INPLACE_FLAG_CALLS[name]
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.to(BF16) * 2  # a bfloat16 tensor the call writes into
+        out = call(y)
+        return y, out
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=BF16):
+            return f(x)
+
+    x = torch.randn(64)
+    y, out = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=compile)(x)
+    # Compiled, against torch's autocast compiled: inductor rounds leaky_relu's product once.
+    ref_y, ref_out = (torch.compile(reference, fullgraph=True) if compile else reference)(x)
+    assert ref_y.dtype == BF16
+    assert not torch.equal(ref_y, x.to(BF16) * 2)  # the call wrote into y
+    assert_bitwise_equal(y, ref_y)
+    assert_bitwise_equal(out, ref_out)
+
+
 def test_override_layer_norm_to_lower_runs_it_in_the_compute_dtype() -> None:
     p, x = _params(), torch.randn(4, D)
     rules = _cpu_rules({"layer_norm": "lower", "rms_norm": "lower"})

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from torch.autograd import forward_ad
+from torch.nn import functional as F  # noqa: N812
 
 import famp
 from tests.helpers import assert_bitwise_equal, rank_files, torchrun
@@ -66,6 +67,19 @@ def _write_out_kwarg(lin: nn.Linear) -> None:
     torch.add(torch.ones_like(lin.weight), lin.weight.data, out=lin.weight.data)
 
 
+def _write_inplace_flag(lin: nn.Linear) -> None:
+    # torch's Python functions with an `inplace` flag write with `torch.relu_` and the like.
+    F.relu(lin.weight.data, inplace=True)
+
+
+def _write_inplace_flag_positional(lin: nn.Linear) -> None:
+    F.hardtanh(lin.weight.data, -0.1, 0.1, True)  # the flag passed by position
+
+
+def _write_inplace_module(lin: nn.Linear) -> None:
+    nn.ReLU(inplace=True)(lin.weight.data)  # its forward passes `inplace=True` by keyword
+
+
 def _write_setitem(lin: nn.Linear) -> None:
     lin.weight[0] = 1.0  # Tensor.__setitem__: index_put_ on the weight itself
 
@@ -106,6 +120,9 @@ ALIAS_WRITES: dict[str, Callable[[nn.Linear], None]] = {
     "data_assignment": _write_data_set,
     "ema_lerp": _write_swa,
     "setitem": _write_setitem,
+    "inplace_flag": _write_inplace_flag,
+    "inplace_flag_positional": _write_inplace_flag_positional,
+    "inplace_module": _write_inplace_module,
     "init_normal": _write_init,
     "vector_to_parameters": _write_vector_to_parameters,
     "sgd_step": _step(torch.optim.SGD, foreach=False),
