@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from famp._autocast.op_calls import call, inplace_target
+from famp._autocast.op_calls import call, inplace_target, renorms
 from famp._autocast.overrides import plain
 from famp._autocast.recompute import bracket_outputs, observe
 from famp._compat import saved_tensors_hooks_top
@@ -127,6 +127,8 @@ class FampMode(TorchFunctionMode):
                 self.inside.discard(func)
         if owner.overrides is not None and func not in self.inside:
             body = owner.overrides.enter.get(func)
+            if body is None and renorms(func, args, kwargs):
+                body = owner.overrides.renorming.get(func)
             if body is not None:
                 self.inside.add(func)
                 try:

@@ -201,28 +201,39 @@ def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 
 
-def _inplace_flags() -> dict[Callable[..., Any], tuple[int, str]]:
-    """torch's Python functions with an `inplace` flag (`F.relu`, `F.dropout`, `F.hardtanh`, ...)
-    -> (the flag's position, the first parameter's name)."""
-    flags: dict[Callable[..., Any], tuple[int, str]] = {}
+def _write_flags() -> dict[Callable[..., Any], tuple[str, int | None, int | None]]:
+    """torch's Python functions whose arguments can make a call write in place -> (the first
+    parameter's name, the position of an `inplace` flag, of a `max_norm`): `F.relu`, `F.dropout`,
+    `F.hardtanh`, ...; `F.embedding` and `F.embedding_bag` renormalize their weight."""
+    flags: dict[Callable[..., Any], tuple[str, int | None, int | None]] = {}
     for module in (torch.nn.functional, torch.functional):
         for value in vars(module).values():
             if isinstance(value, types.FunctionType):
                 code = value.__code__
                 names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-                if "inplace" in names and names[0] != "inplace":
-                    flags[value] = (names.index("inplace"), names[0])
+                inplace, max_norm = (
+                    names.index(n) if n in names[1:] else None for n in _WRITE_FLAGS
+                )
+                if inplace is not None or max_norm is not None:
+                    flags[value] = (names[0], inplace, max_norm)
     return flags
 
 
-_INPLACE: dict[Callable[..., Any], tuple[int, str]] = {}
+_WRITE_FLAGS = ("inplace", "max_norm")
+_FLAGS: dict[Callable[..., Any], tuple[str, int | None, int | None]] = {}
 
 
 @assume_constant_result  # a constant of the function: Dynamo calls it instead of tracing it
-def _inplace_flag(func: Callable[..., Any]) -> tuple[int, str] | None:
-    if not _INPLACE:
-        _INPLACE.update(_inplace_flags())
-    return recall(_INPLACE, func)
+def _flags(func: Callable[..., Any]) -> tuple[str, int | None, int | None] | None:
+    if not _FLAGS:
+        _FLAGS.update(_write_flags())
+    return recall(_FLAGS, func)
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
 
 
 def inplace_target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -232,14 +243,22 @@ def inplace_target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     Such a call is an in-place op under another name: torch's autocast casts none (the function
     calls `torch.relu_` and the like), and it writes into a tensor a weight may share.
     """
-    flag = _inplace_flag(func)
-    if flag is None:
+    flags = _flags(func)
+    if flags is None or flags[1] is None or not _argument(args, kwargs, "inplace", flags[1]):
         return None
-    index, first = flag
-    on = kwargs["inplace"] if kwargs and "inplace" in kwargs else len(args) > index and args[index]
-    if not on:
-        return None
-    return args[0] if args else kwargs.get(first)
+    return args[0] if args else kwargs.get(flags[0])
+
+
+def renorms(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call renormalizes its weight in place before the op (`F.embedding(i, w,
+    max_norm=1.0)`, and so `nn.Embedding(max_norm=1.0)`): torch runs `embedding_renorm_` on the
+    weight itself, then the op."""
+    flags = _flags(func)
+    return (
+        flags is not None
+        and flags[2] is not None
+        and (_argument(args, kwargs, "max_norm", flags[2]) is not None)
+    )
 
 
 def written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -59,6 +59,9 @@ class Overrides:
             for f, copy in copies().items()
             if names[f] & self.packets and op_name(f)[0] not in self.packets
         }
+        # Except when it renormalizes a weight in place first (`op_calls.renorms`): then it is
+        # entered, so that the write reaches the weight and the op inside gets the rule.
+        self.renorming = {f: copy for f, copy in copies().items() if op_name(f)[0] in self.packets}
 
     def __bool__(self) -> bool:
         return bool(self.packets)

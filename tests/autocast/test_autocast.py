@@ -396,6 +396,35 @@ def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, com
     assert_bitwise_equal(out, ref_out)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", ["module", "function_by_keyword"])
+def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(
+    form: str, compile: bool
+) -> None:
+    # F.embedding(..., max_norm=...) renormalizes the weight in place, then looks rows up. A rule
+    # applied to the whole call would renormalize a cast copy: the weight would keep its norms.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(3.0)  # rows longer than max_norm
+    start = emb.weight.detach().clone()
+    idx = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    call = emb if form == "module" else (lambda i: F.embedding(i, emb.weight, max_norm=1.0))
+    rules = _cpu_rules({"embedding": "lower"})
+    out = famp.autocast(call, "c=bf16,o=bf16", rules=rules, compile=compile)(idx)
+    (grad,) = torch.autograd.grad(out.float().sum(), [emb.weight])
+    # torch's order: embedding_renorm_ on the weight itself, then the op on its cast.
+    weight = start.clone().requires_grad_()
+    with torch.no_grad():
+        torch.embedding_renorm_(weight, idx, 1.0, 2.0)
+    expected = F.embedding(idx, weight.to(BF16))
+    (expected_grad,) = torch.autograd.grad(expected.float().sum(), [weight])
+    assert not torch.equal(weight.detach(), start)  # the renorm changed rows
+    assert_bitwise_equal(emb.weight.detach(), weight.detach())
+    assert_bitwise_equal(out, expected)
+    assert_bitwise_equal(grad, expected_grad)
+
+
 def test_override_layer_norm_to_lower_runs_it_in_the_compute_dtype() -> None:
     p, x = _params(), torch.randn(4, D)
     rules = _cpu_rules({"layer_norm": "lower", "rms_norm": "lower"})
