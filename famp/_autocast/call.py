@@ -171,8 +171,9 @@ class CallRecord:
         inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
-        if module.__dict__.get("inplace") is not True:  # `nn.ReLU(inplace=True)`: as torch, no
-            args = policy.cast_to_compute(args)  # cast for a write into the caller's tensor
+        # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
+        if module.__dict__.get("inplace") is not True:
+            args = policy.cast_to_compute(args)
         self.declined.append(self._decline(module, args, inner))
         return args
 

@@ -2,7 +2,8 @@
 
 `famp.autocast`'s mode (`famp._autocast.mode`) receives one call of a torch function at a time. This
 module names the aten op of a call (`op_name`), tells whether it writes into its first argument
-(`writes_first_arg`), calls it (`call`), and holds copies of torch's own Python functions
+(`writes_first_arg`, and through an `inplace` flag `inplace_target`) or renormalizes a weight
+(`renorms`), calls it (`call`), and holds copies of torch's own Python functions
 (`torch.nn.functional`, `torch.functional`, Python `Tensor` methods) that the mode can enter so
 that the ops they call are seen too (`copies()`, with the op names each may call in `calls()`).
 """
