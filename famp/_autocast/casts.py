@@ -7,15 +7,18 @@ the cast policies do (`aten/src/ATen/autocast_mode.h`).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from famp._autocast.op_calls import call
-from famp._autocast.ops import banned_message
+from famp._autocast.ops import banned_message, functional_overloads
 from famp._autocast.weights import CastCache
-from famp._compat import OpOverload, op_schema
+from famp._compat import OpOverload, assume_constant_result, op_schema
 
 
 def eligible(value: object, device_type: str) -> bool:
@@ -71,6 +74,72 @@ def cast_args(
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+# Tensor arguments that torch's kernels update in place without their schemas saying so:
+# `batch_norm`'s and `instance_norm`'s running statistics, while the op computes statistics of its
+# input (the flag). torch's autocast lists neither op, so it never casts them.
+_STATISTICS = ("running_mean", "running_var")
+_UPDATING = ("training", "use_input_stats")
+
+
+@functools.cache
+def _statistics_overload(packet: str) -> str | None:
+    """The functional overload of `aten::<packet>` that takes running statistics, if any."""
+    ops = getattr(torch.ops.aten, packet, None)
+    for overload in functional_overloads(packet):
+        if any(a.name in _STATISTICS for a in op_schema(getattr(ops, overload)).arguments):
+            return overload
+    return None
+
+
+@assume_constant_result  # a constant of the function: Dynamo calls it instead of tracing it
+def _parameters(func: Callable[..., Any], packet: str) -> tuple[tuple[str, Any], ...] | None:
+    """(name, default) of each parameter of a call of an op that takes running statistics (a
+    torch Python function, an aten overload or builtin), or None for any other op."""
+    overload = _statistics_overload(packet)
+    if overload is None:
+        return None
+    if isinstance(func, types.FunctionType):
+        return tuple((n, p.default) for n, p in inspect.signature(func).parameters.items())
+    op = (
+        func if isinstance(func, OpOverload) else getattr(getattr(torch.ops.aten, packet), overload)
+    )
+    return tuple(
+        (a.name, a.default_value if a.has_default_value() else None)
+        for a in op_schema(op).arguments
+    )
+
+
+def refuse_statistics_cast(
+    rule: str,
+    func: Callable[..., Any],
+    packet: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    target: torch.dtype,
+) -> None:
+    """Raise if the rule would cast a running statistic the op is about to update in place: the
+    update would go into the cast copy and the statistic would keep its values."""
+    params = _parameters(func, packet)
+    if params is None:
+        return
+    bound = dict(params)
+    bound.update(zip((name for name, _ in params), args, strict=False))
+    bound.update(kwargs)
+    if not any(bound.get(flag) is True for flag in _UPDATING):
+        return
+    for name in _STATISTICS:
+        stat = bound.get(name)
+        if isinstance(stat, torch.Tensor) and eligible(stat, device_type) and stat.dtype != target:
+            raise ValueError(
+                f"famp.autocast: the {rule!r} override of {packet!r} would cast {name} "
+                f"({stat.dtype}) to {target}, and {packet} updates its running statistics in "
+                "place while it computes them: the update would go into the cast copy and "
+                f"{name} would keep its values. Override {packet!r} with a rule that keeps the "
+                "statistics' dtype (such as 'float32' with float32 statistics), or not at all."
+            )
+
+
 def _spelled_out(
     func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -108,6 +177,7 @@ def apply_rule(
             target = promote_dtype(lower, (*args, *kwargs.values()), device_type)
         else:
             target = lower if rule == "lower" else torch.float32
+        refuse_statistics_cast(rule, func, packet, args, kwargs, device_type, target)
         args, kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
     elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)

@@ -226,7 +226,8 @@ def autocast(
 
     Raises:
         TypeError: `fn` is not callable, or an argument has the wrong type.
-        ValueError: an unknown device type, rules for another device type, or a bad policy.
+        ValueError: an unknown device type, rules for another device type, or a bad policy; when
+            called, an override that would cast running statistics the op updates in place.
 
     Examples:
         >>> import torch, famp

@@ -425,6 +425,66 @@ def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(
     assert_bitwise_equal(grad, expected_grad)
 
 
+def _normalization(op: str) -> nn.Module:
+    torch.manual_seed(0)
+    if op == "batch_norm":
+        return nn.BatchNorm1d(4)
+    return nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+
+
+@pytest.mark.parametrize("call", ["module", "builtin"])
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+def test_override_refuses_a_cast_of_running_statistics_the_op_updates(op: str, call: str) -> None:
+    # batch_norm and instance_norm update their running statistics in place while training,
+    # which their schemas do not say: a rule's cast would send the update into a copy.
+    x = torch.randn(8, 4, 5) * 2 + 1
+    m = _normalization(op)
+    if call == "module":
+        fn: Callable[[torch.Tensor], torch.Tensor] = m
+    elif op == "batch_norm":
+        fn = lambda x: torch.batch_norm(  # noqa: E731
+            x, m.weight, m.bias, m.running_mean, m.running_var, True, 0.1, 1e-5, False
+        )
+    else:
+        fn = lambda x: torch.instance_norm(  # noqa: E731
+            x, m.weight, m.bias, m.running_mean, m.running_var, True, 0.1, 1e-5, False
+        )
+    start = m.running_mean.clone()
+    with pytest.raises(ValueError, match=f"'lower' override of '{op}' would cast running_mean"):
+        famp.autocast(fn, "c=bf16,o=bf16", rules=_cpu_rules({op: "lower"}))(x)
+    assert torch.equal(m.running_mean, start)  # refused before the op ran
+    m.to(BF16)
+    with pytest.raises(ValueError, match=f"'float32' override of '{op}' would cast running_mean"):
+        famp.autocast(fn, "c=bf16,o=bf16", rules=_cpu_rules({op: "float32"}))(x.to(BF16))
+
+
+def test_override_refuses_the_statistics_cast_in_a_compiled_call_too() -> None:
+    # Dynamo raises the refusal as its own error, with famp's message in it.
+    m = _normalization("batch_norm")
+    f = famp.autocast(m, "c=bf16,o=bf16", rules=_cpu_rules({"batch_norm": "lower"}), compile=True)
+    with pytest.raises(Exception, match="'lower' override of 'batch_norm' would cast running_mean"):
+        f(torch.randn(8, 4, 5))
+    assert torch.equal(m.running_mean, torch.zeros(4))
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+def test_override_of_a_normalization_updates_its_statistics_or_reads_them(op: str) -> None:
+    # Where the rule keeps the statistics' dtype, training updates them as torch does; in eval
+    # they are only read, and a rule may cast them.
+    x = torch.randn(8, 4, 5) * 2 + 1
+    m, ref = _normalization(op), _normalization(op)
+    f = famp.autocast(m, "c=bf16,o=f32", rules=_cpu_rules({op: "float32"}))
+    assert_bitwise_equal(f(x), ref(x))  # float32 statistics, float32 input: torch's float32 op
+    assert not torch.equal(ref.running_mean, torch.zeros(4))
+    assert_bitwise_equal(m.running_mean, ref.running_mean)
+    assert_bitwise_equal(m.running_var, ref.running_var)
+    m.eval()
+    ref.eval()
+    out = famp.autocast(m, "c=bf16,o=bf16", rules=_cpu_rules({op: "lower"}))(x)
+    lowered = ref.to(BF16)  # the same statistics and parameters, cast
+    assert_bitwise_equal(out, lowered(x.to(BF16)))  # every argument cast: read-only statistics
+
+
 def test_override_layer_norm_to_lower_runs_it_in_the_compute_dtype() -> None:
     p, x = _params(), torch.randn(4, D)
     rules = _cpu_rules({"layer_norm": "lower", "rms_norm": "lower"})
