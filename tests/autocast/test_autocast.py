@@ -397,7 +397,7 @@ def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, com
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("form", ["module", "function_by_keyword"])
+@pytest.mark.parametrize("form", ["module", "function_by_keyword", "checkpointed"])
 def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(
     form: str, compile: bool
 ) -> None:
@@ -409,7 +409,13 @@ def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(
         emb.weight.mul_(3.0)  # rows longer than max_norm
     start = emb.weight.detach().clone()
     idx = torch.tensor([[1, 2, 3], [3, 4, 1]])
-    call = emb if form == "module" else (lambda i: F.embedding(i, emb.weight, max_norm=1.0))
+    calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "module": emb,
+        "function_by_keyword": lambda i: F.embedding(i, emb.weight, max_norm=1.0),
+        # recomputed in backward: the renorm runs again there, on rows it already shortened
+        "checkpointed": lambda i: torch.utils.checkpoint.checkpoint(emb, i, use_reentrant=False),
+    }
+    call = calls[form]
     rules = _cpu_rules({"embedding": "lower"})
     out = famp.autocast(call, "c=bf16,o=bf16", rules=rules, compile=compile)(idx)
     (grad,) = torch.autograd.grad(out.float().sum(), [emb.weight])
