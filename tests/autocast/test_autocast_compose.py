@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import pathlib
 import warnings
 from collections.abc import Callable
@@ -355,6 +356,28 @@ def _thread_model(seed: int) -> nn.Module:
         nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.Softmax(-1),
         nn.Linear(16, 4),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["default", "track_casts", "override", "module_rule"])
+def test_a_call_leaves_no_reference_cycle(kind: str) -> None:
+    # A cycle per call (a record and its mode holding each other) makes every call garbage for
+    # the collector, whose full passes over a process of torch objects cost far more than a
+    # step of a small model (docs/benchmarks.md, nineteenth pass).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    options = {} if kind == "default" else _options(kind)
+    # A tuple out: cast per leaf, as the module rule casts the module's positional inputs.
+    f = famp.autocast(lambda x: (model(x), x), "c=bf16,o=f32", **options)
+    x = torch.randn(4, 8)
+    f(x)[0].sum().backward()  # first calls build caches, which live on
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            f(x)[0].sum().backward()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_calls_with_rules_in_four_threads_give_each_threads_own_bits() -> None:
