@@ -1,10 +1,10 @@
 """On a CUDA GPU: unscale_and_check's bandwidth against a device-to-device copy of the grads.
 
 Times (CUDA events, median of ``--rounds``) a clone of every gradient (one read and one write of
-each byte, the floor for an out-of-place pass), ``GradScaler("cuda").unscale_`` and
-``famp.unscale_and_check`` (eager, donated and compiled with inductor), and prints each as GB/s of
-gradient bytes read and written. Part of ``bash .ci/cuda``; docs/benchmarks.md has the figures
-of its first run (an H100, torch 2.11).
+each byte, the floor for an out-of-place pass), ``GradScaler("cuda").unscale_``, the out-of-place
+form of its kernel and ``famp.unscale_and_check`` (eager, donated and compiled with inductor), and
+prints each as GB/s of gradient bytes read and written. Part of ``bash .ci/cuda``;
+docs/benchmarks.md has the figures of its first run (an H100, torch 2.11).
 
 Run from the repository root: ``python benchmarks/bench_cuda.py [--elements N] [--tensors T]``.
 """
@@ -57,6 +57,11 @@ def main() -> None:
     scaler.scale(torch.ones((), device="cuda"))
     state = famp.init_scaler(1024.0, device="cuda")
     compiled = torch.compile(famp.unscale_and_check, fullgraph=True)
+    # torch's out-of-place form of GradScaler's kernel (a clone of each gradient, then the kernel
+    # on the copies), which famp ran here before it cloned them all in one launch
+    functional = torch.ops.aten._amp_foreach_non_finite_check_and_unscale
+    inv = state.scale.double().reciprocal().float()
+    found = torch.zeros((), device="cuda")  # the functional form leaves it as it is
 
     def gradscaler() -> None:
         scaler._per_optimizer_states.clear()  # lets unscale_ run again without an update()
@@ -65,6 +70,7 @@ def main() -> None:
     candidates: dict[str, Callable[[], object]] = {
         "clone (device copy)": lambda: [g.clone() for g in grads],
         "GradScaler.unscale_ (in place)": gradscaler,
+        "torch's out-of-place kernel": lambda: functional(grads, found, inv),
         "famp.unscale_and_check": lambda: famp.unscale_and_check(state, grads),
         "famp.unscale_and_check(donate=True)": lambda: famp.unscale_and_check(
             state, grads, donate=True

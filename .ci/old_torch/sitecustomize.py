@@ -6,7 +6,8 @@ torch 2.11.0+cu130, and no newer CUDA build can be brought to them. With this fo
 torch 2.13 or later it does nothing. docs/torch-versions.md, "What ran on a GPU", lists what
 ran with it. On torch 2.11 it:
 
-1. adds `torch._foreach_clone` (missing): one clone per tensor;
+1. adds `torch._foreach_clone` (missing) as torch 2.13's CUDA kernel of it works
+   (pytorch/pytorch#177421): an empty tensor like each, then one multi-tensor `_foreach_copy_`;
 2. leaves the named-tensor (`Dimname`) overloads that torch 2.11's autocast registers out of the
    ops famp reads off the dispatcher: fake tensors cannot run them, so no rule can be derived;
 3. installs torch 2.13's `init_gpu_context`: torch 2.11's initialises an XPU context for a fake
@@ -21,7 +22,13 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
     import famp._autocast.tables as tables
 
     if not hasattr(torch, "_foreach_clone"):
-        torch._foreach_clone = lambda tensors: [t.clone() for t in tensors]
+
+        def foreach_clone(tensors):
+            copies = [torch.empty_like(t) for t in tensors]
+            torch._foreach_copy_(copies, tensors)
+            return copies
+
+        torch._foreach_clone = foreach_clone
 
     _registered_ops = tables.registered_ops
 

@@ -46,7 +46,7 @@ def out_of_place_cpu(
     size = 0
     for x in tensors:
         nbytes = x.nbytes  # numel × element size, whatever the strides
-        if nbytes > CHUNK_BYTES and x.dim() > 0 and _dense(x):
+        if nbytes > CHUNK_BYTES and x.dim() > 0 and dense(x):
             wide = x.dtype in (torch.float32, torch.float64)
             if not wide and at_one is None:
                 at_one = inv.item() == 1.0
@@ -101,7 +101,7 @@ def _unscale_wide(out: list[Tensor], wides: list[int], found: Tensor, inv: Tenso
     return found
 
 
-def _dense(x: Tensor) -> bool:
+def dense(x: Tensor) -> bool:
     """Whether `x` is non-overlapping and dense: a permutation of a contiguous tensor.
 
     Such a tensor fills its storage from its offset on, `empty_like` and `clone` keep its

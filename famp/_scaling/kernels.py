@@ -1,15 +1,16 @@
 """How `famp.unscale_and_check` unscales one (device, dtype) group: the kernel's exact results.
 
 torch's fused `_amp_foreach_non_finite_check_and_unscale_` kernel is the reference. Out of place
-there are five ways to its results, chosen per call: runs of the kernel's functional variant,
-the in-place kernel on each chunk of a copy (big float32/float64 CPU tensors), famp's compiled
-one-pass program (`fused.py`, where those total `fused.MIN_BYTES`), a min/max and a multiply
-(other big CPU tensors), and the kernel's arithmetic as plain ops (`where_program`), which
-`torch.func` transforms need, and devices whose kernel lacks a dtype. Compiled on the CPU, all of
-the eager choice is one opaque node (`unscale_op`); gradients that only the step reads (big ones
-on the CPU, all on CUDA) are unscaled in place by the kernel (`unscale_in_place_op`). Each is
-tested against `GradScaler` bit for bit, NaN bit patterns included. `differentiable.py` gives
-the same results with the backward of torch's gradient-penalty recipe.
+there are six ways to its results, chosen per call: runs of the kernel's functional variant, a
+multi-tensor clone and the in-place kernel on it (eagerly on CUDA), the in-place kernel on each
+chunk of a copy (big float32/float64 CPU tensors), famp's compiled one-pass program (`fused.py`,
+where those total `fused.MIN_BYTES`), a min/max and a multiply (other big CPU tensors), and the
+kernel's arithmetic as plain ops (`where_program`), which `torch.func` transforms need, and devices
+whose kernel lacks a dtype. Compiled on the CPU, all of the eager choice is one opaque node
+(`unscale_op`); gradients that only the step reads (big ones on the CPU, all on CUDA) are unscaled
+in place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit, NaN
+bit patterns included. `differentiable.py` gives the same results with the backward of torch's
+gradient-penalty recipe.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from famp._compat import (
     amp_foreach_non_finite_check_and_unscale,
     amp_foreach_non_finite_check_and_unscale_,
     assume_constant_result,
+    foreach_clone,
     functorch_transforms_active,
     real_tensors,
 )
@@ -36,18 +38,43 @@ def out_of_place(
 ) -> tuple[list[Tensor], Tensor]:
     """The fused kernel's results, out of place: the way to them for these tensors, here.
 
-    Eagerly on the CPU, `eager_cpu.out_of_place_cpu` (about one pass over memory); on other
-    devices, the kernel's functional variant. Compiled, `_compiled` decides; `fresh` says that
+    Eagerly on the CPU, `eager_cpu.out_of_place_cpu` (about one pass over memory); on CUDA, a
+    multi-tensor clone and the kernel in place on it (`_cloned`); on other devices, the kernel's
+    functional variant. Compiled, `_compiled` decides; `fresh` says that
     the tensors are intermediate results of the compiled program that nothing else reads
     (`famp.value_and_grad`'s gradients), a hint that changes no value. Results equal the
     kernel's bit for bit (tested on random bit patterns).
     """
     if torch.compiler.is_compiling():
         return _compiled(tensors, found, inv, fresh)
-    on_cpu = inv.device.type == "cpu" and type(inv) is torch.Tensor  # not a fake or meta scale
-    if not on_cpu:
-        return _kernel(tensors, found, inv)
-    return eager_cpu.out_of_place_cpu(tensors, found, inv)
+    real = type(inv) is torch.Tensor  # not a fake or meta scale
+    if real and inv.device.type == "cpu":
+        return eager_cpu.out_of_place_cpu(tensors, found, inv)
+    if real and inv.device.type == "cuda" and tensors and _runs(tensors, inv):
+        return _cloned(tensors, found, inv)
+    return _kernel(tensors, found, inv)
+
+
+def _cloned(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Eagerly on CUDA: the kernel's functional variant in two launches, the same bits.
+
+    The functional variant clones each tensor with a launch of its own, then runs the in-place
+    kernel on the copies. torch's multi-tensor clone copies them all in one launch (CUDA), and
+    the in-place kernel on its copies gives the same results: the host's launches, not memory,
+    bound the functional variant on a GPU (docs/benchmarks.md, "CUDA, third measurements"). The
+    multi-tensor clone takes its one launch only where every tensor is non-overlapping and dense
+    (else it clones each), so tensors that are not (strided slices, expanded ones) are cloned
+    apart; each copy has the strides the functional variant's clone gives it.
+    """
+    together = [x.is_contiguous() or eager_cpu.dense(x) for x in tensors]
+    if all(together):
+        copies = list(foreach_clone(tensors))
+    else:
+        picked = [x for x, t in zip(tensors, together, strict=True) if t]
+        batch = iter(foreach_clone(picked) if picked else ())
+        copies = [next(batch) if t else x.clone() for x, t in zip(tensors, together, strict=True)]
+    amp_foreach_non_finite_check_and_unscale_(copies, found, inv)
+    return copies, found
 
 
 def _compiled(

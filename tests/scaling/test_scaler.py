@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -14,7 +15,7 @@ import torch
 from hypothesis import given
 
 import famp
-from famp._scaling import eager_cpu, fused
+from famp._scaling import eager_cpu, fused, kernels
 from famp._scaling import update as update_module
 from tests.helpers import assert_bitwise_equal
 
@@ -414,6 +415,98 @@ def test_unscale_and_check_on_cuda_equals_gradscaler_cuda(
     for g, donated, e in zip(grads, given_, expected, strict=True):
         # donated grads are unscaled where they lie; otherwise what was given is never modified
         assert_bitwise_equal(donated, e if donate else g)
+
+
+def _layouts(dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    """Gradients of every layout, with a NaN, an inf and a value that overflows at scale 0.5."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device) * 1000).to(dtype)
+
+    big = draw(3 * 65536 + 5)  # spans several of the multi-tensor kernels' chunks
+    big[70000], big[140000] = math.nan, -math.inf
+    return [
+        big,
+        draw(37, 11).t(),  # transposed
+        draw(8, 20)[:, ::3],  # strided, with gaps
+        draw(5, 1).expand(5, 7),  # expanded: its elements share memory
+        draw(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.tensor(6.0e4 if dtype == torch.float16 else 3.0e38, device=device).to(dtype),
+        draw(0, 3),
+        *(draw(50) for _ in range(100)),  # many small ones: the launches
+    ]
+
+
+def _functional_variant(
+    grads: list[torch.Tensor], scale_value: float
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """torch's out-of-place form of GradScaler's kernel: a clone of each, then the kernel."""
+    device = grads[0].device
+    inv = torch.full((), scale_value, device=device).double().reciprocal().float()
+    found = torch.zeros((), device=device)
+    out, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(grads, found, inv)
+    return list(out), found, inv
+
+
+def _check_against_functional_variant(
+    out: list[torch.Tensor], found: torch.Tensor, want: list[torch.Tensor], want_found: torch.Tensor
+) -> None:
+    for o, e in zip(out, want, strict=True):
+        assert_bitwise_equal(o, e)
+        assert o.stride() == e.stride()
+    assert_bitwise_equal(found, want_found)
+    assert found.item() == 1.0  # the NaN and the inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("scale_value", [1024.0, 1.0, 0.5])
+def test_one_clone_for_all_then_the_kernel_is_the_functional_variant(
+    dtype: torch.dtype, scale_value: float
+) -> None:
+    """famp's eager CUDA path, run here on CPU tensors: a multi-tensor clone of the dense ones,
+    a clone of each other one, then the kernel in place, gives the bits and the strides of
+    torch's functional variant (a clone of each, then the kernel), whatever the layouts."""
+    grads = _layouts(dtype, "cpu")
+    expected, expected_found, inv = _functional_variant(grads, scale_value)
+    for picked in (grads, grads[2:4], [grads[1], grads[4]]):  # mixed; none dense; all dense
+        out, found = kernels._cloned(picked, torch.zeros(()), inv)
+        picked_e, found_e = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
+            picked, torch.zeros(()), inv
+        )
+        for o, e in zip(out, picked_e, strict=True):
+            assert_bitwise_equal(o, e)
+            assert o.stride() == e.stride()
+        assert_bitwise_equal(found, found_e)
+    out, found = kernels._cloned(grads, torch.zeros(()), inv)
+    _check_against_functional_variant(out, found, expected, expected_found)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("scale_value", [1024.0, 1.0, 0.5])
+def test_unscale_and_check_on_cuda_keeps_layouts_and_launches_less_than_a_clone_each(
+    dtype: torch.dtype, scale_value: float
+) -> None:
+    """Eagerly on CUDA famp clones the gradients in one multi-tensor launch and runs the kernel
+    on the copies: the bits, the dtypes and the strides of torch's functional variant (a clone
+    of each gradient, then the kernel), with far fewer launches than gradients."""
+    grads = _layouts(dtype, "cuda")
+    before = [x.clone() for x in grads]
+    expected, expected_found, _ = _functional_variant(grads, scale_value)
+    state = famp.init_scaler(scale_value, device="cuda")
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's own notes on how it keeps events
+        with torch.profiler.profile(activities=activities) as prof:
+            out, found_inf = famp.unscale_and_check(state, grads)
+            torch.cuda.synchronize()
+        events = prof.events()
+    kernels_run = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    _check_against_functional_variant(out, found_inf, expected, expected_found)
+    for g, b in zip(grads, before, strict=True):
+        assert_bitwise_equal(g, b)
+    assert 0 < len(kernels_run) < len(grads) // 5, [e.name for e in kernels_run]
 
 
 @pytest.mark.parametrize("chunk_bytes", PATHS)
