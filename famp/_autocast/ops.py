@@ -3,7 +3,8 @@
 A packet key (`"linear"`) covers the packet's *functional* overloads that take a tensor (torch
 never autocasts `out=` or in-place overloads, nor scalar-only ones such as `pow.int`); a
 `"packet.overload"` key names one overload. Also here: which overloads the dtype-argument rules
-apply to, and the error message of a `"banned"` op.
+apply to, that no casting rule applies to an op returning a view of its input (`check_view`),
+and the error message of a `"banned"` op.
 """
 
 from __future__ import annotations
@@ -85,6 +86,39 @@ def check_op(name: object) -> str:
             f"its overloads are {', '.join(names)}"
         )
     return name
+
+
+@functools.cache
+def returns_view(packet: str, overload: str) -> bool:
+    """Whether `aten::<packet>.<overload>`'s schema says its result aliases an input it does not
+    write: a view (`view`, `transpose`, `split`'s pieces), or the input itself (`contiguous`,
+    `to`). In-place and `out=` overloads, which return what they wrote, are not views."""
+    ops = getattr(torch.ops.aten, packet)
+    returns = schema(getattr(ops, overload)).returns
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def check_view(op: str, rule: str, device_type: str) -> None:
+    """A rule that casts may not name an op whose result aliases its input, unless torch's own
+    autocast casts that overload on the device (`view_as_complex` on the CPU): the result would
+    alias a copy, so a write through it would not reach the input, nor one into the input it."""
+    if rule in ("keep", "banned"):
+        return
+    packet, dot, overload = op.partition(".")
+    views = [o for o in ([overload] if dot else sorted(covered(packet))) if returns_view(packet, o)]
+    if not views:
+        return
+    from famp._autocast import tables  # tables reads rule names: imported here, not at the top
+
+    torch_casts = tables.registered_ops(device_type) if device_type in tables.DISPATCH_KEYS else ()
+    views = [o for o in views if (packet, o) not in torch_casts]
+    if views:
+        raise ValueError(
+            f"rule {rule!r} does not apply to op {op!r}: aten::{packet} returns a view of its "
+            f"input (overloads {', '.join(views)}), and a cast input would make it a view of a "
+            f"copy, so writes through the result would not reach the input (torch's autocast "
+            f"casts no such op on {device_type!r}); cast the op's input or result instead"
+        )
 
 
 def _has_opt_dtype(packet: str, overload: str) -> bool:

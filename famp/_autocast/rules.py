@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from famp._autocast.ops import check_applies, check_op, covered
+from famp._autocast.ops import check_applies, check_op, check_view, covered
 
 Rule = Literal[
     "lower",
@@ -100,8 +100,9 @@ class OpRules(Mapping[str, str]):
 
     Raises:
         ValueError: an op is not an aten op or overload, a rule name is unknown or does not
-            apply to the op (the dtype rules need a dtype argument), or the device type is not
-            one torch knows.
+            apply to the op (the dtype rules need a dtype argument; no rule that casts applies
+            to an op returning a view of its input, unless torch's autocast casts it on the
+            device), or the device type is not one torch knows.
         TypeError: an op name or the device type is not a str.
 
     Examples:
@@ -126,6 +127,8 @@ class OpRules(Mapping[str, str]):
             checked[check_op(op)] = check_rule(op, rule)
             check_applies(op, checked[op])
         self._device_type = check_device_type(device_type)
+        for op, rule in checked.items():
+            check_view(op, rule, self._device_type)
         self._rules = _canonical(checked)
         self._covered = {k: covered(k) for k in self._rules if "." not in k}
         self._hash = hash((self._device_type, frozenset(self._rules.items())))
@@ -205,7 +208,7 @@ class OpRules(Mapping[str, str]):
 
         Raises:
             ValueError: an op is not an aten op or overload, or a rule name is unknown or does
-                not apply to the op; nothing is applied.
+                not apply to the op (as for `OpRules`); nothing is applied.
 
         Examples:
             >>> import famp

@@ -448,13 +448,30 @@ OPS = sorted(
     {k for d in DEVICES for k in famp.default_rules(d)}
     | {"relu", "linear.out", "conv2d.padding", "sum.dim_IntList", "norm.ScalarOpt_dtype"}
 )
+
+
+def _returns_a_view(op: str) -> bool:
+    """Whether a functional overload the key covers returns a view of an input (its schema's
+    alias annotation without a write: `Tensor(a)`), read off torch."""
+    packet, dot, overload = op.partition(".")
+    for name in [overload] if dot else _all_overloads(packet):
+        schema = getattr(getattr(torch.ops.aten, packet), name)._schema
+        if _functional_with_tensor(packet, name) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        ):
+            return True
+    return False
+
+
 APPLICABLE = {
     op: [
         r
         for r in famp.RULE_NAMES
-        if r not in ("float32_set_opt_dtype", "float32_append_dtype")
+        if (r not in ("float32_set_opt_dtype", "float32_append_dtype"))
         or famp.default_rules("cuda").lookup(*(op.partition(".")[::2])) == r
     ]
+    if not _returns_a_view(op)
+    else ["keep", "banned"]  # casting rules: tested on their own below
     for op in OPS
 }
 changes_st = st.dictionaries(st.sampled_from(OPS), st.just(None), max_size=8).flatmap(
@@ -688,3 +705,54 @@ def test_a_pickle_names_public_famp_only(protocol: int) -> None:
     assert b"famp._" not in data
     assert b"_autocast" not in data
     assert pickle.loads(data) == rules
+
+
+# --- views: no cast that would make them views of a copy ------------------------------------
+
+VIEW_OPS = ["view", "reshape", "transpose", "t", "select", "narrow", "split", "unsqueeze", "expand"]
+
+
+@pytest.mark.parametrize("op", VIEW_OPS)
+@pytest.mark.parametrize("rule", ["lower", "float32", "promote"])
+def test_a_casting_rule_for_an_op_returning_a_view_is_refused(op: str, rule: str) -> None:
+    """A cast input would make the result a view of a copy: a write through it would be lost
+    (torch's autocast casts no such op). Refused in every constructor, nothing applied."""
+    assert _returns_a_view(op)
+    base = famp.default_rules("cpu")
+    for build in (
+        lambda: base.override({op: rule}),
+        lambda: famp.OpRules({op: rule}, device_type="cuda"),
+        lambda: famp.OpRules.from_dict({"device_type": "cpu", "rules": {op: rule}}),
+    ):
+        with pytest.raises(ValueError, match=rf"rule '{rule}' does not apply to op '{op}'.*view"):
+            build()
+    assert base == famp.default_rules("cpu")
+    assert base.override({op: "banned"})[op] == "banned"  # neither casts
+    assert base.override({op: "keep"}) == base
+
+
+def test_a_view_op_torch_itself_casts_keeps_its_rule_and_takes_others_on_that_device() -> None:
+    """torch's CPU autocast registers `view_as_complex` (float32): famp's table follows it and
+    accepts other casting rules for it there, as torch already casts its input; on a device
+    whose autocast does not cast it, a casting rule is refused."""
+    registered = _registered("cpu")
+    assert ("view_as_complex", "default") in registered
+    assert _returns_a_view("view_as_complex")
+    cpu = famp.default_rules("cpu")
+    assert cpu.lookup("view_as_complex") == "float32"
+    assert cpu.override({"view_as_complex": "lower"}).lookup("view_as_complex") == "lower"
+    assert ("view_as_complex", "default") not in _registered("cuda")
+    with pytest.raises(ValueError, match=r"view_as_complex.*view of its input"):
+        famp.default_rules("cuda").override({"view_as_complex": "float32"})
+
+
+def test_a_casting_rule_for_a_view_would_lose_a_write_through_it() -> None:
+    """Why the refusal: torch's own autocast, which casts `view_as_complex` on the CPU, returns
+    a view of a float32 copy of a bfloat16 input, so a write through the result is lost."""
+    x = torch.randn(3, 2, dtype=torch.bfloat16)
+    before = x.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.view_as_complex(x).mul_(2)
+    assert torch.equal(x, before)  # lost
+    x.view(-1).mul_(2)
+    assert torch.equal(x, before * 2)  # a plain view writes through
