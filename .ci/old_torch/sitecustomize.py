@@ -7,7 +7,8 @@ torch 2.13 or later it does nothing. docs/torch-versions.md, "What ran on a GPU"
 ran with it. On torch 2.11 it:
 
 1. adds `torch._foreach_clone` (missing) as torch 2.13's CUDA kernel of it works
-   (pytorch/pytorch#177421): an empty tensor like each, then one multi-tensor `_foreach_copy_`;
+   (pytorch/pytorch#177421): an empty tensor like each, then one multi-tensor `_foreach_copy_`,
+   as an operator (compiled: one opaque node, where torch 2.13's inductor writes its own kernel);
 2. leaves the named-tensor (`Dimname`) overloads that torch 2.11's autocast registers out of the
    ops famp reads off the dispatcher: fake tensors cannot run them, so no rule can be derived;
 3. installs torch 2.13's `init_gpu_context`: torch 2.11's initialises an XPU context for a fake
@@ -23,10 +24,15 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
 
     if not hasattr(torch, "_foreach_clone"):
 
-        def foreach_clone(tensors):
+        @torch.library.custom_op("famp_shim::foreach_clone", mutates_args=())
+        def foreach_clone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             copies = [torch.empty_like(t) for t in tensors]
             torch._foreach_copy_(copies, tensors)
             return copies
+
+        @foreach_clone.register_fake
+        def _(tensors):  # compiled: one opaque node; its copies keep the tensors' strides
+            return [torch.empty_like(t) for t in tensors]
 
         torch._foreach_clone = foreach_clone
 

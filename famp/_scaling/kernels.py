@@ -92,9 +92,11 @@ def _compiled(
     clone) into new tensors, one node, which compiles faster than the copies and the mutating
     operator (about 1 s more for 120 small grads). On CUDA, for dtypes the kernel runs there,
     the kernel: `fresh` tensors copied and the copies unscaled in place as on the CPU (inductor
-    drops the copies: one launch for all of them), others through its functional variant. Traced
-    as plain ops, inductor launches three kernels per tensor, and the host's launches dominate
-    (docs/benchmarks.md, "CUDA, second measurements": 2.6 against 1.1 times a clone, 200 grads).
+    drops the copies: one launch for all of them), others copied by torch's multi-tensor clone
+    (one kernel for all, where the kernel's functional variant cloned each with a launch of its
+    own) and the copies unscaled in place. Traced as plain ops, inductor launches three kernels
+    per tensor, and the host's launches dominate (docs/benchmarks.md, "CUDA, second
+    measurements": 2.6 against 1.1 times a clone, 200 grads; "third measurements").
     Elsewhere, and for subclasses or tensors that carry a graph, big float32/float64 tensors are
     traced as plain ops, which inductor fuses into one read and one write per tensor where the
     kernel's functional variant makes two passes; but each tensor so traced adds about 0.15 s of
@@ -109,12 +111,12 @@ def _compiled(
             return copies, found
         new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
         return list(new), found
-    if device_type == "cuda" and _opaque(tensors) and _runs(tensors, inv):
-        if fresh:  # as on the CPU: inductor unscales them where they lie, one launch
-            copies = [x.clone() for x in tensors]
-            unscale_in_place_op(copies, found, inv)
-            return copies, found
-        return _kernel(tensors, found, inv)
+    if device_type == "cuda" and tensors and _opaque(tensors) and _runs(tensors, inv):
+        # `fresh` ones as on the CPU: inductor unscales them where they lie, one launch; others
+        # are copied by one multi-tensor clone, which inductor writes as one kernel for them all
+        copies = [x.clone() for x in tensors] if fresh else list(foreach_clone(tensors))
+        unscale_in_place_op(copies, found, inv)
+        return copies, found
     kernel: list[int] = []
     fused: list[int] = []
     for i, x in enumerate(tensors):  # total: every tensor takes exactly one of the two paths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -482,31 +483,45 @@ def test_one_clone_for_all_then_the_kernel_is_the_functional_variant(
     _check_against_functional_variant(out, found, expected, expected_found)
 
 
+@functools.cache
+def _compiled_unscale() -> Callable[..., Any]:
+    return torch.compile(famp.unscale_and_check, fullgraph=True)
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("scale_value", [1024.0, 1.0, 0.5])
 def test_unscale_and_check_on_cuda_keeps_layouts_and_launches_less_than_a_clone_each(
-    dtype: torch.dtype, scale_value: float
+    compiled: bool, dtype: torch.dtype, scale_value: float
 ) -> None:
-    """Eagerly on CUDA famp clones the gradients in one multi-tensor launch and runs the kernel
-    on the copies: the bits, the dtypes and the strides of torch's functional variant (a clone
-    of each gradient, then the kernel), with far fewer launches than gradients."""
+    """On CUDA famp clones the gradients in one multi-tensor clone and runs the kernel on the
+    copies, eagerly and compiled: the bits, the dtypes and the strides of torch's functional
+    variant (a clone of each gradient, then the kernel), with far fewer launches than
+    gradients. Eagerly famp clones gradients that are not dense (strided, expanded) apart, so
+    the multi-tensor clone keeps its one launch for the others; compiled, the clone is the
+    compiler's, counted on dense gradients (gradients are; torch 2.11's shim, an opaque
+    operator, copies each tensor of a list with one that is not)."""
     grads = _layouts(dtype, "cuda")
     before = [x.clone() for x in grads]
     expected, expected_found, _ = _functional_variant(grads, scale_value)
     state = famp.init_scaler(scale_value, device="cuda")
+    unscale = _compiled_unscale() if compiled else famp.unscale_and_check
+    out, found_inf = unscale(state, grads)
+    _check_against_functional_variant(out, found_inf, expected, expected_found)
+    for g, b in zip(grads, before, strict=True):
+        assert_bitwise_equal(g, b)
+    counted = [g for g in grads if g.is_contiguous()] if compiled else grads
+    unscale(state, counted)  # compiles; the next call is counted
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the profiler's own notes on how it keeps events
         with torch.profiler.profile(activities=activities) as prof:
-            out, found_inf = famp.unscale_and_check(state, grads)
+            unscale(state, counted)
             torch.cuda.synchronize()
         events = prof.events()
     kernels_run = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    _check_against_functional_variant(out, found_inf, expected, expected_found)
-    for g, b in zip(grads, before, strict=True):
-        assert_bitwise_equal(g, b)
-    assert 0 < len(kernels_run) < len(grads) // 5, [e.name for e in kernels_run]
+    assert 0 < len(kernels_run) < len(counted) // 5, [e.name for e in kernels_run]
 
 
 @pytest.mark.parametrize("chunk_bytes", PATHS)
