@@ -112,11 +112,7 @@ def _compiled(
         new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
         return list(new), found
     if device_type == "cuda" and tensors and _opaque(tensors) and _runs(tensors, inv):
-        # `fresh` ones as on the CPU: inductor unscales them where they lie, one launch; others
-        # are copied by one multi-tensor clone, which inductor writes as one kernel for them all
-        copies = [x.clone() for x in tensors] if fresh else list(foreach_clone(tensors))
-        unscale_in_place_op(copies, found, inv)
-        return copies, found
+        return copied_then_unscaled(tensors, found, inv, fresh)
     kernel: list[int] = []
     fused: list[int] = []
     for i, x in enumerate(tensors):  # total: every tensor takes exactly one of the two paths
@@ -128,6 +124,18 @@ def _compiled(
             for i, t in zip(picked, new, strict=True):
                 out[i] = t
     return out, found
+
+
+def copied_then_unscaled(
+    tensors: list[Tensor], found: Tensor, inv: Tensor, fresh: bool
+) -> tuple[list[Tensor], Tensor]:
+    """Traced on CUDA: copies of `tensors` unscaled in place by the kernel (`found`, this call's
+    own, updated in place). `fresh` ones are cloned one by one, clones that inductor drops (it
+    unscales them where they lie, one launch); others by one multi-tensor clone, which inductor
+    writes as one kernel for them all. Tested compiled on CPU tensors too, on every torch."""
+    copies = [x.clone() for x in tensors] if fresh else list(foreach_clone(tensors))
+    unscale_in_place_op(copies, found, inv)
+    return copies, found
 
 
 def _wide(tensors: list[Tensor]) -> bool:

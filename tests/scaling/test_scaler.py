@@ -483,6 +483,30 @@ def test_one_clone_for_all_then_the_kernel_is_the_functional_variant(
     _check_against_functional_variant(out, found, expected, expected_found)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fresh", [False, True], ids=["held", "fresh"])
+def test_compiled_cuda_path_traced_on_cpu_tensors_is_the_functional_variant(
+    dynamic: bool, fresh: bool
+) -> None:
+    """What `torch.compile` traces for CUDA gradients (a multi-tensor clone, or clones, then the
+    kernel in place on the copies), compiled by inductor on CPU tensors of every layout, in
+    static and dynamic shapes: the bits and strides of torch's functional variant, on every
+    torch release famp supports (the CUDA run of the same path is the test below)."""
+    grads = [g for dtype in (torch.float16, torch.float32) for g in _layouts(dtype, "cpu")[:8]]
+    torch.compiler.reset()
+    run = torch.compile(kernels.copied_then_unscaled, fullgraph=True, dynamic=dynamic)
+    for picked in (grads[:8], grads[8:]):  # one dtype a call, as the kernel takes them
+        before = [x.clone() for x in picked]
+        inv = torch.tensor(0.5).double().reciprocal().float()
+        out, found = run(picked, torch.zeros(()), inv, fresh)
+        want, want_found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
+            before, torch.zeros(()), inv
+        )
+        _check_against_functional_variant(list(out), found, list(want), want_found)
+        for g, b in zip(picked, before, strict=True):
+            assert_bitwise_equal(g, b)
+
+
 @functools.cache
 def _compiled_unscale() -> Callable[..., Any]:
     return torch.compile(famp.unscale_and_check, fullgraph=True)
