@@ -70,19 +70,44 @@ def cast_leaf(leaf: Any, dtype: torch.dtype) -> Any:
 
 
 def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
+    """`tree` with `cast_leaf` applied to every leaf: what torch's `tree_map` gives.
+
+    Trees of plain tuples, lists and dicts over plain leaves (tensors, None, numbers, strings)
+    are cast here, without torch's `tree_flatten`, which on torch 2.13-2.15 leaves a reference
+    cycle per call (a closure that calls itself) for the collector to find; other trees (named
+    tuples, registered nodes, subclasses) go through `tree_map`.
+    """
     if isinstance(tree, torch.Tensor):
         return cast_leaf(tree, dtype)  # type: ignore[no-any-return]
     if type(tree) in (tuple, list):
         items: tuple[Any, ...] | list[Any] = tree  # type: ignore[assignment]
-        if all(type(x) in _FLAT_LEAVES for x in items):
-            # What tree_map gives, without torch's tree_flatten: on torch 2.13-2.15 it leaves a
-            # reference cycle per call (a closure that calls itself) for the collector to find.
+        if all(type(x) in _FLAT_LEAVES for x in items):  # the common case, without recursion
             return type(items)(cast_leaf(x, dtype) for x in items)  # type: ignore[return-value]
+    out = _cast_plain(tree, dtype, _MAX_DEPTH)
+    if out is not _NOT_PLAIN:
+        return out  # type: ignore[no-any-return]
     return pytree.tree_map(lambda leaf: cast_leaf(leaf, dtype), tree)  # type: ignore[no-any-return]
+
+
+def _cast_plain(tree: Any, dtype: torch.dtype, depth: int) -> Any:
+    """`tree` cast leaf by leaf if it is plain tuples, lists and dicts (as many levels as
+    `depth`) over `_FLAT_LEAVES`, else `_NOT_PLAIN`; a module function, so no cycle."""
+    kind = type(tree)
+    if kind in _FLAT_LEAVES:
+        return cast_leaf(tree, dtype)
+    if depth == 0 or kind not in (tuple, list, dict):
+        return _NOT_PLAIN
+    values = tree.values() if kind is dict else tree
+    cast = [_cast_plain(x, dtype, depth - 1) for x in values]
+    if any(x is _NOT_PLAIN for x in cast):
+        return _NOT_PLAIN
+    return dict(zip(tree, cast, strict=True)) if kind is dict else kind(cast)
 
 
 # Leaves of every pytree: a tuple or list of only these is one level deep.
 _FLAT_LEAVES = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
+_NOT_PLAIN = object()
+_MAX_DEPTH = 8  # deeper trees go through tree_map
 
 
 @dataclasses.dataclass(frozen=True)

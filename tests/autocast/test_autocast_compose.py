@@ -13,15 +13,18 @@ import gc
 import pathlib
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given
 from torch import nn
 from torch.autograd import forward_ad
 from torch.nn import functional as F  # noqa: N812
 
 import famp
+from famp._autocast import policy as policy_module
 from tests.helpers import assert_bitwise_equal, rank_files, torchrun
 
 BF16 = torch.bfloat16
@@ -358,26 +361,84 @@ def _thread_model(seed: int) -> nn.Module:
     )  # fmt: skip
 
 
+_OUTPUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "tuple": lambda y, x: (y, x),
+    "dict": lambda y, x: {"y": y, "x": x},
+    "nested": lambda y, x: [{"y": y, "more": (x, None, 3)}, [x.double(), "s"]],
+}
+_FIRST: dict[str, Callable[[Any], torch.Tensor]] = {
+    "tuple": lambda out: out[0],
+    "dict": lambda out: out["y"],
+    "nested": lambda out: out[0]["y"],
+}
+
+
+@pytest.mark.parametrize("out", list(_OUTPUTS))
 @pytest.mark.parametrize("kind", ["default", "track_casts", "override", "module_rule"])
-def test_a_call_leaves_no_reference_cycle(kind: str) -> None:
+def test_a_call_leaves_no_reference_cycle(kind: str, out: str) -> None:
     # A cycle per call (a record and its mode holding each other) makes every call garbage for
     # the collector, whose full passes over a process of torch objects cost far more than a
     # step of a small model (docs/benchmarks.md, nineteenth pass).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
     options = {} if kind == "default" else _options(kind)
-    # A tuple out: cast per leaf, as the module rule casts the module's positional inputs.
-    f = famp.autocast(lambda x: (model(x), x), "c=bf16,o=f32", **options)
+    # Outputs cast per leaf, as the module rule casts the module's positional inputs.
+    f = famp.autocast(lambda x: _OUTPUTS[out](model(x), x), "c=bf16,o=f32", **options)
     x = torch.randn(4, 8)
-    f(x)[0].sum().backward()  # first calls build caches, which live on
+    _FIRST[out](f(x)).sum().backward()  # first calls build caches, which live on
     gc.collect()
     gc.disable()
     try:
         for _ in range(5):
-            f(x)[0].sum().backward()
+            _FIRST[out](f(x)).sum().backward()
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+_plain_leaves = st.one_of(
+    st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32]).map(
+        lambda d: torch.ones(2, dtype=d)
+    ),
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=2),
+    st.booleans(),
+)
+_trees = st.recursive(
+    _plain_leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), inner, max_size=3),
+        st.lists(inner, min_size=2, max_size=2).map(lambda xs: Pair(*xs)),  # a named tuple
+    ),
+    max_leaves=12,
+)
+
+
+@given(tree=_trees, dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_policy_casts_of_a_tree_are_torchs_tree_map(tree: Any, dtype: torch.dtype) -> None:
+    # famp casts plain tuples, lists and dicts itself (torch's tree_flatten leaves a reference
+    # cycle per call); the result, its containers' types and key orders are tree_map's.
+    want = torch.utils._pytree.tree_map(lambda leaf: policy_module.cast_leaf(leaf, dtype), tree)
+    got = policy_module._cast_tree(tree, dtype)
+    want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
+    got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
+    assert got_spec == want_spec
+    assert repr(got_spec) == repr(want_spec)  # key orders and container types
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert type(g) is type(w)
+        if isinstance(w, torch.Tensor):
+            assert_bitwise_equal(g, w)
+        else:
+            assert g == w
 
 
 def test_calls_with_rules_in_four_threads_give_each_threads_own_bits() -> None:
