@@ -56,23 +56,16 @@ def out_of_place(
 
 
 def _cloned(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Eagerly on CUDA: the kernel's functional variant in two launches, the same bits.
-
-    The functional variant clones each tensor with a launch of its own, then runs the in-place
-    kernel on the copies. torch's multi-tensor clone copies them all in one launch (CUDA), and
-    the in-place kernel on its copies gives the same results: the host's launches, not memory,
-    bound the functional variant on a GPU (docs/benchmarks.md, "CUDA, third measurements"). The
-    multi-tensor clone takes its one launch only where every tensor is non-overlapping and dense
-    (else it clones each), so tensors that are not (strided slices, expanded ones) are cloned
-    apart; each copy has the strides the functional variant's clone gives it.
-    """
+    """Eagerly on CUDA: the kernel's functional variant (a clone of each tensor, a launch each,
+    then the kernel on the copies) in two launches: one multi-tensor clone, then the kernel. The
+    host's launches bound the functional variant (docs/benchmarks.md, "CUDA, third
+    measurements"). The multi-tensor clone keeps its one launch only where every tensor is
+    non-overlapping and dense, so others (strided, expanded) are cloned apart. Same bits and
+    strides."""
     together = [x.is_contiguous() or eager_cpu.dense(x) for x in tensors]
-    if all(together):
-        copies = list(foreach_clone(tensors))
-    else:
-        picked = [x for x, t in zip(tensors, together, strict=True) if t]
-        batch = iter(foreach_clone(picked) if picked else ())
-        copies = [next(batch) if t else x.clone() for x, t in zip(tensors, together, strict=True)]
+    picked = [x for x, t in zip(tensors, together, strict=True) if t]
+    batch = iter(foreach_clone(picked) if picked else ())
+    copies = [next(batch) if t else x.clone() for x, t in zip(tensors, together, strict=True)]
     amp_foreach_non_finite_check_and_unscale_(copies, found, inv)
     return copies, found
 
