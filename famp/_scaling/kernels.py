@@ -40,10 +40,10 @@ def out_of_place(
 
     Eagerly on the CPU, `eager_cpu.out_of_place_cpu` (about one pass over memory); on CUDA, a
     multi-tensor clone and the kernel in place on it (`_cloned`); on other devices, the kernel's
-    functional variant. Compiled, `_compiled` decides; `fresh` says that
-    the tensors are intermediate results of the compiled program that nothing else reads
-    (`famp.value_and_grad`'s gradients), a hint that changes no value. Results equal the
-    kernel's bit for bit (tested on random bit patterns).
+    functional variant. Compiled, `_compiled` decides; `fresh` says that the tensors are
+    intermediate results of the compiled program that nothing else reads (`famp.value_and_grad`'s
+    gradients), a hint that changes no value. Results equal the kernel's bit for bit (tested on
+    random bit patterns).
     """
     if torch.compiler.is_compiling():
         return _compiled(tensors, found, inv, fresh)
@@ -99,9 +99,7 @@ def _compiled(
     device_type = inv.device.type
     if device_type == "cpu" and _opaque(tensors):
         if fresh and _wide(tensors):  # `found` is this call's own: the kernel updates it
-            copies = [x.clone() for x in tensors]
-            unscale_in_place_op(copies, found, inv)
-            return copies, found
+            return copied_then_unscaled(tensors, found, inv, fresh)
         new, found = cast(tuple[list[Tensor], Tensor], unscale_op(tensors, found, inv))
         return list(new), found
     if device_type == "cuda" and tensors and _opaque(tensors) and _runs(tensors, inv):
@@ -122,9 +120,9 @@ def _compiled(
 def copied_then_unscaled(
     tensors: list[Tensor], found: Tensor, inv: Tensor, fresh: bool
 ) -> tuple[list[Tensor], Tensor]:
-    """Traced on CUDA: copies of `tensors` unscaled in place by the kernel (`found`, this call's
-    own, updated in place). `fresh` ones are cloned one by one, clones that inductor drops (it
-    unscales them where they lie, one launch); others by one multi-tensor clone, which inductor
+    """Traced: copies of `tensors` unscaled in place by the kernel (`found`, this call's own,
+    updated in place). `fresh` ones are cloned one by one, clones that inductor drops (it
+    unscales them where they lie); others (on CUDA) by one multi-tensor clone, which inductor
     writes as one kernel for them all. Tested compiled on CPU tensors too, on every torch."""
     copies = [x.clone() for x in tensors] if fresh else list(foreach_clone(tensors))
     unscale_in_place_op(copies, found, inv)
