@@ -4,7 +4,7 @@ Times (CUDA events, median of ``--rounds``) a clone of every gradient (one read 
 each byte, the floor for an out-of-place pass), ``GradScaler("cuda").unscale_``, the out-of-place
 form of its kernel and ``famp.unscale_and_check`` (eager, donated and compiled with inductor), and
 prints each as GB/s of gradient bytes read and written. Part of ``bash .ci/cuda``;
-docs/benchmarks.md has the figures of its first run (an H100, torch 2.11).
+docs/benchmarks.md has the figures of its runs (an H100, torch 2.11).
 
 Run from the repository root: ``python benchmarks/bench_cuda.py [--elements N] [--tensors T]``.
 """
