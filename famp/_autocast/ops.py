@@ -3,16 +3,19 @@
 A packet key (`"linear"`) covers the packet's *functional* overloads that take a tensor (torch
 never autocasts `out=` or in-place overloads, nor scalar-only ones such as `pow.int`); a
 `"packet.overload"` key names one overload. Also here: which overloads the dtype-argument rules
-apply to, that no casting rule applies to an op returning a view of its input (`check_view`),
-and the error message of a `"banned"` op.
+apply to, that no casting rule applies to an op returning a view of its input or, as a probe on
+the installed torch shows, the input itself (`check_view`), and the error message of a
+`"banned"` op.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
+from famp._compat import kernel_registrations, real_tensors
 from famp._compat import op_schema as schema
 
 APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
@@ -98,26 +101,68 @@ def returns_view(packet: str, overload: str) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
+@functools.cache
+def returns_input(packet: str, overload: str) -> bool:
+    """Whether a composite overload whose schema marks no alias (`type_as`, `atleast_1d`,
+    `broadcast_tensors`, `meshgrid`) returned its tensor input itself, or a view of it, when run
+    here on a small tensor: read off the installed torch. Only overloads made of other ops
+    (CompositeImplicitAutograd kernels) whose required arguments are all tensors are run."""
+    name = f"aten::{packet}" + ("" if overload == "default" else f".{overload}")
+    if name not in _composites():
+        return False
+    op = getattr(getattr(torch.ops.aten, packet), overload)
+    with real_tensors(), warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")  # a deprecation notice of the probed op, say
+        t = torch.ones(2)
+        args: list[object] = []
+        for a in schema(op).arguments:
+            if a.kwarg_only or a.has_default_value():
+                break
+            if str(a.type) not in ("Tensor", "List[Tensor]"):
+                return False
+            args.append(t if str(a.type) == "Tensor" else [t])
+        try:
+            with torch.no_grad():
+                out = op(*args)
+        except Exception:  # a probe the op refuses tells nothing
+            return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(
+        isinstance(o, torch.Tensor)
+        and o.layout == torch.strided
+        and o.untyped_storage().data_ptr() == ptr
+        for o in (out if isinstance(out, (list, tuple)) else (out,))
+    )
+
+
+@functools.cache
+def _composites() -> frozenset[str]:
+    return frozenset(kernel_registrations("CompositeImplicitAutograd"))
+
+
 def check_view(op: str, rule: str, device_type: str) -> None:
     """A rule that casts may not name an op whose result aliases its input, unless torch's own
     autocast casts that overload on the device (`view_as_complex` on the CPU): the result would
     alias a copy, so a write through it would not reach the input, nor one into the input it."""
     if rule in ("keep", "banned"):
         return
-    packet, dot, overload = op.partition(".")
-    views = [o for o in ([overload] if dot else sorted(covered(packet))) if returns_view(packet, o)]
-    if not views:
-        return
     from famp._autocast import tables  # tables reads rule names: imported here, not at the top
 
+    packet, dot, overload = op.partition(".")
     torch_casts = tables.registered_ops(device_type) if device_type in tables.DISPATCH_KEYS else ()
-    views = [o for o in views if (packet, o) not in torch_casts]
+    names = [
+        o
+        for o in ([overload] if dot else sorted(covered(packet)))
+        if (packet, o) not in torch_casts
+    ]
+    views = [o for o in names if returns_view(packet, o) or returns_input(packet, o)]
     if views:
         raise ValueError(
             f"rule {rule!r} does not apply to op {op!r}: aten::{packet} returns a view of its "
-            f"input (overloads {', '.join(views)}), and a cast input would make it a view of a "
-            f"copy, so writes through the result would not reach the input (torch's autocast "
-            f"casts no such op on {device_type!r}); cast the op's input or result instead"
+            f"input or the input itself (overloads {', '.join(views)}), and a cast input would "
+            f"make it a view of a copy, so writes through the result would not reach the input "
+            f"(torch's autocast casts no such op on {device_type!r}); cast the op's input or "
+            f"result instead"
         )
 
 

@@ -9,7 +9,7 @@ import pickle
 import subprocess
 import sys
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import hypothesis.strategies as st
 import pytest
@@ -756,3 +756,46 @@ def test_a_casting_rule_for_a_view_would_lose_a_write_through_it() -> None:
     assert torch.equal(x, before)  # lost
     x.view(-1).mul_(2)
     assert torch.equal(x, before * 2)  # a plain view writes through
+
+
+# Composites whose schemas mark no alias but which return their input, or a view of it: the
+# premise read off torch by calling each (`Tensor.type_as` of the same dtype returns the tensor).
+_RETURNS_INPUT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "type_as": lambda t: t.type_as(t),
+    "atleast_1d": torch.atleast_1d,
+    "broadcast_tensors": lambda t: torch.broadcast_tensors(t, t)[0],
+    "meshgrid": lambda t: torch.meshgrid(t, indexing="ij")[0],
+}
+
+
+@pytest.mark.parametrize("op", list(_RETURNS_INPUT))
+def test_a_casting_rule_for_a_composite_returning_its_input_is_refused(op: str) -> None:
+    """The schema says nothing, torch's behaviour does: famp probes such composites on the
+    installed torch, and refuses a cast that would make their result a copy's."""
+    t = torch.ones(3)
+    result = _RETURNS_INPUT[op](t)
+    assert result.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert not _returns_a_view(op)  # the schema does not say it
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=rf"op '{op}'.*the input itself"):
+            famp.default_rules(device).override({op: "float32"})
+    assert famp.default_rules("cpu").override({op: "keep"}) == famp.default_rules("cpu")
+
+
+_NEW_TENSORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "cosine_similarity": lambda t: torch.cosine_similarity(t, t, dim=0),
+    "kron": lambda t: torch.kron(t, t),
+    "inner": lambda t: torch.inner(t, t),
+    "outer": lambda t: torch.outer(t, t),
+}
+
+
+@pytest.mark.parametrize("op", list(_NEW_TENSORS))
+def test_composites_that_return_new_tensors_take_casting_rules(op: str) -> None:
+    """The probe refuses only what aliases: composites of tensor arguments that compute new
+    tensors (read off torch: their results share no memory with their inputs), which torch's
+    CPU autocast does not list, take any rule there."""
+    t = torch.ones(3)
+    assert _NEW_TENSORS[op](t).untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert (op, "default") not in _registered("cpu")
+    assert famp.default_rules("cpu").override({op: "float32"})[op] == "float32"
