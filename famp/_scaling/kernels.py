@@ -8,7 +8,8 @@ where those total `fused.MIN_BYTES`), a min/max and a multiply (other big CPU te
 kernel's arithmetic as plain ops (`where_program`), which `torch.func` transforms need, and devices
 whose kernel lacks a dtype. Compiled on the CPU, all of the eager choice is one opaque node
 (`unscale_op`); gradients that only the step reads (big ones on the CPU, all on CUDA) are unscaled
-in place by the kernel (`unscale_in_place_op`). Each is tested against `GradScaler` bit for bit, NaN
+in place by the kernel (`unscale_in_place_op`), and on CUDA other gradients too, on one
+multi-tensor clone (`copied_then_unscaled`). Each is tested against `GradScaler` bit for bit, NaN
 bit patterns included. `differentiable.py` gives the same results with the backward of torch's
 gradient-penalty recipe.
 """
