@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from famp._autocast import hooks
-from famp._autocast.casts import apply_rule
+from famp._autocast.casts import AS_TORCH, apply_rule
 from famp._autocast.mode import FampMode, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
@@ -292,14 +292,15 @@ class CallRecord:
         rule = None
         if self.overrides is not None and enabled and inplace is None:
             rule = self.overrides.rule(packet, overload, args, kwargs)
+        out = AS_TORCH  # also apply_rule's answer for a result that viewed a cast input
         if rule is not None:
             out = apply_rule(
                 rule, func, packet, args, kwargs, dev, lower, self.casts.cache, self._off
             )
-        elif scope is not None:
+        if out is AS_TORCH and scope is not None:
             with region(dev, *scope):
                 out = call(func, args, kwargs)
-        else:
+        elif out is AS_TORCH:
             out = call(func, args, kwargs)
         if track and (inplace is not None or writes_first_arg(packet, kwargs)):
             self.casts.invalidate(written(args, kwargs) if inplace is None else inplace)

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from famp._autocast.op_calls import call
-from famp._autocast.ops import banned_message, functional_overloads
+from famp._autocast.ops import (
+    banned_message,
+    functional_overloads,
+    returns_input_given,
+    value_arguments,
+)
 from famp._autocast.weights import CastCache
 from famp._compat import OpOverload, assume_constant_result, op_schema
 
@@ -169,7 +174,15 @@ def apply_rule(
     cache: CastCache,
     autocast_off: Callable[[], Any],
 ) -> Any:
-    """Run one call under `rule` with `lower` as the compute dtype, autocast off inside it."""
+    """Run one call under `rule` with `lower` as the compute dtype, autocast off inside it.
+
+    Returns `AS_TORCH` instead where a casting rule's call returned a view of an input it cast
+    (`torch.einsum("ij->ji", x)`), or would return the input itself with the call's bool and
+    float arguments (`dropout(x, p, False)`, asked of torch before anything is cast): the caller
+    then runs the call as torch does, uncast, so that the result is the caller's tensor or a view
+    of it, as under `torch.autocast`, and a write through it reaches that tensor. Ops that
+    return a view whatever their arguments take no casting rule at all (`ops.check_view`).
+    """
     if rule == "banned":
         raise RuntimeError(banned_message(packet, device_type))
     if rule in ("lower", "float32", "promote"):
@@ -178,8 +191,20 @@ def apply_rule(
         else:
             target = lower if rule == "lower" else torch.float32
         refuse_statistics_cast(rule, func, packet, args, kwargs, device_type, target)
-        args, kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
-    elif rule in ("float32_set_opt_dtype", "float32_append_dtype"):
+        if _value_packet(packet) and _returns_input(
+            func, packet, _constants(args), _constants(kwargs)
+        ):
+            return AS_TORCH  # `dropout` when not training: torch's result is the input itself
+        cast, cast_kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
+        with autocast_off():
+            out = call(func, cast, cast_kwargs)
+        for o in (out,) if isinstance(out, torch.Tensor) else out if type(out) is tuple else ():
+            if isinstance(o, torch.Tensor) and o._base is not None:  # a view: of a cast input?
+                copies = _copies((*args, *kwargs.values()), (*cast, *cast_kwargs.values()))
+                if any(o._base is c for c in copies):
+                    return AS_TORCH
+        return out
+    if rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         first = args[0] if args else next(iter(kwargs.values()), None)
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
             if isinstance(func, OpOverload) and not any(
@@ -194,3 +219,76 @@ def apply_rule(
         raise ValueError(f"unknown rule {rule!r} for op {packet!r}")
     with autocast_off():
         return call(func, args, kwargs)
+
+
+AS_TORCH = object()
+"""`apply_rule`'s answer for a call to run as torch runs it: cast, its result would be a cast
+copy of its input, or a view of one."""
+
+
+def _copies(before: tuple[Any, ...], after: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors `cast_args` made: those of `after` (and of its lists) not in `before`. Also
+    while Dynamo traces: `is` between the variables of its graph's tensors."""
+    made = []
+    for old, new in zip(before, after, strict=True):
+        if isinstance(new, torch.Tensor):
+            if new is not old:
+                made.append(new)
+        elif isinstance(new, (list, tuple)) and new is not old:
+            made.extend(n for o, n in zip(old, new, strict=True) if n is not o)
+    return made
+
+
+@assume_constant_result  # Dynamo calls it while tracing: a constant of the op's name
+def _value_packet(packet: str) -> bool:
+    return value_arguments(packet) is not None
+
+
+@assume_constant_result  # of the function and the call's constants (tensors, lists: None)
+def _returns_input(
+    func: Callable[..., Any], packet: str, args: tuple[Any, ...], kwargs: tuple[Any, ...]
+) -> bool:
+    """Whether a call of an op of `ops.value_arguments` returns its input itself (or a view),
+    its bool and float arguments read off `args` and `kwargs` (`_constants`). A torch Python
+    function (`F.dropout(input, p, training)`) is bound by its own signature, defaults
+    included, its parameters taken in the order of the op's (they agree for torch's)."""
+    found = value_arguments(packet)
+    if found is None:
+        return False
+    overload, names = found
+    defaults: dict[str, Any] = {}
+    if isinstance(func, types.FunctionType):
+        params = inspect.signature(func).parameters
+        defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
+        names = tuple(params)[: len(names)]
+    bound = {**defaults, **dict(zip(names, args, strict=False)), **dict(kwargs)}
+    arguments = op_schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments
+    values = []
+    for name, arg in zip(names, arguments, strict=False):
+        kind = str(arg.type)
+        if kind in ("bool", "float"):
+            value = bound.get(name)
+            if not isinstance(value, (bool, int, float)):  # not given, or not a plain number
+                return False
+            values.append(bool(value) if kind == "bool" else float(value))
+    return returns_input_given(packet, overload, tuple(values))
+
+
+def _constants(args: Any) -> tuple[Any, ...]:
+    """The plain constants of a call's arguments (positional, or keyword as pairs); None for
+    the others (tensors, lists), which Dynamo could not pass to `_returns_input`."""
+    if isinstance(args, dict):
+        return tuple((k, _constant(v)) for k, v in args.items())
+    return tuple(_constant(a) for a in args)
+
+
+def _constant(value: Any) -> Any:
+    """A number is read as zero or not (`0.5` or `1` for any other value; Dynamo may hold it as a
+    symbol, a module's `p` under `dynamic=True`, and then guards on that only): all that decides
+    whether `dropout` returns its input."""
+    kind = type(value)
+    if kind is float:
+        return 0.0 if value == 0 else 0.5
+    if kind is int:
+        return 0 if value == 0 else 1
+    return value if kind is bool or kind is str else None

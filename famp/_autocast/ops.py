@@ -107,21 +107,67 @@ def returns_input(packet: str, overload: str) -> bool:
     `broadcast_tensors`, `meshgrid`) returned its tensor input itself, or a view of it, when run
     here on a small tensor: read off the installed torch. Only overloads made of other ops
     (CompositeImplicitAutograd kernels) whose required arguments are all tensors are run."""
+    kinds = _probed_kinds(packet, overload)
+    return (
+        kinds is not None and not any(k in _VALUES for k in kinds) and _probe(packet, overload, ())
+    )
+
+
+@functools.cache
+def value_arguments(packet: str) -> tuple[str, tuple[str, ...]] | None:
+    """For a packet whose one covered overload is a composite with bool or float arguments
+    among its required tensor ones (`dropout(input, p, train)`): that overload and the names of
+    its required arguments, so that `returns_input_given` can be asked about each call."""
+    names = covered(packet) if overloads(packet) is not None else ()
+    if len(names) != 1:
+        return None
+    (overload,) = names
+    kinds = _probed_kinds(packet, overload)
+    if kinds is None or not any(k in _VALUES for k in kinds):
+        return None
+    arguments = schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments
+    return overload, tuple(a.name for a in arguments[: len(kinds)])
+
+
+@functools.cache
+def returns_input_given(packet: str, overload: str, values: tuple[bool | float, ...]) -> bool:
+    """Whether a composite of `value_arguments` returns its input itself, or a view of it, with
+    `values` as its bool and float arguments, in order (`dropout` when not training or with
+    `p=0`): run here once per `values` on a small tensor, as `returns_input` runs."""
+    return _probe(packet, overload, values)
+
+
+def _probed_kinds(packet: str, overload: str) -> tuple[str, ...] | None:
+    """The kinds of a composite overload's required arguments where famp may run it on a small
+    tensor: tensors, lists of tensors, bools and floats. Ints and sizes are not made up: such a
+    value can reach a kernel that does not check it (one crashed the process in a trial)."""
     name = f"aten::{packet}" + ("" if overload == "default" else f".{overload}")
     if name not in _composites():
-        return False
+        return None
+    kinds = []
+    for a in schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments:
+        if a.kwarg_only or a.has_default_value():
+            break
+        kinds.append(str(a.type))
+    return tuple(kinds) if all(k in ("Tensor", "List[Tensor]", *_VALUES) for k in kinds) else None
+
+
+_VALUES = ("bool", "float")
+
+
+def _probe(packet: str, overload: str, values: tuple[bool | float, ...]) -> bool:
+    """Run a composite on a small tensor (`values` for its bool and float arguments, in order);
+    whether a tensor of its result shares that tensor's memory."""
     op = getattr(getattr(torch.ops.aten, packet), overload)
+    kinds = _probed_kinds(packet, overload) or ()
     with real_tensors(), warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.simplefilter("ignore")  # a deprecation notice of the probed op, say
         t = torch.ones(2)
-        args: list[object] = []
-        for a in schema(op).arguments:
-            if a.kwarg_only or a.has_default_value():
-                break
-            if str(a.type) not in ("Tensor", "List[Tensor]"):
-                return False
-            args.append(t if str(a.type) == "Tensor" else [t])
+        given = iter(values)
         try:
+            args = [
+                t if k == "Tensor" else [t] if k == "List[Tensor]" else next(given) for k in kinds
+            ]
             with torch.no_grad():
                 out = op(*args)
         except Exception:  # a probe the op refuses tells nothing

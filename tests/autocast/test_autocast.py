@@ -18,6 +18,7 @@ from torch import nn
 
 import famp
 from famp._autocast import hooks, recompute
+from famp._autocast.compiled import own_code
 from famp._autocast.region import region as autocast_region
 from tests.helpers import assert_bitwise_equal
 
@@ -394,6 +395,111 @@ def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, com
     assert not torch.equal(ref_y, x.to(BF16) * 2)  # the call wrote into y
     assert_bitwise_equal(y, ref_y)
     assert_bitwise_equal(out, ref_out)
+
+
+# `torch.einsum` returns a view of its input for an equation that only rearranges it, and a new
+# tensor for a contraction: what a call returns depends on its arguments, not its schema.
+EINSUM_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "permutation": lambda y: torch.einsum("bij->bji", y),
+    "diagonal": lambda y: torch.einsum("bii->bi", y),
+}
+
+
+# Inductor's lowering of `diagonal` calls a helper torch 2.13 deprecates (torch's own warning).
+@pytest.mark.filterwarnings("ignore:.*_prims_common.check. is deprecated:FutureWarning")
+@pytest.mark.parametrize("run", ["eager", "compiled", "torch.compile, dynamic"])
+@pytest.mark.parametrize("name", sorted(EINSUM_CALLS))
+def test_override_leaves_a_call_that_returns_a_view_of_its_input_to_torch(
+    name: str, run: str
+) -> None:
+    # With an einsum override, a cast input would make such a result a view of a float32 copy:
+    # a write through it would not reach the caller's tensor. famp runs that call as torch's
+    # autocast does (uncast, a view of the caller's tensor); the contraction keeps the override.
+    rules = _cpu_rules({"einsum": "float32"})
+    call = EINSUM_CALLS[name]
+
+    def f(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        call(y).mul_(2)  # torch: writes into y
+        return torch.einsum("bij,bjk->bik", y, y), call(y)
+
+    def reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=BF16):
+            call(y).mul_(2)
+            with torch.autocast("cpu", enabled=False):  # the override: float32 inputs
+                product = torch.einsum("bij,bjk->bik", y.float(), y.float())
+            return product, call(y)
+
+    y = torch.randn(2, 5, 5).to(BF16)
+    transformed = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=run == "compiled")
+    if run == "torch.compile, dynamic":
+        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
+    ours, theirs = y.clone(), y.clone()
+    product, view = transformed(ours)
+    ref_product, ref_view = reference(theirs)
+    assert not torch.equal(theirs, y)  # torch's write reached the input
+    assert_bitwise_equal(ours, theirs)
+    assert ref_view.dtype == BF16
+    assert_bitwise_equal(view, ref_view)
+    assert_bitwise_equal(product, ref_product.to(BF16))  # the override's float32 einsum
+
+
+# Calls of dropout that torch answers with their input itself (not training, or p = 0).
+IDENTITY_DROPOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "eval": lambda y: F.dropout(y, 0.5, training=False),
+    "p_zero": lambda y: F.dropout(y, 0.0),
+    "p_zero_int_by_keyword": lambda y: F.dropout(y, p=0),
+    "module_eval": nn.Dropout(0.5).eval(),
+    "alpha_by_position": lambda y: F.alpha_dropout(y, 0.5, False),
+    "feature": lambda y: F.dropout1d(y, 0.5, training=False),
+    "aten": lambda y: torch.ops.aten.dropout.default(y, 0.5, False),
+}
+
+
+@pytest.mark.parametrize("run", ["eager", "compiled", "torch.compile, dynamic"])
+@pytest.mark.parametrize("name", sorted(IDENTITY_DROPOUTS))
+def test_override_leaves_a_call_that_returns_its_input_to_torch(name: str, run: str) -> None:
+    # A cast would make the result a float32 copy, not the caller's tensor: a write through it
+    # would be lost. famp asks torch, for the call's p and training flag, whether the op returns
+    # its input, and runs such a call as torch's autocast does.
+    rules = _cpu_rules({"dropout": "float32", "alpha_dropout": "float32"})
+    rules = rules.override({"feature_dropout": "float32"})
+    call = IDENTITY_DROPOUTS[name]
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        out = call(y)
+        out.mul_(2)  # torch: writes into y
+        return out
+
+    def reference(y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return f(y)
+
+    y = torch.randn(2, 3, 4).to(BF16)
+    transformed = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=run == "compiled")
+    if run == "torch.compile, dynamic":
+        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
+    if run != "eager":  # compiled, torch loses some such writes that its eager keeps
+        # A code object of its own per case: Dynamo compiles one at most 8 times.
+        reference = torch.compile(own_code(reference), fullgraph=True, dynamic=run != "compiled")
+    ours, theirs = y.clone(), y.clone()
+    out, ref_out = transformed(ours), reference(theirs)
+    if run == "eager":
+        assert torch.equal(theirs, y * 2)  # torch's write reached the input
+    assert_bitwise_equal(ours, theirs)
+    assert_bitwise_equal(out, ref_out)
+
+
+def test_override_of_dropout_still_casts_a_call_that_drops() -> None:
+    # Training with p > 0, dropout computes a new tensor: the override applies (float32 here).
+    rules = _cpu_rules({"dropout": "float32"})
+    y = torch.randn(4, 8).to(BF16)
+    torch.manual_seed(7)
+    out = famp.autocast(lambda y: F.dropout(y, 0.5), "c=bf16,o=f32", rules=rules)(y)
+    torch.manual_seed(7)
+    expected = F.dropout(y.float(), 0.5)
+    assert out.dtype == F32
+    assert_bitwise_equal(out, expected)
+    assert not torch.equal(out, y.float())  # it dropped
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
