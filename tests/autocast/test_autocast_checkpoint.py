@@ -448,3 +448,47 @@ def test_checkpoint_mode_block_with_dropout(mode: str) -> None:
         torch.manual_seed(123)
         results.append(_run(net, {"rules": rules}, x))
     _assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_overrides_leave_views_and_inputs_to_torch_in_checkpointed_blocks(mode: str | None) -> None:
+    # Calls that return a view of their input (an einsum permutation) or the input itself (an
+    # eval dropout) run uncast, as torch's autocast runs them, so writes through their results
+    # reach the input, also while a checkpointed block is recomputed; the contraction and the
+    # dropout that drops keep the float32 override. Against torch.autocast with the override's
+    # casts written out: outputs and gradients, bit for bit.
+    rules = famp.default_rules("cpu").override({"einsum": "float32", "dropout": "float32"})
+    w = torch.randn(5, 5, requires_grad=True)
+
+    def writes(y: torch.Tensor) -> torch.Tensor:
+        h = y * 2
+        torch.einsum("bij->bji", h).mul_(3)  # torch: into h, through the view
+        F.dropout(h, 0.5, training=False).add_(1)  # torch: into h, the result itself
+        return h
+
+    def block(y: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.einsum("bij,jk->bik", writes(y), w), 0.3, training=True)
+
+    def reference(y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            h = writes(y)
+            with torch.autocast("cpu", enabled=False):
+                return F.dropout(torch.einsum("bij,jk->bik", h.float(), w), 0.3, training=True)
+
+    def run(f: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        y = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(1)).to(BF16)
+        y.requires_grad_()
+        w.grad = None
+        torch.manual_seed(0)
+        out = f(y) if mode is None else checkpoint(f, y, **MODES[mode])
+        out.float().square().sum().backward()
+        assert y.grad is not None
+        assert w.grad is not None
+        return out, y.grad, w.grad
+
+    ours = run(famp.autocast(block, "c=bf16,o=f32", rules=rules))
+    theirs = run(reference)
+    assert ours[0].dtype == F32
+    assert ours[1].dtype == BF16
+    for a, b in zip(ours, theirs, strict=True):
+        assert_bitwise_equal(a, b)
