@@ -101,8 +101,12 @@ def _parameters(func: Callable[..., Any], packet: str) -> tuple[tuple[str, Any],
     """(name, default) of each parameter of a call of an op that takes running statistics (a
     torch Python function, an aten overload or builtin), or None for any other op."""
     overload = _statistics_overload(packet)
-    if overload is None:
-        return None
+    return None if overload is None else _signature(func, packet, overload)
+
+
+def _signature(func: Callable[..., Any], packet: str, overload: str) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each parameter of `func`, a call of `aten::<packet>.<overload>`: a
+    torch Python function's own, else the op's schema's."""
     if isinstance(func, types.FunctionType):
         return tuple((n, p.default) for n, p in inspect.signature(func).parameters.items())
     op = (
@@ -112,6 +116,14 @@ def _parameters(func: Callable[..., Any], packet: str) -> tuple[tuple[str, Any],
         (a.name, a.default_value if a.has_default_value() else None)
         for a in op_schema(op).arguments
     )
+
+
+def _bind(params: tuple[tuple[str, Any], ...], args: Any, kwargs: Any) -> dict[str, Any]:
+    """A call's arguments by parameter name (`_signature`'s), defaults for those not given."""
+    bound = dict(params)
+    bound.update(zip((name for name, _ in params), args, strict=False))
+    bound.update(kwargs)
+    return bound
 
 
 def refuse_statistics_cast(
@@ -128,9 +140,7 @@ def refuse_statistics_cast(
     params = _parameters(func, packet)
     if params is None:
         return
-    bound = dict(params)
-    bound.update(zip((name for name, _ in params), args, strict=False))
-    bound.update(kwargs)
+    bound = _bind(params, args, kwargs)
     if not any(bound.get(flag) is True for flag in _UPDATING):
         return
     for name in _STATISTICS:
@@ -255,17 +265,13 @@ def _returns_input(
     found = value_arguments(packet)
     if found is None:
         return False
-    overload, names = found
-    defaults: dict[str, Any] = {}
-    if isinstance(func, types.FunctionType):
-        params = inspect.signature(func).parameters
-        defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
-        names = tuple(params)[: len(names)]
-    bound = {**defaults, **dict(zip(names, args, strict=False)), **dict(kwargs)}
-    arguments = op_schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments
+    overload, kinds = found
+    params = _signature(func, packet, overload)
+    if len(params) < len(kinds):
+        return False
+    bound = _bind(params, args, kwargs)
     values = []
-    for name, arg in zip(names, arguments, strict=False):
-        kind = str(arg.type)
+    for (name, _), kind in zip(params, kinds, strict=False):  # the op's required arguments
         if kind in ("bool", "float"):
             value = bound.get(name)
             if not isinstance(value, (bool, int, float)):  # not given, or not a plain number

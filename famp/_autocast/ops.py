@@ -116,8 +116,8 @@ def returns_input(packet: str, overload: str) -> bool:
 @functools.cache
 def value_arguments(packet: str) -> tuple[str, tuple[str, ...]] | None:
     """For a packet whose one covered overload is a composite with bool or float arguments
-    among its required tensor ones (`dropout(input, p, train)`): that overload and the names of
-    its required arguments, so that `returns_input_given` can be asked about each call."""
+    among its required tensor ones (`dropout(input, p, train)`): that overload and the kinds of
+    its required arguments, in order, so that `returns_input_given` can be asked of each call."""
     names = covered(packet) if overloads(packet) is not None else ()
     if len(names) != 1:
         return None
@@ -125,8 +125,7 @@ def value_arguments(packet: str) -> tuple[str, tuple[str, ...]] | None:
     kinds = _probed_kinds(packet, overload)
     if kinds is None or not any(k in _VALUES for k in kinds):
         return None
-    arguments = schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments
-    return overload, tuple(a.name for a in arguments[: len(kinds)])
+    return overload, kinds
 
 
 @functools.cache
