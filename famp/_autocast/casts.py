@@ -208,7 +208,9 @@ def apply_rule(
         cast, cast_kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
         with autocast_off():
             out = call(func, cast, cast_kwargs)
-        for o in (out,) if isinstance(out, torch.Tensor) else out if type(out) is tuple else ():
+        for o in (
+            (out,) if isinstance(out, torch.Tensor) else out if type(out) in (tuple, list) else ()
+        ):
             if isinstance(o, torch.Tensor) and o._base is not None:  # a view: of a cast input?
                 copies = _copies((*args, *kwargs.values()), (*cast, *cast_kwargs.values()))
                 if any(o._base is c for c in copies):

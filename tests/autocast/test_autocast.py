@@ -443,6 +443,27 @@ def test_override_leaves_a_call_that_returns_a_view_of_its_input_to_torch(
     assert_bitwise_equal(product, ref_product.to(BF16))  # the override's float32 einsum
 
 
+def test_override_leaves_a_view_to_torch_inside_a_module_rule() -> None:
+    # The same inside a module a module rule matches: the uncast call runs in that module's scope.
+    class Inner(nn.Module):
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            torch.einsum("bij->bji", y).mul_(2)  # torch: writes into y
+            return torch.einsum("bij,bjk->bik", y, y)
+
+    model = nn.Sequential(Inner())
+    rules = _cpu_rules({"einsum": "float32"})
+    y = torch.randn(2, 4, 4).to(BF16)
+    ours, theirs = y.clone(), y.clone()
+    out = famp.autocast(model, "c=bf16,o=bf16", rules=rules, module_rules={"0": "c=bf16,o=f32"})(
+        ours
+    )
+    with torch.autocast("cpu", dtype=BF16):
+        torch.einsum("bij->bji", theirs).mul_(2)
+    assert not torch.equal(theirs, y)
+    assert_bitwise_equal(ours, theirs)
+    assert_bitwise_equal(out, torch.einsum("bij,bjk->bik", theirs.float(), theirs.float()).to(BF16))
+
+
 # Calls of dropout that torch answers with their input itself (not training, or p = 0).
 IDENTITY_DROPOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "eval": lambda y: F.dropout(y, 0.5, training=False),
