@@ -6,7 +6,8 @@ statics); `build.py` builds states (`init_scaler`), `state_dict.py` converts the
 trees (`kernels.py`: the kernel's exact results out of place, with `eager_cpu.py`, `program.py` and
 `fused.py`; `differentiable.py` for grads that carry a graph); `choice.py` chooses between trees
 (`select_tree`; compiled on the CPU, one `famp::select_` operator); `step.py` and
-`optimizer_step.py` compose them into training steps; `report.py` says where an overflow came from.
+`optimizer_step.py` (with `undo.py`, a skipped non-fused step undone) compose them into training
+steps; `report.py` says where an overflow came from.
 Data flows one way: state -> scale -> unscale_and_check -> update_scale. This room never imports
 autocast or FSDP; collectives go through `famp/_collectives.py`.
 """

@@ -6,12 +6,9 @@ Two paths, one result: what a `GradScaler` loop leaves, bit for bit.
   `fused=True`) get the scale and a `found_inf` that is exactly 0.0 or 1.0, as
   `GradScaler.step` hands them (the kernels skip on exactly 1.0 only).
 - Every other optimizer steps on gradients unscaled in place by `GradScaler.unscale_`'s kernel;
-  a skipped step is then undone: the parameters and every tensor of the optimizer's state are
-  copied before the step and selected back with `torch.where(skip, before, after)`, in place.
-  Neither the step nor the undo reads `found_inf` on the host. The state an optimizer creates
-  lazily on its first step, and state kept as Python numbers (`SparseAdam`'s step count),
-  cannot be undone by a tensor choice: on such a step only, famp reads `skip` once and removes
-  (or restores) it, so a skipped first step leaves no state, as under `GradScaler`.
+  a skipped step is then undone (`undo.py`: parameters, `.grad`, optimizer state and param
+  groups selected back with `torch.where`), with no host read of `found_inf` where a tensor
+  choice can restore everything.
 
 Deliberately not supported: optimizers whose `step` needs a closure (`LBFGS`).
 """
@@ -29,12 +26,9 @@ from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.kernels import unscale_in_place
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import to_device
+from famp._scaling.undo import step_and_undo_if, with_grads
 from famp._scaling.unscale import unscale_and_check
 from famp._typing import Tensor
-
-
-def _with_grads(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _grads_of(params: list[torch.nn.Parameter]) -> list[Tensor]:
@@ -111,71 +105,6 @@ def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, ski
         buffer.masked_fill_(to_device(skip, buffer.device) != 0, 0.0)
 
 
-def _tensor_like(new: object, old: object) -> bool:
-    return (
-        isinstance(new, torch.Tensor)
-        and isinstance(old, torch.Tensor)
-        and new.shape == old.shape
-        and new.dtype == old.dtype
-        and new.device == old.device
-        and new.layout == torch.strided
-    )
-
-
-def _step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
-    """`optimizer.step()`, then every parameter and state tensor back where `skip` is true."""
-    params = _with_grads(optimizer)
-    states = optimizer.state
-    with torch.no_grad():
-        before_params = [p.detach().clone() for p in params]
-        # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
-        # a skipped GradScaler step leaves the unscaled gradients as they were.
-        grads = [p.grad for p in params]
-        before_grads = [g.clone() if g is not None and _tensor_like(g, g) else None for g in grads]
-        before: list[dict[Any, Any] | None] = [
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[p].items()}
-            if p in states
-            else None
-            for p in params
-        ]
-    optimizer.step()
-    skips: dict[torch.device, Tensor] = {}
-
-    def on(device: torch.device) -> Tensor:
-        if device not in skips:
-            skips[device] = to_device(skip, device)
-        return skips[device]
-
-    untensorlike = False  # state that a tensor choice cannot restore
-    with torch.no_grad():
-        for p, old in zip(params, before_params, strict=True):
-            new = p.detach()
-            torch.where(on(new.device), old, new, out=new)
-        for grad, old_grad in zip(grads, before_grads, strict=True):
-            if grad is not None and old_grad is not None:
-                torch.where(on(grad.device), old_grad, grad, out=grad)
-        for p, old_state in zip(params, before, strict=True):
-            new_state = states.get(p)
-            if new_state is None or old_state is None:
-                untensorlike |= new_state is not old_state  # state created (or dropped)
-                continue
-            untensorlike |= new_state.keys() != old_state.keys()
-            for k, v in new_state.items():
-                if k not in old_state:
-                    continue
-                old_v = old_state[k]
-                if _tensor_like(v, old_v):
-                    torch.where(on(v.device), old_v, v, out=v)
-                elif isinstance(v, torch.Tensor) or isinstance(old_v, torch.Tensor) or v != old_v:
-                    untensorlike = True
-    if untensorlike and bool(skip):  # the one host sync, on a step that created state
-        for p, old_state in zip(params, before, strict=True):
-            if old_state is None:
-                states.pop(p, None)
-            else:
-                states[p] = old_state
-
-
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     state: ScalerState | None = None,
@@ -199,17 +128,20 @@ def optimizer_step(
     - **Every other optimizer** (for-loop or foreach): the gradients are unscaled in place
       (`famp.unscale_and_check(..., donate=True)`, `GradScaler.unscale_`'s kernel), the
       optimizer steps, and a skipped step is undone with `torch.where` on copies taken before it
-      (one copy of the parameters and the optimizer state per step).
+      (one copy of the parameters and the optimizer state per step, and of the tensors the param
+      groups hold, if any): parameters, optimizer state and each param group's entries
+      (optimizers that count steps in `group['step']`, as timm's `Lamb` does) end as if the
+      step never ran.
 
     `optimizer.step()` is always called, so `torch.optim.lr_scheduler` never warns that it was
-    skipped. No host sync, except on a step where a non-fused optimizer creates its state (its
-    first): a skipped one must leave no state, and famp reads `found_inf` once to remove it;
-    `SparseAdam` counts its steps in a Python int, so famp reads it on each of its steps. On
-    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
-    (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
-    its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals
-    a first step (bit for bit with `dampening=0`). Update the scale afterwards:
-    `famp.update_scale(state, found_inf)`.
+    skipped. No host sync, except: on a step where a non-fused optimizer creates its state (its
+    first: a skipped one must leave no state, and famp reads `found_inf` once to remove it); on a
+    step that changes a Python value famp must restore (`SparseAdam` counts its steps in a Python
+    int; `group['step'] += 1`; a key added to a param group). On CUDA, a non-capturable optimizer
+    keeps `step` on the CPU, and undoing it waits for the device (pass `capturable=True` or
+    `fused=True` to avoid that). Fused `SGD` with momentum leaves its buffers uninitialized after a
+    skipped first step; famp zeroes them, so the next step equals a first step (bit for bit with
+    `dampening=0`). Update the scale afterwards: `famp.update_scale(state, found_inf)`.
 
     Args:
         optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.
@@ -266,7 +198,7 @@ def optimizer_step(
         if found_inf is None:
             assert state is not None
             found_inf = (
-                _check(_grads_of(_with_grads(optimizer)), state, group)
+                _check(_grads_of(with_grads(optimizer)), state, group)
                 if scaled
                 else torch.zeros((), dtype=torch.float32, device=state.scale.device)
             )
@@ -275,7 +207,7 @@ def optimizer_step(
         return skip
     if scaled:
         assert state is not None
-        params = _with_grads(optimizer)
+        params = with_grads(optimizer)
         unscaled, computed = unscale_and_check(state, _grads_of(params), group=group, donate=True)
         for p, grad in zip(params, unscaled, strict=True):
             if grad is not p.grad:  # a float16 sparse gradient, coalesced (as GradScaler does)
@@ -286,5 +218,5 @@ def optimizer_step(
         optimizer.step()
         return torch.zeros((), dtype=torch.float32, device=state.scale.device)
     skip = found_inf.reshape(()) != 0
-    _step_and_undo_if(optimizer, skip)
+    step_and_undo_if(optimizer, skip)
     return skip.float()

@@ -110,7 +110,13 @@ def assert_optimizer_states_equal(a: torch.optim.Optimizer, b: torch.optim.Optim
                 assert type(value) is type(expected)
                 assert value == expected
     for ga, gb in zip(sa["param_groups"], sb["param_groups"], strict=True):
-        assert ga == gb
+        assert ga.keys() == gb.keys()
+        for name, value in ga.items():
+            if isinstance(value, torch.Tensor):
+                assert_bitwise_equal(value, gb[name])
+            else:
+                assert type(value) is type(gb[name]), name
+                assert value == gb[name], name
 
 
 def assert_models_equal(actual: torch.nn.Module, expected: torch.nn.Module) -> None:
@@ -332,3 +338,85 @@ def test_optimizer_step_param_groups_and_a_parameter_without_grad_equal_gradscal
         assert_models_equal(famp_model, model)
         assert_optimizer_states_equal(famp_opt, opt)
         assert_bitwise_equal(state.scale, scaler._scale)
+
+
+# --- optimizers that keep counters in their param groups (timm's Lamb, apex FusedLAMB, Lion) ---
+
+
+class GroupCounting(torch.optim.Optimizer):
+    """Bias-corrected momentum SGD that keeps its counters in each param group: a Python step
+    count (`group['step'] += 1`, timm's Lamb), a tensor one advanced in place, and a key it adds
+    on its first step; `python_counter=False` keeps only the tensor (and no added key)."""
+
+    def __init__(self, params: Any, python_counter: bool = True) -> None:
+        super().__init__(params, {"lr": 0.1, "beta": 0.9})
+        self.python_counter = python_counter
+        for group in self.param_groups:
+            group["count"] = torch.zeros((), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["count"].add_(1)
+            correction = 1 - group["beta"] ** group["count"]
+            if self.python_counter:
+                group["step"] = group.get("step", 0) + 1
+                group.setdefault("started_lr", group["lr"])
+                correction = correction * (1 - group["beta"] ** group["step"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "m" not in state:
+                    state["m"] = torch.zeros_like(p)
+                state["m"].mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.sub_(group["lr"] * state["m"] / correction)
+
+
+def group_counting(model: torch.nn.Module, python_counter: bool) -> torch.optim.Optimizer:
+    first, *rest = model.children()
+    groups = [
+        {"params": list(first.parameters())},
+        {"params": [p for m in rest for p in m.parameters()], "lr": 0.05},
+    ]
+    return GroupCounting(groups, python_counter=python_counter)
+
+
+@pytest.mark.parametrize("python_counter", [True, False])
+@settings(max_examples=6)
+@given(pattern=overflows)
+@example(pattern=[math.inf, None, math.nan, None])  # a skipped first step
+def test_optimizer_step_undoes_param_group_counters_as_gradscaler_never_steps(
+    python_counter: bool, pattern: list[float | None]
+) -> None:
+    """A skipped step leaves each param group as it was: a tensor advanced in place (restored
+    with torch.where), a Python count and a key added (restored after one host read)."""
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = (
+        group_counting(model, python_counter),
+        group_counting(famp_model, python_counter),
+    )
+    counts = [g["count"] for g in famp_opt.param_groups]
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), [*pattern, None], 2.0**10):
+        assert_models_equal(famp_model, model)
+        assert_optimizer_states_equal(famp_opt, opt)
+        for group, expected in zip(famp_opt.param_groups, opt.param_groups, strict=True):
+            assert group.keys() == expected.keys()
+            assert group.get("step") == expected.get("step")
+    assert [g["count"] for g in famp_opt.param_groups] == counts  # the same tensors, in place
+    assert counts[0].item() == sum(bad is None for bad in [*pattern, None])
+
+
+def test_optimizer_step_undoes_a_tensor_group_counter_without_a_host_sync() -> None:
+    model = make_model()
+    opt = group_counting(model, python_counter=False)
+    state = famp.init_scaler(2.0**10)
+    for step, bad in enumerate([None, math.inf, None, math.nan]):
+        opt.zero_grad()
+        famp.scale(state, loss_of(model, step)).backward()
+        inject(model, bad)
+        with HostSyncs() as syncs:
+            state = famp.update_scale(state, famp.optimizer_step(opt, state))
+        if step > 0:  # the first step creates the state
+            assert syncs.from_famp == []
+    assert opt.param_groups[0]["count"].item() == 2.0
