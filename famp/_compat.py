@@ -199,9 +199,8 @@ torch_pytree = torch_pytree_module
 # The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
 # calls it (there is no public functional name for it).
 amp_update_scale = torch.ops.aten._amp_update_scale
-# Its in-place form (`GradScaler.update`'s), through torch's Python binding: eagerly `update_scale`
-# runs it on copies of the scale and tracker, what the functional operator above does, whose
-# operator call costs about 4.4 µs against 1.2 µs for the binding and 1.2 µs per copy.
+# Its in-place form (`GradScaler.update`'s binding): eagerly `update_scale` runs it on copies of the
+# scale and tracker, as the operator above does (4.4 µs a call; the binding 1.2, each copy 1.2).
 amp_update_scale_ = torch._amp_update_scale_
 
 
@@ -238,8 +237,10 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
     return _StorageInfo(relative_path, offset, length)
 
 
-# --- applying a scale (_scaling/kernels.py) -----------------------------------------------------
+# --- applying a scale and stepping (_scaling/kernels.py, optimizer_step.py, undo.py) -------------
 
+# `GradScaler`'s fused check-and-unscale kernel, which has no public name (the builtin itself).
+amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 # The functional (out-of-place) form of the same kernel, for tensors whose in-place update is not
 # allowed (under torch.func, on other devices); no public name either.
 amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finite_check_and_unscale
@@ -262,29 +263,28 @@ def dynamo_disabled() -> bool:
     return bool(torch._dynamo.config.disable)
 
 
-# --- training steps: _step.py, _optimizer_step.py ------------------------------------------------
-
-
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` and skips in its kernel. torch
-    marks such optimizers (fused Adam, AdamW, SGD, Adagrad) only with this private attribute, the
-    one `GradScaler.step` reads."""
+    """Whether `optimizer.step()` unscales and skips in its kernel (fused Adam, AdamW, SGD,
+    Adagrad): torch marks them only with this private attribute, the one GradScaler reads."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step hooks (the optimizer's or global ones) would see a step famp undoes: then it
+    steps only when the step applies. Only private dicts hold them (read defensively: no hooks)."""
+    shared = sys.modules.get("torch.optim.optimizer")  # loaded by `import torch`
+    own = any(getattr(optimizer, n, None) for n in _STEP_HOOKS)
+    return own or any(getattr(shared, n, None) for n in _GLOBAL_STEP_HOOKS)
+
+
+_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")  # see above
+_GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")  # see above
 
 
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists.
     Eagerly famp runs it and the in-place kernel itself (the kernel's functional variant)."""
     return tuple(torch._foreach_clone(tensors))
-
-
-# `GradScaler`'s fused check-and-unscale kernel, which has no public name.
-def amp_foreach_non_finite_check_and_unscale_(
-    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
-) -> Any:
-    return torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 
 # Eager `famp.value_and_grad` unscales autograd's fresh grads in place only where nothing else holds

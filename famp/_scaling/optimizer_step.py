@@ -8,7 +8,9 @@ Two paths, one result: what a `GradScaler` loop leaves, bit for bit.
 - Every other optimizer steps on gradients unscaled in place by `GradScaler.unscale_`'s kernel;
   a skipped step is then undone (`undo.py`: parameters, `.grad`, optimizer state and param
   groups selected back with `torch.where`), with no host read of `found_inf` where a tensor
-  choice can restore everything.
+  choice can restore everything. With a step hook registered, hooks must not see a step that
+  is then undone: famp reads `skip` once and calls `step()` only if it applies, as
+  `GradScaler.step` does.
 
 Deliberately not supported: optimizers whose `step` needs a closure (`LBFGS`).
 """
@@ -132,16 +134,24 @@ def optimizer_step(
       groups hold, if any): parameters, optimizer state and each param group's entries
       (optimizers that count steps in `group['step']`, as timm's `Lamb` does) end as if the
       step never ran.
+    - **Step hooks.** With any step hook registered (`register_step_pre_hook`,
+      `register_step_post_hook`, or the global
+      `torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`), a non-fused
+      optimizer steps as under `GradScaler`: famp reads `found_inf` on the host and calls
+      `optimizer.step()` only if the step applies (no copies, no undo), so no hook sees a
+      skipped step (an EMA of the weights kept by a post-hook stays finite). A fused optimizer
+      is stepped every time, and its hooks run every time, as under `GradScaler`.
 
-    `optimizer.step()` is always called, so `torch.optim.lr_scheduler` never warns that it was
-    skipped. No host sync, except: on a step where a non-fused optimizer creates its state (its
-    first: a skipped one must leave no state, and famp reads `found_inf` once to remove it); on a
-    step that changes a Python value famp must restore (`SparseAdam` counts its steps in a Python
-    int; `group['step'] += 1`; a key added to a param group). On CUDA, a non-capturable optimizer
-    keeps `step` on the CPU, and undoing it waits for the device (pass `capturable=True` or
-    `fused=True` to avoid that). Fused `SGD` with momentum leaves its buffers uninitialized after a
-    skipped first step; famp zeroes them, so the next step equals a first step (bit for bit with
-    `dampening=0`). Update the scale afterwards: `famp.update_scale(state, found_inf)`.
+    Without step hooks `optimizer.step()` is always called, so `torch.optim.lr_scheduler` never
+    warns that it was skipped. No host sync, except: with a step hook on a non-fused optimizer
+    (every step); on a step where a non-fused optimizer creates its state (its first: a skipped one
+    must leave no state, and famp reads `found_inf` once to remove it); on a step that changes a
+    Python value famp must restore (`SparseAdam` counts its steps in a Python int;
+    `group['step'] += 1`; a key added to a param group). On CUDA, a non-capturable optimizer keeps
+    `step` on the CPU, and undoing it waits for the device (pass `capturable=True` or `fused=True`
+    to avoid that). Fused `SGD` with momentum leaves its buffers uninitialized after a skipped first
+    step; famp zeroes them, so the next step equals a first step (bit for bit with `dampening=0`).
+    Update the scale afterwards: `famp.update_scale(state, found_inf)`.
 
     Args:
         optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.
@@ -218,5 +228,8 @@ def optimizer_step(
         optimizer.step()
         return torch.zeros((), dtype=torch.float32, device=state.scale.device)
     skip = found_inf.reshape(()) != 0
-    step_and_undo_if(optimizer, skip)
+    if not _compat.optimizer_step_hooked(optimizer):
+        step_and_undo_if(optimizer, skip)
+    elif not bool(skip):  # hooks must not see a step that is undone: GradScaler's host read
+        optimizer.step()
     return skip.float()

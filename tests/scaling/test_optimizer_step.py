@@ -14,6 +14,10 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from torch.nn import functional
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 
 import famp
@@ -420,3 +424,85 @@ def test_optimizer_step_undoes_a_tensor_group_counter_without_a_host_sync() -> N
         if step > 0:  # the first step creates the state
             assert syncs.from_famp == []
     assert opt.param_groups[0]["count"].item() == 2.0
+
+
+# --- optimizer step hooks: GradScaler never calls step() on a skipped non-fused step -----------
+
+HOOK_KINDS = ("pre", "post", "global_pre", "global_post")
+HOOKED_CASES = [
+    ("sgd_momentum", "for-loop"),
+    ("adamw", "foreach"),
+    ("asgd", "foreach"),
+    ("adam", "fused"),
+    ("adagrad", "fused"),
+]
+
+
+def watch(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, list[Any]]:
+    """A step hook of `kind` on `opt` that records what it sees: per call, the parameters and
+    their grads, and (post-hooks) an EMA of the weights, as an EMA-of-weights hook keeps one."""
+    seen: list[Any] = []
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is not opt:  # a global hook sees the other loop's optimizer too
+            return
+        params = list(model.parameters())
+        grads = [None if p.grad is None else p.grad.clone() for p in params]
+        seen.append(([p.detach().clone() for p in params], grads))
+        if kind.endswith("post"):
+            with torch.no_grad():
+                for e, p in zip(ema, params, strict=True):
+                    e.mul_(0.9).add_(p.detach(), alpha=0.1)
+
+    register = {
+        "pre": opt.register_step_pre_hook,
+        "post": opt.register_step_post_hook,
+        "global_pre": register_optimizer_step_pre_hook,
+        "global_post": register_optimizer_step_post_hook,
+    }[kind]
+    return register(hook), [seen, ema]
+
+
+def assert_saw_the_same(actual: list[Any], expected: list[Any]) -> None:
+    (seen, ema), (expected_seen, expected_ema) = actual, expected
+    assert len(seen) == len(expected_seen)
+    for (params, grads), (expected_params, expected_grads) in zip(seen, expected_seen, strict=True):
+        for p, q in zip(params, expected_params, strict=True):
+            assert_bitwise_equal(p, q)
+        for g, h in zip(grads, expected_grads, strict=True):
+            assert (g is None) == (h is None)
+            if g is not None:
+                assert_bitwise_equal(g, h)
+    for e, f in zip(ema, expected_ema, strict=True):
+        assert_bitwise_equal(e, f)
+
+
+@pytest.mark.parametrize("kind", HOOK_KINDS)
+@pytest.mark.parametrize(("name", "impl"), HOOKED_CASES)
+@settings(max_examples=2)
+@given(pattern=overflows)
+@example(pattern=[None, math.inf, None, math.nan, None])
+@example(pattern=[math.inf, None])  # a skipped first step: no state, no hook call
+def test_optimizer_step_hooks_see_what_they_see_under_gradscaler(
+    name: str, impl: str, kind: str, pattern: list[float | None]
+) -> None:
+    """Step hooks run exactly when GradScaler runs them and see the same parameters and grads:
+    never on a skipped non-fused step (famp then calls step() only if the step applies, one host
+    read), on every step of a fused one (whose kernel skips). An EMA post-hook of the weights
+    stays finite and equal."""
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = make(name, impl, model.parameters()), make(name, impl, famp_model.parameters())
+    handle, saw = watch(kind, model, opt)
+    famp_handle, famp_saw = watch(kind, famp_model, famp_opt)
+    try:
+        for _ in side_by_side((model, opt), (famp_model, famp_opt), [*pattern, None], 2.0**10):
+            assert_models_equal(famp_model, model)
+            assert_optimizer_states_equal(famp_opt, opt)
+            assert_saw_the_same(famp_saw, saw)
+    finally:
+        handle.remove()
+        famp_handle.remove()
+    applied = sum(bad is None for bad in [*pattern, None])
+    assert len(saw[0]) == (len(pattern) + 1 if impl == "fused" else applied)
+    assert all(e.isfinite().all() for e in famp_saw[1])
