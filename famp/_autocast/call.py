@@ -260,8 +260,9 @@ class CallRecord:
         )
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
-        # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype.
-        if self.track and before[0] and after[0] and before[1] != after[1]:
+        # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype,
+        # through autocast off too (bfloat16, then float32, then float16: bfloat16 casts held).
+        if self.track and after[0] and before[1] != after[1]:
             torch.clear_autocast_cache()
 
     # One op call (from FampMode, when there are overrides or module rules).

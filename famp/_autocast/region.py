@@ -35,8 +35,10 @@ class _EagerRegion:
 
     It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
     as in famp's tests), where `torch.autocast` warns and turns itself off. A call's region
-    (`call=True`) clears torch's weight-cast cache on entry and exit when autocast is already on
-    with another dtype, and turns the cache off while another thread computes in another dtype.
+    (`call=True`) clears torch's weight-cast cache on entry and exit when the dtype in effect
+    before it (`outer`, famp's view of it inside a module rule's scope, else torch's) is another
+    one, on or off: `torch.autocast(enabled=False)` keeps the dtype whose casts the cache holds.
+    It turns the cache off while another thread computes in another dtype.
     """
 
     __slots__ = (
@@ -45,13 +47,22 @@ class _EagerRegion:
         "dtype",
         "enabled",
         "entry",
+        "outer",
         "prev",
         "prev_cache",
         "switched",
     )
 
-    def __init__(self, device_type: str, enabled: bool, dtype: torch.dtype, call: bool) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        enabled: bool,
+        dtype: torch.dtype,
+        call: bool,
+        outer: tuple[bool, torch.dtype] | None,
+    ) -> None:
         self.device_type, self.enabled, self.dtype, self.call = device_type, enabled, dtype, call
+        self.outer = outer
         self.switched = False
         self.prev: tuple[bool, torch.dtype] = (False, dtype)
         self.prev_cache = True
@@ -62,7 +73,7 @@ class _EagerRegion:
         self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         self.prev_cache = torch.is_autocast_cache_enabled()
         if self.call and self.enabled:
-            self.switched = self.prev[0] and self.prev[1] != self.dtype
+            self.switched = (self.outer or self.prev)[1] != self.dtype
             self.entry = (threading.get_ident(), dev, self.dtype)
             with _ACTIVE_LOCK:
                 if any(t != self.entry[0] and d == dev and x != self.dtype for t, d, x in _ACTIVE):
@@ -85,9 +96,16 @@ class _EagerRegion:
                 _ACTIVE.remove(self.entry)
 
 
-def region(device_type: str, enabled: bool, dtype: torch.dtype, call: bool = False) -> Any:
-    """A context manager that sets the device's autocast state for its body."""
+def region(
+    device_type: str,
+    enabled: bool,
+    dtype: torch.dtype,
+    call: bool = False,
+    outer: tuple[bool, torch.dtype] | None = None,
+) -> Any:
+    """A context manager that sets the device's autocast state for its body; `outer`: the
+    state in effect before a call's region where famp's module scope sets it, not torch."""
     if torch.compiler.is_compiling():
         # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-    return _EagerRegion(device_type, enabled, dtype, call)
+    return _EagerRegion(device_type, enabled, dtype, call, outer)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from famp._autocast.call import CallRecord
+from famp._autocast.call import CallRecord, current_state
 from famp._autocast.compiled import call_compiled, own_code
 from famp._autocast.mode import FampMode
 from famp._autocast.overrides import overrides_for
@@ -139,12 +139,14 @@ class Transform:
             # Nested in another call, the transform is a module rule spelled as a function: its
             # positional inputs are cast to its compute dtype as a matched module's are.
             args = self.policy.cast_to_compute(args)
+        # The state in effect here, a module rule's scope included, before the call sets its own.
+        before = current_state(device_type) if stack and record.track else None
         for outer in stack:
             outer.suspended += 1
         stack.append(record)
         record.use_hooks(+1)
         try:
-            with region(device_type, *record.base, call=True):
+            with region(device_type, *record.base, call=True, outer=before):
                 if record.intercepts:
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)

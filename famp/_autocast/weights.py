@@ -31,6 +31,7 @@ class CastCache:
             and t.is_leaf
             and not is_view(t)
             and torch.is_grad_enabled()
+            and torch.is_autocast_cache_enabled()  # off: one cast per use, as torch's cache off
         )
         if not cacheable:
             return t.to(dtype)

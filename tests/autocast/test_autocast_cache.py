@@ -1,0 +1,150 @@
+"""torch's weight-cast cache across dtype switches that pass through autocast off, and its
+off switch: each op reads casts of the dtype in effect for it, as casts written by hand give.
+
+torch's cache is keyed without the dtype. famp clears it where the compute dtype changes: these
+are the switches that go through a state with autocast off (a float32 module rule or call, a
+`torch.autocast(enabled=False)` gap), and a nested call inside a module rule's scope, where
+torch's own state between ops is the outer call's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+def _weights() -> tuple[nn.Parameter, nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        nn.Parameter(torch.randn(8, 8, generator=g)),
+        nn.Parameter(torch.randn(8, 8, generator=g)),
+    )
+
+
+def _mm(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The product in `dtype`, its casts written by hand (one cast per use)."""
+    return torch.mm(w1.to(dtype), w2.to(dtype))
+
+
+def _nested_module_rules(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Tensor]:
+    # A bfloat16 call; module "a" computes in float32 (autocast off), "a.b" inside it in float16.
+    class B(nn.Module):
+        def forward(self) -> torch.Tensor:
+            return torch.mm(w1, w2)
+
+    class A(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = B()
+
+        def forward(self) -> torch.Tensor:
+            return self.b()
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = A()
+
+        def forward(self) -> list[torch.Tensor]:
+            return [torch.mm(w1, w2), self.a(), torch.mm(w1, w2)]
+
+    rules = {"a": "c=f32,o=f32", "a.b": "c=f16,o=f16"}
+    return famp.autocast(Root(), "c=bf16,o=f32", module_rules=rules, device_type="cpu")()
+
+
+def _nested_calls(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Tensor]:
+    # bfloat16, then a float32 call (autocast off), inside it a float16 call.
+    f16 = famp.autocast(lambda: torch.mm(w1, w2), "c=f16,o=f16", device_type="cpu")
+    f32 = famp.autocast(lambda: f16(), "c=f32,o=f16", device_type="cpu")
+    both = famp.autocast(
+        lambda: [torch.mm(w1, w2), f32(), torch.mm(w1, w2)], "c=bf16,o=f32", device_type="cpu"
+    )
+    return both()
+
+
+def _call_in_a_disabled_gap(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Tensor]:
+    # torch.autocast(float16), a gap with autocast off (its dtype stays float16), a bfloat16 call.
+    bf16 = famp.autocast(lambda: torch.mm(w1, w2), "c=bf16,o=bf16", device_type="cpu")
+    with torch.autocast("cpu", dtype=F16):
+        first = torch.mm(w1, w2)
+        with torch.autocast("cpu", enabled=False):
+            inner = bf16()
+        return [first, inner, torch.mm(w1, w2)]
+
+
+def _call_in_a_module_scope(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Tensor]:
+    # A bfloat16 call nested in a module whose rule computes in float16, in a bfloat16 call.
+    bf16 = famp.autocast(lambda: torch.mm(w1, w2), "c=bf16,o=bf16", device_type="cpu")
+
+    class M(nn.Module):
+        def forward(self) -> list[torch.Tensor]:
+            return [torch.mm(w1, w2), bf16(), torch.mm(w1, w2)]
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = M()
+
+        def forward(self) -> list[torch.Tensor]:
+            return self.m()
+
+    rules = {"m": "c=f16,o=f16"}
+    return famp.autocast(Root(), "c=bf16,o=f32", module_rules=rules, device_type="cpu")()
+
+
+# Each case: the function and the dtype of each product it returns, in order.
+CASES: dict[str, tuple[Callable[..., list[torch.Tensor]], tuple[torch.dtype, ...]]] = {
+    "nested module rules": (_nested_module_rules, (BF16, F16, BF16)),
+    "nested calls": (_nested_calls, (BF16, F16, BF16)),
+    "a call in a disabled gap": (_call_in_a_disabled_gap, (F16, BF16, F16)),
+    "a call in a module rule's scope": (_call_in_a_module_scope, (F16, BF16, F16)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_weight_casts_follow_dtype_switches_through_autocast_off(case: str) -> None:
+    # Each product reads casts of its own dtype, and each stretch of one dtype its own casts:
+    # outputs and the weights' gradients equal casts written by hand, bit for bit.
+    fn, dtypes = CASES[case]
+    w1, w2 = _weights()
+    outs = fn(w1, w2)
+    outs = [o.float() for o in outs]  # output casts of products of 16 bits: exact
+    got = [*outs, *torch.autograd.grad(sum(o.sum() for o in outs), [w1, w2])]
+    r1, r2 = _weights()
+    ref_outs = [_mm(r1, r2, d).float() for d in dtypes]
+    expected = [*ref_outs, *torch.autograd.grad(sum(o.sum() for o in ref_outs), [r1, r2])]
+    for a, e in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_override_casts_follow_torchs_cache_switch(cache: bool) -> None:
+    # An override that casts a weight used four times: with torch's cache on, one cast shared by
+    # the four uses (as torch caches it); with it off, one cast per use, as torch casts then.
+    w = nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)))
+    xs = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    rules = famp.default_rules("cpu").override({"mv": "lower"})
+    f = famp.autocast(
+        lambda: sum(torch.mv(w, x) for x in xs), "c=bf16,o=f32", rules=rules, device_type="cpu"
+    )
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(cache)
+    try:
+        out = f()
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+    (grad,) = torch.autograd.grad(out.sum(), w)
+    once = w.to(BF16)
+    expected_out = sum(torch.mv(once if cache else w.to(BF16), x.to(BF16)) for x in xs)
+    assert isinstance(expected_out, torch.Tensor)
+    (expected_grad,) = torch.autograd.grad(expected_out.float().sum(), w)
+    assert_bitwise_equal(out, expected_out.float())
+    assert_bitwise_equal(grad, expected_grad)
