@@ -88,7 +88,17 @@ def _check_optimizer(optimizer: object) -> None:
         )
 
 
-def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, skip: Tensor) -> None:
+def _grad_scale(optimizer: torch.optim.Optimizer, state: ScalerState | None) -> object:
+    """The `grad_scale` that `GradScaler.step` hands a fused optimizer: for scaled grads its scale
+    times the user's own `optimizer.grad_scale` (if set), for unscaled grads the user's alone."""
+    if state is None:
+        return getattr(optimizer, "grad_scale", None)
+    if not hasattr(optimizer, "grad_scale"):
+        return state.scale  # GradScaler's `scale * 1`, the same bits without the multiply
+    return state.scale * getattr(optimizer, "grad_scale", 1)  # GradScaler.step's product
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: object, skip: Tensor) -> None:
     """What `GradScaler.step` does with a fused optimizer; attributes restored in any case."""
     fresh = _fresh_momentum(optimizer)
     attributes = {"grad_scale": grad_scale, "found_inf": skip}
@@ -142,16 +152,20 @@ def optimizer_step(
       skipped step (an EMA of the weights kept by a post-hook stays finite). A fused optimizer
       is stepped every time, and its hooks run every time, as under `GradScaler`.
 
-    Without step hooks `optimizer.step()` is always called, so `torch.optim.lr_scheduler` never
-    warns that it was skipped. No host sync, except: with a step hook on a non-fused optimizer
-    (every step); on a step where a non-fused optimizer creates its state (its first: a skipped one
-    must leave no state, and famp reads `found_inf` once to remove it); on a step that changes a
-    Python value famp must restore (`SparseAdam` counts its steps in a Python int;
-    `group['step'] += 1`; a key added to a param group). On CUDA, a non-capturable optimizer keeps
-    `step` on the CPU, and undoing it waits for the device (pass `capturable=True` or `fused=True`
-    to avoid that). Fused `SGD` with momentum leaves its buffers uninitialized after a skipped first
-    step; famp zeroes them, so the next step equals a first step (bit for bit with `dampening=0`).
-    Update the scale afterwards: `famp.update_scale(state, found_inf)`.
+    A `grad_scale` you set on a fused optimizer yourself (e.g. for summed micro-batches) is
+    multiplied by the scale, or passed alone when the gradients are unscaled, as
+    `GradScaler.step` does; `GradScaler` then deletes it, famp restores it, so it applies on
+    every step while it is set. Without step hooks `optimizer.step()` is always called, so
+    `torch.optim.lr_scheduler` never warns that it was skipped. No host sync, except: with a
+    step hook on a non-fused optimizer (every step); on a step where a non-fused optimizer
+    creates its state (its first: a skipped one must leave no state, and famp reads `found_inf`
+    once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
+    counts its steps in a Python int; `group['step'] += 1`; a key added to a param group). On
+    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
+    (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
+    its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals
+    a first step (bit for bit with `dampening=0`). Update the scale afterwards:
+    `famp.update_scale(state, found_inf)`.
 
     Args:
         optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.
@@ -213,7 +227,7 @@ def optimizer_step(
                 else torch.zeros((), dtype=torch.float32, device=state.scale.device)
             )
         skip = (found_inf.reshape(()) != 0).float()  # the kernels skip on exactly 1.0 only
-        _fused_step(optimizer, state.scale if scaled and state is not None else None, skip)
+        _fused_step(optimizer, _grad_scale(optimizer, state if scaled else None), skip)
         return skip
     if scaled:
         assert state is not None

@@ -506,3 +506,61 @@ def test_optimizer_step_hooks_see_what_they_see_under_gradscaler(
     applied = sum(bad is None for bad in [*pattern, None])
     assert len(saw[0]) == (len(pattern) + 1 if impl == "fused" else applied)
     assert all(e.isfinite().all() for e in famp_saw[1])
+
+
+# --- fused optimizers: the user's own optimizer.grad_scale, as GradScaler.step multiplies it ---
+
+FUSED_CASES = [name for name, (_, impls) in OPTIMIZERS.items() if "fused" in impls]
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+@pytest.mark.parametrize("name", FUSED_CASES)
+@settings(max_examples=2)
+@given(pattern=overflows, user_scale=st.sampled_from([4.0, 0.25, 3.0]))
+@example(pattern=[None, math.inf, None], user_scale=4.0)
+def test_optimizer_step_fused_multiplies_the_users_grad_scale_as_gradscaler(
+    name: str, unscale_first: bool, pattern: list[float | None], user_scale: float
+) -> None:
+    """A user's `optimizer.grad_scale` (e.g. accumulated micro-batches) is multiplied by the
+    scale of scaled grads, and passed alone for grads unscaled first, as GradScaler.step does.
+    GradScaler deletes the attribute after each step (set again here before each); famp restores
+    it, so it applies on every famp step while it is set."""
+    if name.startswith("sgd_") and pattern and pattern[0] is not None:
+        pattern = [None, *pattern[1:]]  # see test_optimizer_step_equals_a_gradscaler_loop...
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = (
+        make(name, "fused", model.parameters()),
+        make(name, "fused", famp_model.parameters()),
+    )
+    user = torch.tensor(user_scale)
+    famp_opt.grad_scale = user  # type: ignore[attr-defined]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    state = famp.init_scaler(2.0**10, growth_interval=2)
+    for step, bad in enumerate([*pattern, None]):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        inject(model, bad)
+        if unscale_first:
+            scaler.unscale_(opt)
+        opt.grad_scale = user  # type: ignore[attr-defined]
+        scaler.step(opt)
+        scaler.update()
+        assert not hasattr(opt, "grad_scale")
+
+        famp_opt.zero_grad()
+        famp.scale(state, loss_of(famp_model, step)).backward()
+        inject(famp_model, bad)
+        if unscale_first:
+            grads = [p.grad for p in famp_model.parameters()]
+            _, found_inf = famp.unscale_and_check(state, grads, donate=True)
+            found_inf = famp.optimizer_step(famp_opt, found_inf=found_inf)
+        else:
+            found_inf = famp.optimizer_step(famp_opt, state)
+        state = famp.update_scale(state, found_inf)
+        assert famp_opt.grad_scale is user  # type: ignore[attr-defined]
+        assert not hasattr(famp_opt, "found_inf")
+        assert found_inf.item() == float(bad is not None)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_models_equal(famp_model, model)
+        assert_optimizer_states_equal(famp_opt, opt)
+    assert_bitwise_equal(user, torch.tensor(user_scale))

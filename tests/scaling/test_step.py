@@ -889,11 +889,12 @@ def test_optimizer_step_restores_attributes_when_step_raises() -> None:
 
     w = torch.nn.Parameter(torch.ones(2))
     opt = Failing([w], lr=0.1, fused=True)
-    opt.grad_scale = "mine"  # type: ignore[attr-defined]
+    mine = torch.tensor(4.0)
+    opt.grad_scale = mine  # type: ignore[attr-defined]
     w.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="boom"):
         famp.optimizer_step(opt, famp.init_scaler())
-    assert opt.grad_scale == "mine"  # type: ignore[attr-defined]
+    assert opt.grad_scale is mine  # type: ignore[attr-defined]
     assert not hasattr(opt, "found_inf")
 
 
