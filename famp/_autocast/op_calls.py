@@ -10,9 +10,10 @@ that the ops they call are seen too (`copies()`, with the op names each may call
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +36,7 @@ from famp._compat import (
 # call a prebuilt copy but cannot build one.
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_UNCALLED = frozenset({*_CHECKS, "handle_torch_function"})  # what the copies never call
 
 
 def _never(*args: object) -> bool:
@@ -79,7 +81,9 @@ def _names(func: types.FunctionType) -> frozenset[str]:
     """Every name a function's code (and the functions of its module it calls) refers to.
 
     A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
-    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named.
+    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named. The functions a
+    closure holds are followed (torch's reflected operators wrap one: `Tensor.__rsub__` calls
+    `rsub`), and so are the `Tensor` methods its operators call (`a * b`: `__mul__`, `__rmul__`).
     """
     names: set[str] = set()
     seen: set[types.CodeType] = set()
@@ -94,7 +98,7 @@ def _names(func: types.FunctionType) -> frozenset[str]:
             seen.add(code)
             names.update(code.co_names)
             codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-            for name in code.co_names:  # functions it may call: globals, torch.*, F.*
+            for name in set(code.co_names) - _UNCALLED:  # functions it may call: globals, ...
                 for g in (
                     f.__globals__.get(name),
                     vars(torch).get(name),  # not getattr: that imports torch._dynamo & co.
@@ -102,10 +106,35 @@ def _names(func: types.FunctionType) -> frozenset[str]:
                 ):
                     if isinstance(g, types.FunctionType) and g.__code__ not in seen:
                         todo.append(g)
+            for method in _operators(code):  # `a * b`: Tensor.__mul__, __rmul__, __imul__
+                names.add(_op_name(method)[0])
+                if isinstance(method, types.FunctionType):  # `__rtruediv__`: reciprocal, `*`
+                    todo.append(method)
+        held = (c.cell_contents for c in f.__closure__ or ())  # a wrapper's (`Tensor.__rsub__`)
+        todo.extend(c for c in held if isinstance(c, types.FunctionType) and c.__code__ not in seen)
     for space in ("linalg", "fft", "special", "nested"):
         if space in names:
             names.update(f"{space}_{n}" for n in list(names))
     return frozenset(names)
+
+
+# Binary operators: the symbol `dis` shows (Python 3.11 on), the opcode (3.10), the methods' stem.
+_OPERATORS = (
+    "+ ADD add, - SUBTRACT sub, * MULTIPLY mul, / TRUE_DIVIDE truediv, // FLOOR_DIVIDE floordiv, "
+    "% MODULO mod, ** POWER pow, @ MATRIX_MULTIPLY matmul, << LSHIFT lshift, >> RSHIFT rshift, "
+    "& AND and, | OR or, ^ XOR xor"
+)
+_STEMS = {key: e.split()[2] for e in _OPERATORS.split(", ") for key in e.split()[:2]}
+
+
+def _operators(code: types.CodeType) -> Iterator[Any]:
+    """The `Tensor` methods that the binary operators in `code` may call."""
+    for ins in dis.get_instructions(code):
+        op = ins.opname
+        key = ins.argrepr.rstrip("=") if op == "BINARY_OP" else op.partition("_")[2]
+        stem = _STEMS.get(key) if op.startswith(("BINARY_", "INPLACE_")) else None
+        methods = (getattr(torch.Tensor, f"__{r}{stem}__", None) for r in ("", "r", "i") if stem)
+        yield from (m for m in methods if m is not None)
 
 
 @functools.cache
