@@ -20,6 +20,7 @@ from famp._autocast.ops import (
     banned_message,
     functional_overloads,
     returns_input_given,
+    spelled_out,
     value_arguments,
 )
 from famp._autocast.weights import CastCache
@@ -126,6 +127,25 @@ def _bind(params: tuple[tuple[str, Any], ...], args: Any, kwargs: Any) -> dict[s
     return bound
 
 
+@assume_constant_result  # a constant of the function: Dynamo calls it instead of tracing it
+def _lacks_dtype(func: OpOverload) -> bool:
+    """Whether an aten overload has no `dtype` argument."""
+    return not any(a.name == "dtype" for a in op_schema(func).arguments)
+
+
+@assume_constant_result  # of the function, the op and the keywords' names
+def _input_keyword(func: Callable[..., Any], packet: str, names: tuple[str, ...]) -> str | None:
+    """Which keyword of a call without positional arguments passes the op's input, its first
+    parameter: the name `_signature` gives it (`self` of `torch.ops.aten.softmax.int`), or,
+    where a torch builtin's Python binding renames `self` (`torch.softmax(dim=-1, input=x)`,
+    `torch.linalg.vector_norm(x=x)`), the one that no schema of the op names."""
+    schemas = [_signature(func, packet, o) for o in functional_overloads(packet)]
+    if schemas and schemas[0][0][0] in names:
+        return schemas[0][0][0]
+    known = {name for params in schemas for name, _ in params}
+    return next((name for name in names if name not in known), None)
+
+
 def refuse_statistics_cast(
     rule: str,
     func: Callable[..., Any],
@@ -153,20 +173,6 @@ def refuse_statistics_cast(
                 f"{name} would keep its values. Override {packet!r} with a rule that keeps the "
                 "statistics' dtype (such as 'float32' with float32 statistics), or not at all."
             )
-
-
-def _spelled_out(
-    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    full, rest = list(args), dict(kwargs)
-    for arg in op_schema(func).arguments[len(args) :]:
-        if arg.kwarg_only:
-            break
-        if arg.name in rest:
-            full.append(rest.pop(arg.name))
-        elif arg.has_default_value():
-            full.append(arg.default_value)
-    return tuple(full), rest
 
 
 def _gives_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -217,14 +223,13 @@ def apply_rule(
                     return AS_TORCH
         return out
     if rule in ("float32_set_opt_dtype", "float32_append_dtype"):
-        first = args[0] if args else next(iter(kwargs.values()), None)
+        name = None if args else _input_keyword(func, packet, tuple(kwargs))
+        first = args[0] if args else kwargs[name] if name is not None else None
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
-            if isinstance(func, OpOverload) and not any(
-                a.name == "dtype" for a in op_schema(func).arguments
-            ):
+            if isinstance(func, OpOverload) and _lacks_dtype(func):
                 # An overload without dtype: redispatch with every positional argument spelled out
                 # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).
-                args, kwargs = _spelled_out(func, args, kwargs)
+                args, kwargs = spelled_out(func, args, kwargs)
                 func = getattr(torch.ops.aten, packet)
             kwargs = {**kwargs, "dtype": torch.float32}
     elif rule != "keep":

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
 
-from famp._compat import kernel_registrations, real_tensors
+from famp._compat import OpOverload, kernel_registrations, real_tensors
 from famp._compat import op_schema as schema
 
 APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
@@ -25,6 +26,23 @@ APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
 """For `"float32_append_dtype"`: (packet, overload) → the overload that takes the trailing
 dtype (torch's `AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE`). Every argument, defaults included,
 is passed before the dtype."""
+
+
+def spelled_out(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call of an aten overload with every positional argument of its schema passed by
+    position, defaults included (as `APPEND_DTYPE_OVERLOADS`' redispatch needs them)."""
+    full, rest = list(args), dict(kwargs)
+    for arg in schema(func).arguments[len(args) :]:
+        if arg.kwarg_only:
+            break
+        if arg.name in rest:
+            full.append(rest.pop(arg.name))
+        elif arg.has_default_value():
+            full.append(arg.default_value)
+    return tuple(full), rest
+
 
 _BCE_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
