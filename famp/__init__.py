@@ -20,8 +20,8 @@ from famp._scaling.update import update_scale
 
 # --- policies, op rules and autocast: _autocast/ ------------------------------------------------
 # isort: split
-from famp._autocast.call import AutocastWarning
 from famp._autocast.custom_fwd import custom_bwd, custom_fwd
+from famp._autocast.patterns import AutocastWarning
 from famp._autocast.policy import Policy, cast_to_compute, cast_to_output, cast_to_param, get_policy
 from famp._autocast.transform import autocast
 

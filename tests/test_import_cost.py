@@ -270,7 +270,7 @@ def test_famp_marks_constant_functions_exactly_as_torch_compiler_does() -> None:
     assert torch.compiler.assume_constant_result(by_torch) is by_torch  # type: ignore[no-untyped-call]
     assert _compat.assume_constant_result(by_famp) is by_famp
     assert vars(by_famp) == vars(by_torch) == {"_dynamo_marked_constant": True}
-    from famp._autocast import call, overrides
+    from famp._autocast import overrides, patterns
 
-    for fn in (call._match, overrides._constant_key):
+    for fn in (patterns.match, overrides._constant_key):
         assert vars(fn) == vars(by_torch)

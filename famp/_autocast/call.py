@@ -9,8 +9,7 @@ than torch's (`run_op`). `current_state` reads the autocast state a module rule 
 from __future__ import annotations
 
 import contextlib
-import difflib
-import fnmatch
+import threading
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -23,28 +22,16 @@ from famp._autocast.casts import AS_TORCH, apply_rule
 from famp._autocast.mode import FampMode, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
+from famp._autocast.patterns import AutocastWarning, match, warn_unmatched
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
-    assume_constant_result,
     is_compiled_module,
     no_torch_function,
     torch_function_modes,
 )
-
-
-class AutocastWarning(UserWarning):
-    """Warned by a `famp.autocast` call whose rules may not do what they say.
-
-    Raised once per transformed function: for module rules that matched no module path in a call
-    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
-    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
-    path. Filter it as any warning:
-    `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
-    """
-
 
 _FAST_PATH_MODULES = (
     torch.nn.MultiheadAttention,
@@ -67,18 +54,6 @@ def current_state(device_type: str) -> tuple[bool, torch.dtype]:
         if scope is not None and record.device_type == device_type and state == record.base:
             return scope
     return state
-
-
-def _first_match(patterns: tuple[str, ...], path: str) -> int:
-    """Index of the first glob pattern that matches a module path, or -1."""
-    for i, pattern in enumerate(patterns):
-        if fnmatch.fnmatchcase(path, pattern):
-            return i
-    return -1
-
-
-# Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
-_match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
 
 
 class CallRecord:
@@ -104,7 +79,10 @@ class CallRecord:
         self.casts = WeightCasts()  # eagerly: the weight-cast caches, kept fresh
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
+        # The policy of each module of the root entered last (by its path there), and per root.
         self.module_policy: dict[torch.nn.Module, Policy | None] = {}
+        self.roots: dict[torch.nn.Module, dict[torch.nn.Module, Policy | None]] = {}
+        self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None.
         self.declined: list[contextlib.ExitStack | None] = []
@@ -155,13 +133,16 @@ class CallRecord:
             return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
         if self.track and not torch.compiler.is_compiling():
             observe(self, args)
-        if not self.scopes and module not in self.module_policy and self.patterns:
-            for path, sub in module.named_modules():  # `module` is a root: its paths start here
-                if sub not in self.module_policy:
-                    i = _match(self.patterns, path)
-                    self.module_policy[sub] = self.policies[i] if i >= 0 else None
-            if self.track:  # eagerly: which patterns match, for the warning on those that do not
-                self.paths.extend(path for path, _ in module.named_modules())
+        if not self.scopes:  # `module` is a root: its paths start here, each time it is one
+            policies = self.roots.get(module)
+            if policies is None:
+                policies = self.roots[module] = {}
+                for path, sub in module.named_modules():
+                    i = match(self.patterns, path)
+                    policies[sub] = self.policies[i] if i >= 0 else None
+                if self.track:  # eagerly: which patterns match, for the warning on the others
+                    self.paths.extend(path for path, _ in module.named_modules())
+            self.module_policy = policies
         policy = self.module_policy.get(module)
         outer = self.scopes[-1] if self.scopes else None
         if policy is None:
@@ -175,11 +156,36 @@ class CallRecord:
         if module.__dict__.get("inplace") is not True:
             args = policy.cast_to_compute(args)
         self.declined.append(self._decline(module, args, inner))
+        if module._forward_hooks:  # the module's own forward hooks run in its scope: leave last
+            self._leave_last(module)
         return args
 
-    def exit_module(self, module: torch.nn.Module, output: Any) -> Any:
-        if is_compiled_module(module):
-            return None
+    def _leave_last(self, module: torch.nn.Module) -> None:
+        """torch runs global forward hooks (famp's) before a module's own: leave the scope of a
+        matched module with forward hooks from one of its own, run after theirs, as a nested
+        `famp.autocast` call of the module would (its output cast then casts the hooks' output).
+        """
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"famp.autocast: the module rule for {type(module).__name__} cannot apply to its "
+                "own forward hooks in a compiled function (torch runs them after famp leaves the "
+                "module); call it as a nested famp.autocast instead, or run it eagerly"
+            )
+        thread = threading.get_ident()
+
+        def leave(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if threading.get_ident() != thread:
+                return None
+            handle.remove()
+            self.late.pop()
+            return self.exit_module(left, output, last=True)
+
+        self.late.append(module)
+        handle = module.register_forward_hook(leave, always_call=True)
+
+    def exit_module(self, module: torch.nn.Module, output: Any, last: bool = False) -> Any:
+        if is_compiled_module(module) or (not last and self.late and self.late[-1] is module):
+            return None  # a wrapper, or a module left from its own last hook
         if self.track and not torch.compiler.is_compiling():
             observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
@@ -235,29 +241,8 @@ class CallRecord:
 
     def warn_unmatched(self) -> None:
         """Warn (once per transform) about module rules that matched no module path."""
-        matched = {p for p in self.patterns for path in self.paths if fnmatch.fnmatchcase(path, p)}
-        unmatched = [p for p in self.patterns if p not in matched]
-        if not unmatched or self.transform.warned_unmatched:
-            return
-        self.transform.warned_unmatched = True
-        paths = sorted(set(self.paths))
-        lines = []
-        for pattern in unmatched:
-            near = [p for p in paths if fnmatch.fnmatchcase(p, "*." + pattern)]
-            near = near or difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
-            lines.append(f"{pattern!r} (nearest module paths: {', '.join(map(repr, near[:3]))})")
-        if not paths:
-            lines = [f"{p!r} (no module was called)" for p in unmatched]
-        warnings.warn(
-            "famp.autocast: module_rules matched no module in this call: "
-            + "; ".join(lines)
-            + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
-            "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
-            "torch.compile(model), whose paths are the model's): write the pattern for the "
-            "wrapped model ('module.head') or with a leading '*' ('*head').",
-            AutocastWarning,
-            stacklevel=3,
-        )
+        if not self.transform.warned_unmatched:
+            self.transform.warned_unmatched = warn_unmatched(self.patterns, self.paths)
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype,

@@ -1,0 +1,62 @@
+"""Module rules' patterns: which module paths they match, and the warning for those that match
+none (`famp.AutocastWarning`)."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import warnings
+from collections.abc import Callable
+
+from famp._compat import assume_constant_result
+
+
+class AutocastWarning(UserWarning):
+    """Warned by a `famp.autocast` call whose rules may not do what they say.
+
+    Raised once per transformed function: for module rules that matched no module path in a call
+    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
+    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
+    path. Filter it as any warning:
+    `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
+    """
+
+
+def _first_match(patterns: tuple[str, ...], path: str) -> int:
+    """Index of the first glob pattern that matches a module path, or -1."""
+    for i, pattern in enumerate(patterns):
+        if fnmatch.fnmatchcase(path, pattern):
+            return i
+    return -1
+
+
+# Dynamo cannot trace `re`; the match is a constant of the (constant) patterns and path.
+match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
+
+
+def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
+    """Warn about the module rules that matched none of a call's module `paths`, naming the
+    nearest paths; whether it warned."""
+    matched = {p for p in patterns for path in paths if fnmatch.fnmatchcase(path, p)}
+    unmatched = [p for p in patterns if p not in matched]
+    if not unmatched:
+        return False
+    known = sorted(set(paths))
+    lines = []
+    for pattern in unmatched:
+        near = [p for p in known if fnmatch.fnmatchcase(p, "*." + pattern)]
+        near = near or difflib.get_close_matches(pattern, known, n=3, cutoff=0.0)
+        lines.append(f"{pattern!r} (nearest module paths: {', '.join(map(repr, near[:3]))})")
+    if not known:
+        lines = [f"{p!r} (no module was called)" for p in unmatched]
+    warnings.warn(
+        "famp.autocast: module_rules matched no module in this call: "
+        + "; ".join(lines)
+        + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
+        "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
+        "torch.compile(model), whose paths are the model's): write the pattern for the "
+        "wrapped model ('module.head') or with a leading '*' ('*head').",
+        AutocastWarning,
+        stacklevel=4,
+    )
+    return True

@@ -1,0 +1,102 @@
+"""What a module rule reaches: the module's own forward hooks, and the module by its path under
+whichever root the call enters it from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import famp
+from tests.helpers import assert_bitwise_equal
+
+BF16 = torch.bfloat16
+
+
+class _Hooked(nn.Module):
+    """A linear layer whose own forward hook adds a product (an adapter added by a hook)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.w2 = nn.Parameter(torch.randn(8, 8))
+        self.checkpointed = checkpointed
+        self.lin.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        self.lin.register_forward_hook(lambda m, args, out: out @ self.w2 + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return torch.relu(checkpoint(self.lin, x, use_reentrant=False))
+        return torch.relu(self.lin(x))
+
+
+def _grads(out: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
+    return [out, *torch.autograd.grad(out.float().pow(2).sum(), list(model.parameters()))]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_module_rule_applies_to_the_modules_own_forward_hooks(checkpointed: bool) -> None:
+    # torch runs famp's global forward hook before the module's own: the rule's scope must still
+    # hold for the module's hooks, and its output cast apply to what they return, as a nested
+    # famp.autocast call of the module gives (the docs' equivalent) and casts written by hand.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    ruled = _Hooked(checkpointed)
+    rules = {"lin": "c=f32,o=bf16"}
+    actual = _grads(famp.autocast(ruled, "c=bf16,o=f32", module_rules=rules)(x), ruled)
+
+    nested = _Hooked(checkpointed)
+    inner = famp.autocast(nested.lin, "c=f32,o=bf16")
+    call = famp.autocast(lambda x: torch.relu(inner(x)), "c=bf16,o=f32")
+    by_call = _grads(call(x), nested)
+
+    ref = _Hooked(checkpointed=False)
+    with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast("cpu", enabled=False):
+            h = (torch.nn.functional.linear(x * 2, ref.lin.weight, ref.lin.bias) @ ref.w2 + 1).to(
+                BF16
+            )
+        out = torch.relu(h).float()
+    expected = _grads(out, ref)
+    for a, b, e in zip(actual, by_call, expected, strict=True):
+        assert_bitwise_equal(a, e)
+        assert_bitwise_equal(b, e)
+
+
+def test_module_rule_on_a_module_with_its_own_hooks_refuses_to_compile() -> None:
+    # Compiled, famp cannot leave the scope after the module's own hooks: an error, not numbers
+    # computed with the hooks outside the rule.
+    model = _Hooked(checkpointed=False)
+    f = famp.autocast(model, "c=bf16,o=f32", module_rules={"lin": "c=f32"}, compile=True)
+    with pytest.raises(Exception, match="cannot apply to its own forward hooks"):
+        f(torch.randn(4, 8))
+
+
+def _linear(m: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.nn.functional.linear(x.to(dtype), m.weight.to(dtype), m.bias.to(dtype))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_module_rule_paths_start_at_the_root_each_call_enters(compiled: bool) -> None:
+    # A submodule called on its own is a root, its path "" (no rule); inside its parent it is
+    # "1", which the rule names. Either order of the two calls gives each its own rule.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return model[1](x), model(x), model[1](x)
+
+    f: Callable[..., Any] = famp.autocast(fn, "c=bf16,o=f32", module_rules={"1": "c=f32,o=f32"})
+    if compiled:
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    alone, whole, again = f(x)
+    in_bf16 = _linear(model[1], x, BF16).float()
+    expected = _linear(model[1], _linear(model[0], x, BF16).float(), torch.float32)
+    assert_bitwise_equal(alone, in_bf16)
+    assert_bitwise_equal(whole, expected)
+    assert_bitwise_equal(again, in_bf16)
