@@ -128,7 +128,9 @@ def optimizer_step(
 
     With `state`, the `.grad` of the optimizer's parameters are the *scaled* gradients of
     `famp.scale(state, loss).backward()`. Without it they are already unscaled (e.g. from
-    `famp.value_and_grad` or `famp.unscale_and_check`) and `found_inf` is required. Any
+    `famp.value_and_grad` or `famp.unscale_and_check`) and `found_inf` is required: after
+    `unscale_and_check(..., donate=True)` (to clip, say), passing `state` would unscale them a
+    second time, which famp cannot see (clipping writes into them). Any
     non-zero or NaN `found_inf` skips the step, as `famp.update_scale` reads it. Parameters,
     optimizer state, step counts and `.grad` end up exactly as a `GradScaler` loop leaves
     them, bit for bit (tested for every `torch.optim` optimizer in its for-loop, foreach and

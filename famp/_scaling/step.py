@@ -173,6 +173,10 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
     `torch.optim.lr_scheduler` stepped every iteration does under `GradScaler`). Counters must
     be tensors; use `famp.select_tree` with your own predicate for anything else.
 
+    Eagerly, with `found_inf` on the CPU, each result leaf is the chosen leaf itself (no copy;
+    leaves that require grad, with grad enabled, excepted), so an in-place write into a result
+    also changes that input leaf; compiled, results are new tensors (see `famp.select_tree`).
+
     Args:
         found_inf: A one-element tensor, `found_inf` of `famp.value_and_grad` or
             `famp.unscale_and_check`; non-zero or NaN means overflow.
