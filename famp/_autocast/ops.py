@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from famp._compat import OpOverload, kernel_registrations, real_tensors
+from famp._compat import OpOverload, assume_constant_result, kernel_registrations, real_tensors
 from famp._compat import op_schema as schema
 
 APPEND_DTYPE_OVERLOADS: dict[tuple[str, str], tuple[str, str]] = {
@@ -34,14 +34,24 @@ def spelled_out(
     """A call of an aten overload with every positional argument of its schema passed by
     position, defaults included (as `APPEND_DTYPE_OVERLOADS`' redispatch needs them)."""
     full, rest = list(args), dict(kwargs)
-    for arg in schema(func).arguments[len(args) :]:
+    for name, has_default, default in _positional(func)[len(args) :]:
+        if name in rest:
+            full.append(rest.pop(name))
+        elif has_default:
+            full.append(default)
+    return tuple(full), rest
+
+
+@assume_constant_result  # a constant of the overload: Dynamo calls it (it cannot read schemas)
+def _positional(func: OpOverload) -> tuple[tuple[str, bool, Any], ...]:
+    """(name, whether it has a default, the default) of each positional parameter of `func`."""
+    params = []
+    for arg in schema(func).arguments:
         if arg.kwarg_only:
             break
-        if arg.name in rest:
-            full.append(rest.pop(arg.name))
-        elif arg.has_default_value():
-            full.append(arg.default_value)
-    return tuple(full), rest
+        default = arg.has_default_value()
+        params.append((arg.name, default, arg.default_value if default else None))
+    return tuple(params)
 
 
 _BCE_MESSAGE = (

@@ -20,23 +20,23 @@ BF16, F32 = torch.bfloat16, torch.float32
 RUNS = ("compiled", "torch.compile, dynamic")
 
 
-def _sample() -> torch.Tensor:
+def _sample(shape: tuple[int, int] = (8, 8)) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    return (torch.rand(8, 8, generator=g) * 4 + 0.25).to(BF16)
+    return (torch.rand(*shape, generator=g) * 4 + 0.25).to(BF16)
 
 
 M = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).to(BF16)
 
 
-def _run(
+def _pair(
     fn: Callable[[torch.Tensor], torch.Tensor],
     hand: Callable[[torch.Tensor], torch.Tensor],
     changes: dict[str, str],
     run: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(famp's result of `fn` with `changes` as overrides, the hand-written casts' result under
-    torch.autocast), both as float32: eagerly, with famp's own compile (the reference compiled
-    by inductor too), or both under torch.compile(dynamic=True)."""
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(famp's `fn` with `changes` as overrides, the hand-written casts under torch.autocast),
+    both returning float32: eager, with famp's own compile (the reference compiled the same way,
+    `torch.compile(fullgraph=True)`), or both under torch.compile(dynamic=True)."""
     rules = famp.default_rules("cpu").override(changes)
     transformed = famp.autocast(fn, "c=bf16,o=f32", rules=rules, compile=run == "compiled")
 
@@ -47,7 +47,19 @@ def _run(
     if run == "torch.compile, dynamic":
         transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
     if run != "eager":  # a code object of its own per case: Dynamo compiles one at most 8 times
-        reference = torch.compile(own_code(reference), fullgraph=True, dynamic=run != "compiled")
+        dynamic = None if run == "compiled" else True
+        reference = torch.compile(own_code(reference), fullgraph=True, dynamic=dynamic)
+    return transformed, reference
+
+
+def _run(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    hand: Callable[[torch.Tensor], torch.Tensor],
+    changes: dict[str, str],
+    run: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(famp's result, the hand-written casts' result) of `_pair`'s functions on `_sample()`."""
+    transformed, reference = _pair(fn, hand, changes, run)
     x = _sample()
     return transformed(x), reference(x)
 
@@ -119,16 +131,12 @@ OPERATOR_CASES: dict[str, list[tuple[dict[str, str], Any, Callable[..., Any]]]] 
 }
 
 
-# Packets whose key leaves some overloads at the default (`mul.int`, `pow.int`, ...): compiled,
-# famp cannot trace the choice of overload yet (`overrides.resolve_overload`), so eagerly only.
-PER_OVERLOAD = ("mul", "pow", "remainder", "sum", "norm.Scalar", "norm.ScalarOpt_dim")
-
 # Eagerly every operator; compiled those torch defines in Python (famp enters their code).
 OPERATOR_RUNS = [
     (name, i, run)
     for name in OPERATOR_METHODS
-    for i, (changes, _, _) in enumerate(OPERATOR_CASES.get(name, ()))
-    for run in ("eager", *(RUNS if _in_python(name) and not set(changes) & {*PER_OVERLOAD} else ()))
+    for i in range(len(OPERATOR_CASES.get(name, ())))
+    for run in ("eager", *(RUNS if _in_python(name) else ()))
 ]
 
 
@@ -223,11 +231,7 @@ KEYWORD_CALLS: dict[str, tuple[dict[str, str], Callable[..., Any], Callable[...,
 
 @pytest.mark.parametrize(
     ("name", "run"),
-    [
-        (name, run)
-        for name, (changes, _, _) in sorted(KEYWORD_CALLS.items())
-        for run in ("eager", *(RUNS if not set(changes) & {*PER_OVERLOAD} else ()))
-    ],
+    [(name, run) for name in sorted(KEYWORD_CALLS) for run in ("eager", *RUNS)],
 )
 def test_dtype_rules_find_an_input_passed_by_keyword(name: str, run: str) -> None:
     # The rule adds dtype=float32 when the op's input is eligible: the input, wherever the call
@@ -239,3 +243,130 @@ def test_dtype_rules_find_an_input_passed_by_keyword(name: str, run: str) -> Non
     if run == "eager":  # the rule changes the numbers
         with torch.autocast("cpu", dtype=BF16):
             assert not torch.equal(out, fn(_sample()).float())
+
+
+# --- keys that leave some of the op's overloads at the default, compiled --------------------------
+# `{"mul": "float32"}` covers mul.Tensor and mul.Scalar but not mul.int, ...: famp picks the
+# overload of each call from the kinds of its arguments, compiled as eagerly (a SymInt, as
+# `t.shape[0] + 1` is under dynamic shapes, as the int it is eagerly).
+
+# name -> (overrides, the calls, what the overrides mean: torch's ops, inputs cast)
+PARTIAL_OVERRIDES: dict[str, tuple[dict[str, str], Callable[..., Any], Callable[..., Any]]] = {
+    "mul": (
+        {"mul": "float32"},
+        lambda t: t * 3.3 + 3 * t + torch.mul(t, t.flip(0)) + (t.shape[0] + 1) * t,
+        lambda t: (
+            t.float() * 3.3
+            + 3 * t.float()
+            + torch.mul(t.float(), t.flip(0).float())
+            + (t.shape[0] + 1) * t.float()
+        ),
+    ),
+    "mul.Tensor": (  # a float, an int or a size is mul.Scalar: left to torch (bfloat16)
+        {"mul.Tensor": "float32"},
+        lambda t: t * t.flip(0) + t * 3.3 + (t.shape[0] + 1) * t,
+        lambda t: t.float() * t.flip(0).float() + t * 3.3 + (t.shape[0] + 1) * t,
+    ),
+    "pow": (
+        {"pow": "float32"},
+        lambda t: t**1.7 + 1.7**t + torch.pow(t, t.flip(0)) + t ** (t.shape[0] // 4),
+        lambda t: (
+            t.float() ** 1.7
+            + 1.7 ** t.float()
+            + torch.pow(t.float(), t.flip(0).float())
+            + t.float() ** (t.shape[0] // 4)
+        ),
+    ),
+    "pow.Tensor_Scalar": (  # pow.Scalar and pow.Tensor_Tensor: left to torch (bfloat16)
+        {"pow.Tensor_Scalar": "float32"},
+        lambda t: t**1.7 + torch.pow(1.7, t) + t ** t.flip(0),
+        lambda t: t.float() ** 1.7 + torch.pow(1.7, t) + t ** t.flip(0),
+    ),
+    "sum": (
+        {"sum": SET_OPT},
+        lambda t: t.sum(0) + t.sum() + torch.sum(t, dim=(0,), keepdim=True).flatten(),
+        lambda t: (
+            t.sum(0, dtype=F32)
+            + t.sum(dtype=F32)
+            + torch.sum(t, dim=(0,), keepdim=True, dtype=F32).flatten()
+        ),
+    ),
+    "norm": (  # as torch's CUDA autocast: the overloads that take no dtype get dtype=float32
+        {"norm.Scalar": APPEND, "norm.ScalarOpt_dim": APPEND},
+        lambda t: aten.norm(t, 3) + aten.norm(t, 3, [1], False) + aten.norm.Scalar(t),
+        lambda t: (
+            aten.norm.ScalarOpt_dtype(t, 3, dtype=F32)
+            + aten.norm.ScalarOpt_dim_dtype(t, 3, [1], False, dtype=F32)
+            + aten.norm.ScalarOpt_dtype(t, 2, dtype=F32)
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("name", sorted(PARTIAL_OVERRIDES))
+def test_override_of_some_overloads_compiles_as_hand_written_casts(name: str, run: str) -> None:
+    # Compiled with fullgraph=True, static and dynamic shapes; a second shape recompiles famp's
+    # own compile with dynamic sizes (as it does the reference's). Bitwise equal to the same
+    # casts written by hand, compiled the same way; eagerly, the override changes the numbers.
+    changes, fn, hand = PARTIAL_OVERRIDES[name]
+    transformed, reference = _pair(fn, hand, changes, run)
+    eager, eager_reference = _pair(fn, hand, changes, "eager")
+    for shape in ((8, 8), (12, 6)):
+        x = _sample(shape)
+        out = transformed(x)
+        assert out.dtype == F32
+        assert_bitwise_equal(out, reference(x))
+        assert_bitwise_equal(eager(x), eager_reference(x))
+        with torch.autocast("cpu", dtype=BF16):
+            assert not torch.equal(eager(x), fn(x).float())
+
+
+# overrides -> (calls whose arguments are of each kind, whether the override casts each)
+BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] = {
+    "mul.Scalar": (
+        {"mul.Scalar": "float32"},
+        [
+            lambda t: t * t.flip(0),  # mul.Tensor
+            lambda t: t * 3.3,  # a float: mul.Scalar
+            lambda t: t * 3,  # an int: mul.Scalar
+            lambda t: t * (t.shape[0] + 1),  # a SymInt under dynamic shapes: mul.Scalar
+            lambda t: t * (t.shape[0] / 3),  # a SymFloat: mul.Scalar
+        ],
+        [False, True, True, True, True],
+    ),
+    "pow.Tensor_Scalar": (
+        {"pow.Tensor_Scalar": "float32"},
+        [
+            lambda t: t ** t.flip(0),  # pow.Tensor_Tensor
+            lambda t: t**1.5,
+            lambda t: t**2,
+            lambda t: t ** (t.shape[0] // 4),
+            lambda t: t ** (t.shape[0] / 4),
+            lambda t: torch.pow(2, t),  # pow.Scalar
+        ],
+        [False, True, True, True, True, False],
+    ),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("name", sorted(BY_KIND))
+def test_override_of_one_overload_reaches_the_same_calls_compiled_as_eagerly(
+    name: str, run: str
+) -> None:
+    # The overload of a call is read off its arguments' kinds (a tensor, a float, an int, a
+    # size): compiled, where a size is a SymInt or a SymFloat, the same as eagerly.
+    changes, calls, casts = BY_KIND[name]
+
+    def dtypes(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([call(t).dtype == F32 for call in calls])
+
+    rules = famp.default_rules("cpu").override(changes)
+    eager = famp.autocast(dtypes, "c=bf16,o=f32", rules=rules)
+    transformed = famp.autocast(dtypes, "c=bf16,o=f32", rules=rules, compile=run == "compiled")
+    if run == "torch.compile, dynamic":
+        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
+    for shape in ((8, 8), (12, 6)):
+        x = _sample(shape)
+        assert transformed(x).tolist() == eager(x).tolist() == casts
