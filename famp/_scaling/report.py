@@ -69,7 +69,8 @@ class NonfiniteReport:
         This is the report's only host sync. Non-finite leaves are named by path (and rank with
         a group), most non-finite elements first. For float16 and bfloat16 leaves, the headroom
         is `log2(finfo.max / amax)` bits: how many doublings of the values (or of the loss
-        scale) they can take before overflowing; the lowest are listed.
+        scale) they can take before overflowing; the lowest are listed, and a leaf that holds
+        non-finite values has none (listed first, as overflowed).
 
         Args:
             limit: At most this many lines per section.
@@ -93,14 +94,14 @@ class NonfiniteReport:
                 where = path if self.world_size is None else f"{path} (rank {rank})"
                 if count:
                     bad.append((count, where, int(count), dtype, amax))
-                if dtype in ("float16", "bfloat16"):
+                if dtype in ("float16", "bfloat16"):  # an overflowed leaf has none: listed first
                     top = torch.finfo(_DTYPES[dtype]).max
-                    bits = math.log2(top / amax) if amax > 0 else math.inf
+                    bits = -math.inf if count else math.log2(top / amax) if amax > 0 else math.inf
                     head.append((bits, where, dtype, amax))
         leaves = len(self.paths)
         lines = [
             f"found_inf = {self.found_inf.item():g}: "
-            f"{len({b[1] for b in bad})} of {leaves * (self.world_size or 1)} "
+            f"{len(bad)} of {leaves * (self.world_size or 1)} "
             f"leaves{' (leaf, rank)' if self.world_size else ''} hold non-finite values"
         ]
         bad.sort(key=lambda b: (-b[0], b[1]))
@@ -114,7 +115,8 @@ class NonfiniteReport:
             head.sort(key=lambda h: (h[0], h[1]))
             lines.append("headroom of float16/bfloat16 leaves, lowest first:")
             lines += [
-                f"  {where}: {bits:.1f} bits ({dtype}, largest finite |x| {amax:.4g})"
+                f"  {where}: {'none, it overflowed' if bits == -math.inf else f'{bits:.1f} bits'}"
+                f" ({dtype}, largest finite |x| {amax:.4g})"
                 for bits, where, dtype, amax in head[:limit]
             ]
         return "\n".join(lines)

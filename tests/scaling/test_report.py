@@ -173,13 +173,33 @@ def test_summary_names_the_bad_leaves_worst_first_with_headroom() -> None:
     assert lines[1] == "  block.0.mlp.weight: 2 non-finite (float16), largest finite |x| 2"
     assert lines[2] == "  block.1.attn.weight: 1 non-finite (float16), largest finite |x| 4096"
     assert lines[3] == "headroom of float16/bfloat16 leaves, lowest first:"
-    bits = math.log2(torch.finfo(torch.float16).max / 4096)
-    assert lines[4] == f"  block.1.attn.weight: {bits:.1f} bits (float16, largest finite |x| 4096)"
-    assert lines[5].startswith("  block.0.mlp.weight: 15.0 bits")
+    # A leaf that holds non-finite values has no headroom left: listed first, whatever its amax.
+    assert lines[4] == "  block.0.mlp.weight: none, it overflowed (float16, largest finite |x| 2)"
+    assert lines[5] == (
+        "  block.1.attn.weight: none, it overflowed (float16, largest finite |x| 4096)"
+    )
     assert lines[6].startswith(
         f"  norm.weight: {math.log2(torch.finfo(torch.bfloat16).max / 2**100):.1f} bits"
     )
     assert "head.bias" not in text
+
+
+def test_summary_lists_an_all_inf_leaf_as_overflowed_before_a_finite_one() -> None:
+    # An all-inf leaf has no finite values (amax 0): it must not read as infinite headroom.
+    tree = {
+        "overflowed": torch.full((4,), math.inf, dtype=torch.float16),
+        "fine": torch.full((4,), 60000.0, dtype=torch.float16),
+    }
+    lines = famp.nonfinite_report(tree).summary().splitlines()
+    assert lines[-2] == "  overflowed: none, it overflowed (float16, largest finite |x| 0)"
+    assert lines[-1].startswith("  fine: 0.1 bits (float16")
+
+
+def test_summary_counts_leaves_whose_paths_print_alike() -> None:
+    # Two leaves, both non-finite, whose paths print the same: both are counted.
+    tree = {"a.b": torch.tensor([math.inf]), "a": {"b": torch.tensor([math.nan])}}
+    lines = famp.nonfinite_report(tree).summary().splitlines()
+    assert lines[0] == "found_inf = 1: 2 of 2 leaves hold non-finite values"
 
 
 def test_summary_of_a_finite_tree_says_so() -> None:
@@ -306,4 +326,4 @@ def test_debugging_page_activation_report_names_the_overflowing_layer() -> None:
     assert bad == ["3", "4", "5"]  # in forward order: layer 3 is where it starts
     assert all(acts[name].dtype == torch.float16 for name in acts)
     text = activations.summary()
-    assert "  3: 0.0 bits (float16" in text
+    assert "  3: none, it overflowed (float16" in text
