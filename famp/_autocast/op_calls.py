@@ -161,7 +161,7 @@ _DUNDERS = {
     "__itruediv__": "div_",
     "__idiv__": "div_",
     "__pow__": "pow",
-    "__rpow__": "pow",
+    "__rpow__": "pow",  # only for a scalar base (a tensor's is `__pow__`): `pow.Scalar`
     "__ipow__": "pow_",
 }
 # Calls that write into their first argument without a trailing-underscore name.
@@ -221,7 +221,7 @@ def _op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
             return op_schema(func).name.partition("::")[2], overload_name(func)
         return packet_name(func).partition("::")[2], None
     name: str = getattr(func, "__name__", "")
-    return _DUNDERS.get(name, name), None
+    return _DUNDERS.get(name, name), "Scalar" if name == "__rpow__" else None
 
 
 def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:

@@ -344,8 +344,19 @@ BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] 
             lambda t: t ** (t.shape[0] // 4),
             lambda t: t ** (t.shape[0] / 4),
             lambda t: torch.pow(2, t),  # pow.Scalar
+            lambda t: 1.7**t,  # Tensor.__rpow__: torch.pow(1.7, t), pow.Scalar
         ],
-        [False, True, True, True, True, False],
+        [False, True, True, True, True, False, False],
+    ),
+    "pow.Scalar": (
+        {"pow.Scalar": "float32"},
+        [
+            lambda t: t**1.5,  # pow.Tensor_Scalar
+            lambda t: torch.pow(2, t),
+            lambda t: 1.7**t,  # the reflected operator: its base is the scalar
+            lambda t: (t.shape[0] / 4) ** t,  # a SymFloat base under dynamic shapes
+        ],
+        [False, True, True, True],
     ),
 }
 
