@@ -129,7 +129,8 @@ def load_checkpoint(
     set_model_state_dict(model, loaded["model"])
     full = famp.load_dcp_optim_state(path)  # offline: DCP's reader, no process group
     if world > 1:
-        to_load = famp.optim_state_dict_to_load(full, famp.layout_of(model), rank, optimizer)
+        layout = famp.layout_of(model)  # names matched to the optimizer's parameters by model
+        to_load = famp.optim_state_dict_to_load(full, layout, rank, optimizer, model=model)
     else:
         to_load = famp.optim_state_by_id(full, model, optimizer)
     optimizer.load_state_dict(to_load)

@@ -167,3 +167,18 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
     if not fsdp2:
         raise ValueError("the model has no FSDP1 or FSDP2 sharded parameters")
     return _layout_fsdp2(params)
+
+
+def flat_param_names(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
+    """Every FSDP1 flat parameter of `model` with the names of the parameters it flattens."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module_names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+    names: dict[torch.Tensor, list[str]] = {}
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = fsdp1_flat_params(module)
+        if handle is not None:
+            prefix = module_names[id(module)]
+            fqns = fsdp1_unit_settings(handle)[0]
+            names[handle.flat_param] = [f"{prefix}.{n}" if prefix else n for n in fqns]
+    return names

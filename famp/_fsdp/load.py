@@ -33,79 +33,9 @@ from famp._fsdp.layout import (
     flat_units,
     specs,
 )
-from famp._fsdp.live import check_fsdp2_param
+from famp._fsdp.load_ids import optimizer_ids
 from famp._fsdp.osd import Kinds, State, check_full, same
-from famp._fsdp.rekey import optimizer_params
 from famp._fsdp.shard import clone_value, copy_groups, narrow
-
-
-def _optimizer_groups(optimizer: object, n_groups: int) -> list[list[torch.Tensor]] | None:
-    if optimizer is None:
-        return None
-    groups = optimizer_params(optimizer)
-    if len(groups) != n_groups:
-        raise ValueError(
-            f"the optimizer has {len(groups)} param groups but osd['param_groups'] has {n_groups}"
-        )
-    return groups
-
-
-def _entries(
-    names: Sequence[str], layout: FSDP1Layout | FSDP2Layout, rank: int
-) -> list[tuple[str, list[str], list[Shape]]]:
-    """Per optimizer parameter of one group: a label, the names it covers, its possible shapes."""
-    if isinstance(layout, FSDP2Layout):  # local chunks (DTensors are checked whole, see below)
-        return [(repr(f), [f], [layout.local_shape(f, rank)]) for f in names]
-    entries: list[tuple[str, list[str], list[Shape]]] = []
-    if layout.use_orig_params and layout.world_size == 1:  # NO_SHARD: original shapes
-        return [(repr(f), [f], [specs(layout)[f][0]]) for f in names]
-    if not layout.use_orig_params:  # one flat parameter per unit
-        for unit in dict.fromkeys(flat_slice(layout, f).unit for f in names):
-            fqns = [s.fqn for s in flat_units(layout)[unit][0]]
-            entries.append((f"FSDP unit {unit}", fqns, [(layout.flat_numel(unit),)]))
-        return entries
-    for fqn in names:
-        start, end = layout.param_slice(fqn, rank)
-        entries.append((repr(fqn), [fqn], [(end - start,)]))
-    return entries
-
-
-def _keys(
-    groups: list[dict[str, Any]],
-    layout: FSDP1Layout | FSDP2Layout,
-    rank: int,
-    opt: list[list[torch.Tensor]] | None,
-) -> tuple[dict[str, int], list[list[int]], list[torch.Tensor | None]]:
-    """Optimizer ids: per parameter (or FSDP1 unit) its position in the optimizer's groups."""
-    key_of: dict[str, int] = {}
-    group_keys: list[list[int]] = []
-    params: list[torch.Tensor | None] = []
-    for g, group in enumerate(groups):
-        entries = _entries(group["params"], layout, rank)
-        if opt is not None and len(opt[g]) != len(entries):
-            raise ValueError(
-                f"the optimizer's param group {g} has {len(opt[g])} parameters but "
-                f"osd['param_groups'][{g}] gives {len(entries)}"
-            )
-        group_keys.append([])
-        for i, (label, fqns, shapes) in enumerate(entries):
-            param = None if opt is None else opt[g][i]
-            if param is not None and is_dtensor(param):  # FSDP2: local shape, placement, mesh
-                assert isinstance(layout, FSDP2Layout)
-                check_fsdp2_param(param, fqns[0], *specs(layout)[fqns[0]], layout, rank)
-            elif param is not None and tuple(param.shape) not in shapes:
-                raise ValueError(
-                    f"the optimizer's parameter for {label} on rank {rank} has shape "
-                    f"{tuple(param.shape)}, expected {' or '.join(map(str, shapes))}: do its "
-                    "param_groups list the parameters in the order of osd['param_groups']?"
-                )
-            for fqn in fqns:
-                if fqn in key_of:
-                    raise ValueError(f"{label} has parameters in two param groups")
-                key_of[fqn] = len(params)
-            group_keys[-1].append(len(params))
-            params.append(param)
-    return key_of, group_keys, params
 
 
 def _orig_param_state(
@@ -210,6 +140,7 @@ def optim_state_dict_to_load(
     rank: int,
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    model: torch.nn.Module | None = None,
     copy: bool = True,
 ) -> dict[str, Any]:
     """The int-keyed state dict that `rank`'s optimizer holds, ready for `load_state_dict`.
@@ -220,11 +151,19 @@ def optim_state_dict_to_load(
     shard (`use_orig_params=True`; no entry for the others; at world size 1, where FSDP1
     switches to `NO_SHARD`, the original shapes). Under FSDP2 it is the rank's chunk
     of every parameter, as DTensors placed like the optimizer's parameters when they are DTensors.
-    Ids follow the optimizer: the i-th param group of `osd` must list the parameters of the
-    optimizer's i-th group in the same order (FSDP1 without `use_orig_params`: its units, in the
-    order of their first parameter), as DCP assumes. With `optimizer`, what it holds is checked
-    before anything is built: FSDP2 DTensor parameters' mesh, rank, placement and global and local
-    shapes; plain parameters' local shapes.
+
+    Ids follow the optimizer. With `model`, each name of `osd` goes to the optimizer's parameter
+    of that name in `model.named_parameters()` (matched by identity; FSDP1 flat parameters by
+    their unit), as torch matches them (DCP's `set_optimizer_state_dict`, FSDP1's
+    `optim_state_dict_to_load`): the optimizer may list its parameters in any order, and the
+    i-th group of `osd` must hold the parameters of the optimizer's i-th group. Without
+    `model`, the i-th group of `osd` must list the optimizer's i-th group in the same order
+    (FSDP1 without `use_orig_params`: its units, in the order of their first parameter); only
+    shapes can check that, so two parameters of one group that look the same to the optimizer
+    (same shape) are refused: pass `model` to load them. Without `optimizer`, ids follow the
+    order of `osd`'s groups. With `optimizer`, what it holds is checked before anything is
+    built: FSDP2 DTensor parameters' mesh, rank, placement and global and local shapes; plain
+    parameters' local shapes.
 
     Args:
         osd: the full FQN-keyed optimizer state dict (`{"state": ..., "param_groups": ...}`);
@@ -234,6 +173,8 @@ def optim_state_dict_to_load(
         rank: the rank to load.
         optimizer: the rank's optimizer, to check the ids and shapes against (and for FSDP2, to
             place DTensors); `None` numbers parameters by their order in `osd`'s groups.
+        model: the wrapped model whose parameters the optimizer updates, to match `osd`'s
+            names to the optimizer's parameters by name, as torch does (needs `optimizer`).
         copy: return tensors that own their memory (the default, as FSDP1 does), so that the
             optimizer's in-place updates neither write into `osd` nor keep its full tensors
             alive (PyTorch #116553). `False` returns views where possible, for read-only use.
@@ -244,13 +185,15 @@ def optim_state_dict_to_load(
     Raises:
         KeyError: a name that is not in the layout.
         ValueError: everything `famp.shard_optim_state` rejects, a rank outside the world,
-            an optimizer whose groups or parameter shapes disagree with `osd`, an FSDP2
+            an optimizer whose groups or parameter shapes disagree with `osd`, two parameters
+            of one group that the optimizer shows alike without `model`, a name that `model`
+            gives to no parameter of the optimizer's matching group, an FSDP2
             DTensor parameter on a mesh of another world size, of another rank, placed other
             than `Shard(dim)` with the layout's dim or of other global or local shape, an
             FSDP1 unit whose parameters have differing state names or values. The message names
             the parameter; nothing is built.
         TypeError: `layout` is not a layout, `rank` is not an int, `optimizer` has no
-            `param_groups` list, or a state tensor is sparse (not `torch.strided`).
+            `param_groups` list, `model` is not a module, or a state tensor is sparse.
 
     Examples:
         >>> import famp, torch
@@ -265,8 +208,7 @@ def optim_state_dict_to_load(
     check_rank(rank, layout.world_size)
     local_rank = rank if isinstance(layout, FSDP2Layout) else None
     state, groups, kinds = check_full(osd, layout, "osd", local_rank)
-    opt_groups = _optimizer_groups(optimizer, len(groups))
-    key_of, group_keys, params = _keys(groups, layout, rank, opt_groups)
+    key_of, group_keys, params = optimizer_ids(groups, layout, rank, optimizer, model)
     out: dict[int, dict[str, Any]] = {}
     if isinstance(layout, FSDP2Layout):
         for fqn, entry in state.items():

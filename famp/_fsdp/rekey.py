@@ -25,7 +25,7 @@ def clean_fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
-def _names(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
+def param_names(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
     """Every name of every parameter, first name first, wrapper prefixes dropped."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -97,7 +97,7 @@ def optim_state_by_fqn(
     state, groups = split_osd(osd, "osd")
     opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
-    names = _names(model)
+    names = param_names(model)
     fqn_of: dict[int, str] = {}
     out_groups = []
     for g, (group, params) in enumerate(zip(groups, opt_params, strict=True)):
@@ -156,7 +156,7 @@ def optim_state_by_id(
     state, groups = split_osd(osd, "osd")
     opt_params = optimizer_params(optimizer)
     _check_group_count(groups, opt_params, "osd")
-    param_of = {name: p for p, names in _names(model).items() for name in names}
+    param_of = {name: p for p, names in param_names(model).items() for name in names}
     ids: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group, id)
     for g, params in enumerate(opt_params):
         for param in params:

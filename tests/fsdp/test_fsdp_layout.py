@@ -94,7 +94,9 @@ def test_fsdp2_layout_equals_fully_shard(world_size: int, rank: int) -> None:
         full = adam_like_state(shapes)
         # from this rank's shard alone, as a per-rank checkpoint holds it
         shard = famp.shard_optim_state(full, layout, rank)
-        optim.load_state_dict(famp.optim_state_dict_to_load(shard, layout, rank, optim))
+        optim.load_state_dict(
+            famp.optim_state_dict_to_load(shard, layout, rank, optim, model=model)
+        )
         loaded = optim.state_dict()
         for key, entry in loaded["state"].items():
             fqn = list(shapes)[key]
@@ -145,7 +147,7 @@ def test_fsdp1_layout_equals_fully_sharded_data_parallel(
             by_unit = [list(unit) for unit in units]
             as_state["param_groups"] = [{"params": by_unit[0]}, {"params": by_unit[1]}]
             optim = torch.optim.Adam([{"params": [p]} for p in wrapped.parameters()])
-        local = famp.optim_state_dict_to_load(as_state, layout, rank, optim)["state"]
+        local = famp.optim_state_dict_to_load(as_state, layout, rank, optim, model=wrapped)["state"]
         for key, param in enumerate(p for g in optim.param_groups for p in g["params"]):
             if param.numel() == 0:  # use_orig_params=True: not in this rank's shard, no state
                 assert key not in local
@@ -156,7 +158,7 @@ def test_fsdp1_layout_equals_fully_sharded_data_parallel(
         full["param_groups"] = as_state["param_groups"]
         if not use_orig_params:
             full["param_groups"][1]["lr"] = 0.5
-        to_load = famp.optim_state_dict_to_load(full, layout, rank, optim)
+        to_load = famp.optim_state_dict_to_load(full, layout, rank, optim, model=wrapped)
         optim.load_state_dict(to_load)
         assert_same_osd(optim.state_dict()["state"], to_load["state"])
         assert [g["params"] for g in optim.state_dict()["param_groups"]] == [

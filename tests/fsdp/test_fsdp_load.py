@@ -24,6 +24,20 @@ def _is_shard(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
+def _model(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    """A module whose ``named_parameters()`` are exactly ``params`` (the same tensors)."""
+    root = torch.nn.Module()
+    for fqn, param in params.items():
+        *path, leaf = fqn.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, param)
+    return root
+
+
 def _load(
     to_load: dict[str, Any],
     shapes_by_id: dict[int, tuple[int, ...]],
@@ -34,14 +48,35 @@ def _load(
     """A torch optimizer over tensors of these shapes accepts ``to_load`` and holds it exactly."""
     dtypes = {v.dtype for e in to_load["state"].values() for v in e.values() if _is_shard(v)}
     dtype = dtypes.pop() if dtypes else torch.float32  # loading casts state to the params dtype
+    tensors = {i: torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for i, s in shapes_by_id.items()}
     groups = [
-        {"params": [torch.zeros(shapes_by_id[i], dtype=dtype) for i in g["params"]]}
+        {"params": [tensors[i] for i in g["params"]]}
         | {k: v for k, v in g.items() if k != "params"}
         for g in to_load["param_groups"]
     ]
     optim = torch.optim.SGD(groups, lr=0.1)  # keeps any state; Adam insists on "step"
-    # famp checks the optimizer's shapes and numbers its parameters the same way
-    assert_same_osd(famp.optim_state_dict_to_load(osd, layout, rank, optim), to_load)
+    flat = isinstance(layout, famp.FSDP1Layout) and not layout.use_orig_params
+    if not flat:  # the optimizer's parameters, named as in osd (ids in osd's order)
+        names = [f for g in osd["param_groups"] for f in g["params"]]
+        model = _model({names[i]: p for i, p in tensors.items()})
+        # famp checks the optimizer's shapes and matches its parameters by name
+        assert_same_osd(
+            famp.optim_state_dict_to_load(osd, layout, rank, optim, model=model), to_load
+        )
+        # and reversed within every group, the same parameters get the same state by name
+        rev = torch.optim.SGD([{**g, "params": g["params"][::-1]} for g in groups], lr=0.1)
+        rev_load = famp.optim_state_dict_to_load(osd, layout, rank, rev, model=model)
+        rev_ids = {id(p): i for i, p in enumerate(p for g in rev.param_groups for p in g["params"])}
+        by_param = {id(tensors[i]): e for i, e in to_load["state"].items()}
+        assert_same_osd(rev_load["state"], {rev_ids[k]: e for k, e in by_param.items()})
+    try:  # without the model, ids follow osd's order, unless two parameters look alike
+        positional = famp.optim_state_dict_to_load(osd, layout, rank, optim)
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = ""
+        assert_same_osd(positional, to_load)
+    assert not message or "pass model= to match them by name" in message
     optim.load_state_dict(to_load)
     loaded = optim.state_dict()
     assert_same_osd(loaded["state"], to_load["state"])
@@ -257,3 +292,60 @@ def test_to_load_refuses_a_non_layout_a_non_optimizer_and_a_non_int_rank() -> No
     plain = torch.optim.SGD([torch.zeros(3, 2)], lr=0.1)  # the global shape, not rank 0's (2, 2)
     with pytest.raises(ValueError, match=r"parameter for 'w' on rank 0 has shape \(3, 2\)"):
         famp.optim_state_dict_to_load(osd, layout, 0, plain)
+
+
+def _two_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+
+
+def _weights_then_biases(model: torch.nn.Module, reverse: bool) -> torch.optim.Optimizer:
+    step = -1 if reverse else 1
+    return torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight][::step], "weight_decay": 0.1},
+            {"params": [model[0].bias, model[1].bias][::step], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+
+
+def test_to_load_matches_names_as_dcp_does_when_the_optimizer_lists_them_in_another_order() -> None:
+    """DCP's set_optimizer_state_dict maps by name; famp with model= too, and without refuses."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    model = _two_layers()
+    optim = _weights_then_biases(model, reverse=False)
+    model(torch.randn(4, 3)).square().sum().backward()
+    optim.step()
+    full = get_optimizer_state_dict(model, optim, options=options)
+    by_dcp = _two_layers()
+    dcp_optim = _weights_then_biases(by_dcp, reverse=True)
+    set_optimizer_state_dict(by_dcp, dcp_optim, full, options=options)
+    by_famp = _two_layers()
+    famp_optim = _weights_then_biases(by_famp, reverse=True)
+    layout = famp.fsdp2_layout({n: p.shape for n, p in by_famp.named_parameters()}, 1)
+    before = copy.deepcopy(full)
+    with pytest.raises(ValueError, match=r"lists '0\.weight' and '1\.weight'.*pass model="):
+        famp.optim_state_dict_to_load(full, layout, 0, famp_optim)
+    famp_optim.load_state_dict(
+        famp.optim_state_dict_to_load(full, layout, 0, famp_optim, model=by_famp)
+    )
+    ours, theirs = famp_optim.state_dict(), dcp_optim.state_dict()
+    assert_same_osd(ours["state"], theirs["state"])  # (DCP turns betas into a list)
+    assert [g["params"] for g in ours["param_groups"]] == [[0, 1], [2, 3]]
+    assert [g["params"] for g in theirs["param_groups"]] == [[0, 1], [2, 3]]
+    for name, param in by_famp.named_parameters():  # each parameter got its own saved state
+        assert_same_osd(famp_optim.state[param]["exp_avg"], full["state"][name]["exp_avg"])
+    assert_same_osd(full, before)
+    # groups in another order: DCP moves hyperparameters with the names; famp refuses, naming one
+    swapped = torch.optim.AdamW([famp_optim.param_groups[1], famp_optim.param_groups[0]])
+    with pytest.raises(ValueError, match=r"lists '0\.weight', but the optimizer has it in group 1"):
+        famp.optim_state_dict_to_load(full, layout, 0, swapped, model=by_famp)
+    with pytest.raises(ValueError, match="pass optimizer too"):
+        famp.optim_state_dict_to_load(full, layout, 0, model=by_famp)
