@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from famp._fsdp.cli_files import check_targets
 from famp._fsdp.cli_run import run
-from famp._fsdp.cli_sources import is_dcp_source
+from famp._fsdp.cli_sources import UsageError, is_dcp_source
 
 PROG = "famp-reshard"
 
@@ -35,14 +35,17 @@ SOURCE is one of:
   * a torch.save file holding a full FQN-keyed optimizer state dict ({"state": {fqn: ...},
     "param_groups": [...]}), or a dict holding one under --key (e.g. dcp_to_torch_save output);
   * several torch.save files, one FSDP2 local shard per rank in rank order (e.g. out/rank*.pt
-    from an earlier run).
+    from an earlier run), each with a "sharding" entry {fqn: {"shape": [...], "dim": d}} (the
+    global shape and shard dim of its DTensors); files without it need --assume-dim0 where a
+    parameter's shards are the same shape on every rank (dim 0 and dim 1 look alike there).
 Files are read with torch.load(weights_only=True) and DCP metadata with a restricted unpickler:
 nothing is unpickled beyond plain data.
 
 Each output rank file holds what get_optimizer_state_dict(model, optim) returns on that rank
 under FSDP2 on the new world size, with every DTensor replaced by its local tensor: state
 tensors are the rank's dim-0 torch.chunk (trailing ranks may be empty, (0, *rest)), step and
-param_groups are replicated. Load it with torch.load(path, weights_only=True)."""
+param_groups are replicated, and "sharding" records the layout. Load it with
+torch.load(path, weights_only=True)."""
 
 
 EPILOG = """\
@@ -66,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_targets(args)
         return run(args)
+    except UsageError as err:  # found while reading SOURCE: needs an option
+        parser.error(_one_line(err))
     except (ValueError, KeyError, TypeError, OSError, RuntimeError, pickle.UnpicklingError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
@@ -127,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory budget beyond one tensor, e.g. 512M or 2G, for --full and --format dcp "
         "(which stream chunk by chunk): the copy buffer, and fewer --workers if needed",
+    )
+    parser.add_argument(
+        "--assume-dim0",
+        action="store_true",
+        help="rank files without a 'sharding' entry: read every parameter as sharded on dim 0 "
+        "(needed where a parameter's shards are the same shape on every rank)",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and check; write nothing")
     parser.add_argument(

@@ -30,9 +30,9 @@ from famp._fsdp.cli_report import (
     rank_stats,
     state_nbytes,
 )
-from famp._fsdp.cli_sources import Source, is_dcp_source, read_source
+from famp._fsdp.cli_sources import SHARDING, Source, is_dcp_source, read_source, sharding_entry
 from famp._fsdp.dcp import read_dcp_param_shapes
-from famp._fsdp.layout import FSDP2Layout
+from famp._fsdp.layout import FSDP2Layout, specs
 from famp._fsdp.shard import shard_optim_state
 
 
@@ -168,6 +168,10 @@ class _LazyShards(Sequence[tuple[str, dict[str, Any]]]):
         if not 0 <= rank < len(self):
             raise IndexError(rank)
         shard = shard_optim_state(self.full, self.layout, rank, copy=self.copy)
+        spec = specs(self.layout)  # recorded, so that these files read back as a source
+        shard[SHARDING] = sharding_entry(
+            {f: s for f, (s, _) in spec.items()}, {f: d for f, (_, d) in spec.items()}
+        )
         return f"rank{rank:0{self.width}d}.pt", shard
 
     def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:

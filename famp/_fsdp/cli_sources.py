@@ -1,8 +1,12 @@
 """`famp-reshard`'s SOURCE: a DCP checkpoint, a full state dict file or rank files, and its shapes.
 
 Each form is read into famp's canonical full FQN-keyed optimizer state; the parameter shapes
-come from the model entries where there are some, else from the state tensors (rank files: the
-dim-0 chunks' rows summed over the ranks).
+come from the model entries where there are some, else from the state tensors. Rank files give
+each parameter's global shape and shard dim in their `sharding` entry (docs/fsdp.md's recipe,
+and famp-reshard's own rank files). Files without it: the local shards alone cannot tell dim 0
+from another dim where they are the same shape on every rank (rows `n` on each of `W` ranks look
+like a dim-0 split of `W * n` rows), so such parameters need `--assume-dim0`; where they differ,
+only dim 0 fits (FSDP2 shards other dims evenly) and their rows are summed.
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ from famp._fsdp.dcp import (
     param_shape_from_state,
     read_dcp_param_shapes,
 )
-from famp._fsdp.osd import group_fqns
+from famp._fsdp.osd import check_shards, group_fqns
 from famp._fsdp.shard import unshard_optim_state
+
+SHARDING = "sharding"  # a rank file's {fqn: {"shape": [...], "dim": d}} of its DTensor states
+
+
+class UsageError(ValueError):
+    """A source that needs a command-line option to be read (exit status 2)."""
 
 
 @dataclass
@@ -65,8 +75,19 @@ def read_source(args: argparse.Namespace) -> Source:
         shapes = _shapes_from_model(full, model) or _shapes_from_state(full, path)
         return Source(full, shapes, f"full state dict {path}")
     shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
-    shapes = _shapes_from_shards(shards, sources)
-    full = unshard_optim_state(shards, fsdp2_layout(shapes, len(shards)))
+    shapes, dims, unknown = _shapes_from_shards(shards, sources)
+    layout = fsdp2_layout(shapes, len(shards), shard_dims=dims)
+    if unknown and not args.assume_dim0:
+        check_shards(shards, layout, "shards")  # bad input first (exit 1), then the dims
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise UsageError(
+            f"the rank files record no shard dims ({SHARDING!r}), and the shards of "
+            f"{', '.join(map(repr, unknown[:3]))}{more} are the same shape on every rank, as "
+            "shards on dim 0 or on another dim (shard_placement_fn) would be: save each rank "
+            f"file with a {SHARDING!r} entry (docs/fsdp.md), or pass --assume-dim0 if every "
+            "parameter was sharded on dim 0 (FSDP2's default)"
+        )
+    full = unshard_optim_state(shards, layout)
     return Source(full, shapes, f"{len(shards)} FSDP2 rank files {sources[0]} ...")
 
 
@@ -131,12 +152,56 @@ def _shapes_from_model(full: Mapping[str, Any], model: object) -> dict[str, torc
     return {f: model[f].shape for f in fqns}
 
 
+def sharding_entry(shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int]) -> dict[str, Any]:
+    """A rank file's `sharding` entry: every parameter's global shape and shard dim."""
+    return {f: {"shape": [int(n) for n in shape], "dim": dims[f]} for f, shape in shapes.items()}
+
+
+def _recorded(shards: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> Any:
+    """The rank files' common `sharding` entry, None if none has one; a ValueError otherwise."""
+    found = [shard.get(SHARDING) for shard in shards]
+    if all(entry is None for entry in found):
+        return None
+    for entry, path in zip(found, paths, strict=True):
+        if entry != found[0]:
+            raise ValueError(
+                f"{path}[{SHARDING!r}] = {entry!r} differs from {paths[0]}[{SHARDING!r}]: "
+                "the rank files must come from one job"
+            )
+    if not isinstance(found[0], Mapping):
+        raise ValueError(f"{paths[0]}[{SHARDING!r}] must be a dict, got {found[0]!r}")
+    return found[0]
+
+
+def _recorded_spec(entry: Any, fqn: str, path: str) -> tuple[list[int], int]:
+    shape = entry.get("shape") if isinstance(entry, Mapping) else None
+    dim = entry.get("dim") if isinstance(entry, Mapping) else None
+    ints = isinstance(shape, (list, tuple)) and all(type(n) is int for n in shape)
+    if not isinstance(shape, (list, tuple)) or not ints or type(dim) is not int:
+        raise ValueError(
+            f"{path}[{SHARDING!r}][{fqn!r}] must be {{'shape': [int, ...], 'dim': int}}, "
+            f"got {entry!r}"
+        )
+    return list(shape), dim
+
+
 def _shapes_from_shards(
     shards: Sequence[Mapping[str, Any]], paths: Sequence[str]
-) -> dict[str, torch.Size]:
-    """Full shapes of FSDP2 dim-0 shards: the local shapes' rows summed over the ranks."""
-    shapes = {}
+) -> tuple[dict[str, torch.Size], dict[str, int], list[str]]:
+    """Global shapes and shard dims of FSDP2 rank files, and the parameters whose dim is unknown.
+
+    Recorded in `sharding`, or else dim 0: certain where the rows differ between ranks, unknown
+    where the shards are the same shape on every rank (the third result).
+    """
+    recorded = _recorded(shards, paths)
+    shapes, dims, unknown = {}, {}, []
     for fqn in group_fqns(shards[0].get("param_groups"), f"{paths[0]}: param_groups"):
+        if recorded is not None:
+            if fqn not in recorded:
+                raise KeyError(f"{paths[0]}[{SHARDING!r}] has no entry for parameter {fqn!r}")
+            shape, dims[fqn] = _recorded_spec(recorded[fqn], fqn, paths[0])
+            shapes[fqn] = torch.Size(shape)
+            continue
         locals_ = []
         for shard, path in zip(shards, paths, strict=True):
             entry = shard.get("state", {}).get(fqn) if isinstance(shard, Mapping) else None
@@ -147,5 +212,7 @@ def _shapes_from_shards(
         if len({tuple(s[1:]) for s in locals_}) > 1:
             listed = [tuple(s) for s in locals_]
             raise ValueError(f"parameter {fqn!r}: rank shards differ past dim 0: {listed}")
+        if len(locals_[0]) > 1 and len(shards) > 1 and len(set(locals_)) == 1:
+            unknown.append(fqn)  # the same on every rank: dim 0, or any dim that divides evenly
         shapes[fqn] = torch.Size([sum(s[0] for s in locals_), *locals_[0][1:]])
-    return shapes
+    return shapes, dims, unknown

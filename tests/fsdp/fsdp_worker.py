@@ -108,6 +108,23 @@ def fsdp2_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     )
 
 
+def _saved_by_the_recipe(osd: dict[str, Any]) -> dict[str, Any]:
+    """What docs/fsdp.md's save recipe writes from ``get_optimizer_state_dict(model, optim)``."""
+    from torch.distributed.tensor import DTensor
+
+    local = {
+        fqn: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        for fqn, entry in osd["state"].items()
+    }
+    sharding = {
+        fqn: {"shape": list(v.shape), "dim": v.placements[0].dim}
+        for fqn, entry in osd["state"].items()
+        for v in entry.values()
+        if isinstance(v, DTensor)
+    }
+    return {"state": local, "param_groups": osd["param_groups"], "sharding": sharding}
+
+
 def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -182,6 +199,7 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
                 "params": params,
                 "layout_of": layout,
                 "sharded": _local(sharded),
+                "recipe": _local(_saved_by_the_recipe(sharded)),
                 "full": _local(full),
                 "raw": _local(optim.state_dict()),
                 # famp's rekeying of the raw int-keyed state, against DCP's FQN form above
@@ -221,7 +239,79 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
             record["after_step_loaded"] = _local(dict(fresh.named_parameters()))
             record["after_step_set_from_mesh_shard"] = _local(dict(via_dcp.named_parameters()))
             out[name] = record
+    out["order"] = _fsdp2_other_order(rank)
     return out
+
+
+def _twins() -> nn.Module:
+    torch.manual_seed(0)  # two layers of the same shapes: a swap of their states shows no shape
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def _reversed_groups(model: nn.Module, reverse: bool) -> torch.optim.Optimizer:
+    step = -1 if reverse else 1
+    named = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in model.named_parameters()}
+    return torch.optim.AdamW(
+        [
+            {"params": [named[n] for n in ("0.weight", "1.weight")][::step], "weight_decay": 0.1},
+            {"params": [named[n] for n in ("0.bias", "1.bias")][::step], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+
+
+def _attempt(fn: Any) -> Any:
+    """``fn()``'s local result, or ``(error type, message)`` where it raises."""
+    try:
+        return _local(fn())
+    except (TypeError, ValueError, KeyError) as err:
+        return type(err).__name__, str(err)
+
+
+def _fsdp2_other_order(rank: int) -> dict[str, Any]:
+    """A full state loaded into an optimizer that lists same-shaped parameters in another order:
+    DCP's set_optimizer_state_dict matches by name; famp with model= must too."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> nn.Module:
+        model = _twins()
+        for layer in (model[0], model[1], model):
+            fully_shard(layer)
+        return model
+
+    options = StateDictOptions(full_state_dict=True)
+    model = sharded()
+    optim = _reversed_groups(model, reverse=False)
+    model(torch.randn(3, 4)).square().sum().backward()
+    optim.step()
+    full = get_optimizer_state_dict(model, optim, options=options)
+    by_dcp = sharded()
+    dcp_optim = _reversed_groups(by_dcp, reverse=True)
+    set_optimizer_state_dict(by_dcp, dcp_optim, full, options=options)
+    by_famp = sharded()
+    famp_optim = _reversed_groups(by_famp, reverse=True)
+    layout = famp.layout_of(by_famp)
+    loaded = _attempt(
+        lambda: famp.optim_state_dict_to_load(full, layout, rank, famp_optim, model=by_famp)
+    )
+    if isinstance(loaded, dict):
+        famp_optim.load_state_dict(
+            famp.optim_state_dict_to_load(full, layout, rank, famp_optim, model=by_famp)
+        )
+        loaded = _local(famp_optim.state_dict())
+    return {
+        "full": _local(full),
+        "dcp": _local(dcp_optim.state_dict()),
+        "famp": loaded,
+        "famp_no_model": _attempt(
+            lambda: famp.optim_state_dict_to_load(full, layout, rank, famp_optim)
+        ),
+    }
 
 
 def fsdp1_model() -> nn.Module:
@@ -299,9 +389,61 @@ def run_fsdp1(rank: int, world_size: int) -> dict[str, Any]:
             "to_load": _local(to_load),
             "raw": _local(optim.state_dict()),
             "sharded": _local(sharded),
-            "famp_to_load": _local(famp.optim_state_dict_to_load(full, layout, rank, optim)),
+            "famp_to_load": _local(
+                famp.optim_state_dict_to_load(full, layout, rank, optim, model=model)
+            ),
         }
+        out[f"order-{name}"] = _fsdp1_other_order(rank, kwargs)
     return out
+
+
+def _fsdp1_other_order(rank: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """FSDP.optim_state_dict_to_load for an optimizer that lists same-shaped parameters (or
+    equal flat units) in another order than the full state: torch matches by name."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    def wrapped() -> nn.Module:
+        model = _twins()
+        model[0], model[1] = FSDP(model[0], **kwargs), FSDP(model[1], **kwargs)
+        return FSDP(model, **kwargs)
+
+    def optimizer(model: nn.Module, reverse: bool) -> torch.optim.Optimizer:
+        if kwargs["use_orig_params"]:
+            return _reversed_groups(model, reverse)
+        flats = list(model.parameters())  # one flat parameter per layer's unit
+        return torch.optim.Adam(flats[::-1] if reverse else flats, lr=1e-2)
+
+    cfg = (
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=False),
+        FullOptimStateDictConfig(rank0_only=False, offload_to_cpu=False),
+    )
+    model = wrapped()
+    optim = optimizer(model, reverse=False)
+    model(torch.randn(3, 4)).square().sum().backward()
+    optim.step()
+    with FSDP.state_dict_type(model, *cfg):
+        full = FSDP.optim_state_dict(model, optim)
+    other = wrapped()
+    other_optim = optimizer(other, reverse=True)
+    with FSDP.state_dict_type(other, *cfg):
+        to_load = FSDP.optim_state_dict_to_load(other, other_optim, full)
+    layout = famp.layout_of(other)
+    return {
+        "full": _local(full),
+        "to_load": _local(to_load),
+        "famp": _attempt(
+            lambda: famp.optim_state_dict_to_load(full, layout, rank, other_optim, model=other)
+        ),
+        "famp_no_model": _attempt(
+            lambda: famp.optim_state_dict_to_load(full, layout, rank, other_optim)
+        ),
+    }
 
 
 def main(rank: int, world_size: int, out_dir: str, port: int) -> None:

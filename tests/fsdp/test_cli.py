@@ -446,3 +446,58 @@ def test_workers_with_outputs_written_in_one_process_is_a_usage_error(
             main(argv)
         assert exit_info.value.code == 2
         assert "--workers" in capsys.readouterr().err
+
+
+def test_rank_files_record_their_sharding_and_files_without_it_need_assume_dim0(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Shards of the same shape on every rank do not tell dim 0 from dim 1: the files say."""
+    full = trained[1]
+    out = tmp_path / "w7"  # 7 rows of 2.weight (7, 1) and 2.bias: one row on each of 7 ranks
+    assert main([full_file, "-n", "7", "-o", str(out)]) == 0
+    files = [str(out / f"rank{r:05d}.pt") for r in range(7)]
+    shard = load_dict(files[0])
+    assert shard["sharding"]["3.weight"] == {"shape": [7, 1], "dim": 0}
+    assert shard["sharding"]["0.weight"] == {"shape": [5, 6], "dim": 0}
+    assert main([*files, "--full", str(tmp_path / "back.pt")]) == 0
+    assert_osd_bitwise_equal(load_dict(tmp_path / "back.pt"), full)
+    old = []
+    for rank, path in enumerate(files):
+        old.append(str(tmp_path / f"old{rank}.pt"))
+        torch.save({k: v for k, v in load_dict(path).items() if k != "sharding"}, old[-1])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*old, "--full", str(tmp_path / "old.pt")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "the shards of '3.weight' are the same shape on every rank" in err, err
+    assert not (tmp_path / "old.pt").exists()
+    assert main([*old, "--full", str(tmp_path / "old.pt"), "--assume-dim0"]) == 0
+    assert_osd_bitwise_equal(load_dict(tmp_path / "old.pt"), full)
+    # a recorded Shard(1) is read as such: 2 ranks of (5, 3) are one (5, 6), not (10, 3)
+    layout = famp.fsdp2_layout(_shapes(full), 2, shard_dims={"0.weight": 1})
+    dim1 = []
+    for rank in range(2):
+        dim1.append(str(tmp_path / f"dim1_{rank}.pt"))
+        sharding = {
+            f: {"shape": list(s), "dim": 1 if f == "0.weight" else 0}
+            for f, s in _shapes(full).items()
+        }
+        torch.save({**famp.shard_optim_state(full, layout, rank), "sharding": sharding}, dim1[-1])
+    assert main([*dim1, "--full", str(tmp_path / "dim1.pt")]) == 0
+    assert_osd_bitwise_equal(load_dict(tmp_path / "dim1.pt"), full)
+    # a sharding entry that is malformed, or differs between the files, is bad input (exit 1)
+    bad = load_dict(dim1[1])
+    for value, message in [
+        ({**bad["sharding"], "0.weight": {"shape": [5, 6], "dim": 1, "x": 0}}, "differs from"),
+        ({"0.weight": [5, 6]}, "must be {'shape'"),
+    ]:
+        torch.save({**bad, "sharding": value}, dim1[1])
+        if message.startswith("must"):
+            torch.save({**load_dict(dim1[0]), "sharding": value}, dim1[0])
+        capsys.readouterr()
+        assert main([*dim1, "--full", str(tmp_path / "bad.pt")]) == 1
+        assert message in capsys.readouterr().err

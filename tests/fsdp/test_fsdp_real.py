@@ -209,3 +209,80 @@ def test_fsdp1_sharded_state_dict_is_the_per_parameter_chunking(records, name) -
                     assert mine["state"][fqn][key].shape[0] == 0
                 else:
                     assert_same_osd(mine["state"][fqn][key], value)
+
+
+def test_fsdp2_to_load_matches_names_as_set_optimizer_state_dict_does(records) -> None:
+    """The loading optimizer lists same-shaped parameters in another order than the state."""
+    world, ranks = records
+    for rank, record in enumerate(ranks):
+        cell = record["fsdp2"]["order"]
+        assert isinstance(cell["famp"], dict), cell["famp"]
+        assert_same_osd(cell["famp"]["state"], cell["dcp"]["state"])
+        assert [g["params"] for g in cell["famp"]["param_groups"]] == [[0, 1], [2, 3]]
+        # DCP put each name's saved state on the parameter of that name: ids 0, 1 are 1., 0.
+        for pid, name in enumerate(["1.weight", "0.weight"]):
+            saved = famp.shard_optim_state(cell["full"], _twins_layout(world), rank)
+            assert_bitwise_equal(
+                cell["dcp"]["state"][pid]["exp_avg"], saved["state"][name]["exp_avg"]
+            )
+        kind, message = cell["famp_no_model"]
+        assert kind == "ValueError"
+        assert "lists '0.weight' and '1.weight'" in message
+        assert "pass model=" in message
+
+
+def _twins_layout(world: int) -> famp.FSDP2Layout:
+    shapes = {"0.weight": (4, 4), "0.bias": (4,), "1.weight": (4, 4), "1.bias": (4,)}
+    return famp.fsdp2_layout(shapes, world)
+
+
+@pytest.mark.parametrize("name", FSDP1_CONFIGS)
+def test_fsdp1_to_load_matches_names_as_fsdp_optim_state_dict_to_load_does(records, name) -> None:
+    """The loading optimizer lists same-shaped parameters (or equal units) in another order."""
+    _, ranks = records
+    for record in ranks:
+        cell = record["fsdp1"][f"order-{name}"]
+        assert isinstance(cell["famp"], dict), cell["famp"]
+        assert_same_osd(cell["famp"], cell["to_load"])
+        kind, message = cell["famp_no_model"]
+        assert kind == "ValueError"
+        assert "pass model=" in message
+
+
+def _reshard_to_full(files: list[str], out: pathlib.Path, *options: str) -> dict[str, Any]:
+    from famp._fsdp.cli import main
+
+    assert main([*files, "--full", str(out), *options]) == 0
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_famp_reshard_reads_the_recipes_rank_files_as_get_optimizer_state_dict_full(
+    records, name, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/fsdp.md's per-rank files of real FSDP2 (one parameter on Shard(1) in the -dim1
+    configs): famp-reshard --full equals torch's full_state_dict; without the recorded
+    sharding it refuses (exit 2, naming the parameters) unless told --assume-dim0."""
+    from famp._fsdp.cli import main
+
+    _, ranks = records
+    full = ranks[0]["fsdp2"][name]["full"]
+    files, old = [], []
+    for rank, record in enumerate(ranks):
+        saved = record["fsdp2"][name]["recipe"]
+        assert_same_osd(saved["state"], record["fsdp2"][name]["sharded"]["state"])
+        files.append(str(tmp_path / f"optim.rank{rank}.pt"))
+        torch.save(saved, files[-1])
+        old.append(str(tmp_path / f"old.rank{rank}.pt"))
+        torch.save({k: v for k, v in saved.items() if k != "sharding"}, old[-1])
+    assert_same_osd(_reshard_to_full(files, tmp_path / "full.pt"), full)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*old, "--full", str(tmp_path / "old.pt")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "record no shard dims" in err, err
+    assert "--assume-dim0" in err
+    if name.endswith("dim1"):
+        assert "'4.weight'" in err, err
+    else:  # dim 0 proven where the shards differ; assumed on request where they do not
+        assert_same_osd(_reshard_to_full(old, tmp_path / "old.pt", "--assume-dim0"), full)
