@@ -21,11 +21,14 @@ run by `torch.autograd`'s engine). Two blind spots follow, where the dtypes tell
 the rule does not: the casts autocast makes for an operator (`a @ b`) show `"keep"` (`mm`
 itself shows `"lower"`), and the ops that another op's C++ implementation calls through their
 own autocast wrappers (the linears inside `_VF.gru` and `lstm_cell`) show the outer op's
-rule (`"keep"`), although torch casts them. `rule` is `None` where autocast is off for the
-device (a float32 compute dtype, a module rule computing in float32, the function's own
-`torch.autocast(enabled=False)`, the output cast after the autocast region). `source` is
-`"override"` where the call's rules give the op another rule than the device's defaults, else
-`"module"` inside a module that a module rule matches, else `"default"`.
+rule (`"keep"`), although torch casts them. The rules, module rules and policy are those that
+`famp.autocast` applies where the op runs: a nested `famp.autocast` call's own, inside it (the
+recorder reads the innermost call's record). `rule` is `None` where autocast is off for the device
+(a float32 compute dtype, a module rule computing in float32, the function's own
+`torch.autocast(enabled=False)`, the output cast after the autocast region), operators' ops
+included. `source` is `"override"` where those rules give the op another rule than the device's
+defaults, else `"module"` inside a module that a module rule matches, else `"default"`. Module
+paths are `famp.autocast`'s: a module entered outside any other is a root for that call of it.
 
 Deliberately not supported: compiled execution (a compiled graph runs no aten ops one by one:
 explain always runs eagerly), and threads other than the caller's (the profile function is the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +49,8 @@ from torch.nn.modules.module import (
 )
 
 from famp._autocast.defaults import default_rules
-from famp._autocast.policy import Policy, get_policy
-from famp._autocast.recorder import LOWER, Recorder
+from famp._autocast.policy import Policy
+from famp._autocast.recorder import Recorder
 from famp._autocast.rules import OpRules
 from famp._autocast.trace import Trace
 from famp._autocast.transform import autocast
@@ -108,18 +111,14 @@ def explain(
             f"compile must be False or None: explain watches eager ops; got {compile_!r}"
         )
     transformed = autocast(fn, policy, compile=False, **autocast_kwargs)
-    policy = get_policy(policy)
-    base = (policy.compute_dtype in LOWER, policy.compute_dtype)
     rules: OpRules | None = autocast_kwargs.get("rules")
     device_type: str | None = autocast_kwargs.get("device_type")
-    module_rules: Mapping[str, Policy | str] = autocast_kwargs.get("module_rules") or {}
-    scopes = [(pattern, get_policy(p)) for pattern, p in module_rules.items()]
 
     @functools.wraps(fn)
     def explained(*args: Any, **kwargs: Any) -> tuple[Any, Trace]:
         dev = device_type or (rules.device_type if rules is not None else None)
         dev = dev or _infer_device((args, kwargs))
-        recorder = Recorder(dev, base, scopes)
+        recorder = Recorder(dev)
         pre = register_module_forward_pre_hook(recorder.pre_hook)
         post = register_module_forward_hook(recorder.post_hook, always_call=True)
         previous = sys.getprofile()

@@ -4,13 +4,19 @@
 (from global module hooks) and the torch function called from Python that encloses it (from
 `sys.setprofile`); `Recorder.records` turns them into `famp.OpRecord`s with each op's rule.
 `explain.py`'s docstring says what "rule" means at dispatch level.
+
+The rule in effect is famp.autocast's own: the rules, module scope and autocast state of the
+innermost `famp.autocast` call running (`recompute.calls()`, a nested call's own), read as
+`CallRecord.run_op` reads them. Autocast's state at dispatch level is not the Python code's: inside
+torch's C++ autocast wrappers (`mm`'s, reached from `x @ w`) it reads as off. So the state the
+Python code set is kept from the profile function, at each return of a `torch.set_autocast_*`
+setter (`torch.autocast`'s and famp's regions call them), and an op that reads autocast as off
+while the Python code had it on is inside a wrapper.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -18,13 +24,10 @@ import torch
 
 from famp._autocast.defaults import default_rules
 from famp._autocast.ops import overloads
-from famp._autocast.policy import Policy
+from famp._autocast.recompute import calls
 from famp._autocast.rules import OpRules
 from famp._autocast.trace import OpRecord
 from famp._compat import TorchDispatchMode, op_schema, overload_name
-
-LOWER = (torch.float16, torch.bfloat16)
-"""The compute dtypes for which autocast is on."""
 
 
 def _is_torch_builtin(func: Any) -> bool:
@@ -35,11 +38,19 @@ def _is_torch_builtin(func: Any) -> bool:
     return isinstance(module, str) and module.startswith("torch")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Effect:
+    """What governs an op where it runs, as the innermost `famp.autocast` call decides it."""
+
+    enabled: bool  # autocast on for the device
+    scoped: bool  # inside a module that one of the call's module rules matches
+    rules: OpRules | None  # the call's rules; None outside every famp.autocast call
+
+
 @dataclasses.dataclass
 class _Call:
     name: str  # the builtin's name
-    enabled: bool  # autocast on for the device where it was called
-    scoped: bool  # inside a module a module rule matches
+    effect: _Effect  # where it was called
     func: Any = None  # the builtin, or the Python function's frame
     overload: str | None = None  # the overload of a same-named op seen inside
 
@@ -49,8 +60,7 @@ class _Raw:
     func: Any
     module: str
     call: _Call | None
-    enabled: bool
-    scoped: bool
+    effect: _Effect | None  # where it ran, if no call governs it
     in_dtypes: tuple[torch.dtype, ...]
     out_dtypes: tuple[torch.dtype, ...]
 
@@ -63,20 +73,32 @@ def _dtypes(tree: Any) -> tuple[torch.dtype, ...]:
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the aten ops of one `famp.explain` call, with their modules and enclosing calls."""
 
-    def __init__(
-        self,
-        device_type: str,
-        base: tuple[bool, torch.dtype],
-        module_rules: Sequence[tuple[str, Policy]],
-    ) -> None:
+    def __init__(self, device_type: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
-        self.base = base
-        self.module_rules = module_rules
         self.raw: list[_Raw] = []
         self.calls: list[_Call] = []  # the torch builtins running, outermost first
-        self.modules: list[tuple[str, bool | None]] = []  # (path, autocast on if scoped)
-        self.paths: dict[torch.nn.Module, str] = {}
+        self.modules: list[str] = []  # the paths of the modules running, outermost first
+        # Per root (a module entered outside any other, each time it is one): its modules' paths.
+        self.roots: dict[torch.nn.Module, dict[torch.nn.Module, str]] = {}
+        self.paths: dict[torch.nn.Module, str] = {}  # those of the root running
+        self.enabled = torch.is_autocast_enabled(device_type)  # as the Python code last set it
+
+    def effect(self, enabled: bool) -> _Effect:
+        """What governs an op here, autocast being `enabled` for the device at Python level: the
+        innermost famp.autocast call's rules and module scope, as `CallRecord.run_op` reads them
+        (a state other than the call's own is the function's `torch.autocast`: it governs)."""
+        stack = calls()
+        if not stack:
+            return _Effect(enabled, False, None)
+        record = stack[-1]
+        rules = record.transform.rules or default_rules(record.device_type)
+        scope = record.scopes[-1] if record.scopes else None
+        if scope is None or record.device_type != self.device_type:
+            return _Effect(enabled, False, rules)
+        if (enabled, torch.get_autocast_dtype(self.device_type)) == record.base:
+            enabled = scope[0]
+        return _Effect(enabled, True, rules)
 
     # dispatch: every aten op
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -86,17 +108,16 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         packet = op_schema(func).name.partition("::")[2]
         if call is not None and call.overload is None and packet == call.name:
             call.overload = overload_name(func)
-        module, scope = self.modules[-1] if self.modules else ("", None)
-        enabled = scope if scope is not None else torch.is_autocast_enabled(self.device_type)
-        if call is None and scope is None and not enabled:
-            enabled = self.base[0]  # inside a C++ wrapper that torch's autocast entered
+        effect = None
+        if call is None:
+            # Off here but on in the Python code: inside a C++ autocast wrapper (`x @ w`'s mm).
+            effect = self.effect(torch.is_autocast_enabled(self.device_type) or self.enabled)
         self.raw.append(
             _Raw(
                 func,
-                module,
+                self.modules[-1] if self.modules else "",
                 call,
-                enabled,
-                scope is not None,
+                effect,
                 _dtypes((args, kwargs)),
                 _dtypes(out),
             )
@@ -105,18 +126,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     # module hooks: the module path stack
     def pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if module not in self.paths:
-            parent = self.modules[-1][0] if self.modules else ""
+        if not self.modules:  # a root, for this call of it (as famp.autocast's module rules)
+            self.paths = self.roots.setdefault(module, {})
+        if module not in self.paths:  # the root, or a module outside its tree called inside it
+            parent = self.modules[-1] if self.modules else ""
             for path, sub in module.named_modules(remove_duplicate=False):
-                full = ".".join(p for p in (parent, path) if p)
-                self.paths.setdefault(sub, full)
-        path = self.paths[module]
-        scope = self.modules[-1][1] if self.modules else None
-        for pattern, policy in self.module_rules:
-            if fnmatch.fnmatchcase(path, pattern):
-                scope = policy.compute_dtype in LOWER
-                break
-        self.modules.append((path, scope))
+                self.paths.setdefault(sub, ".".join(p for p in (parent, path) if p))
+        self.modules.append(self.paths[module])
 
     def post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.modules:
@@ -133,16 +149,18 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         elif event == "return":
             if self.calls and self.calls[-1].func is frame:
                 self.calls.pop()
-        elif event in ("c_return", "c_exception") and self.calls and self.calls[-1].func == arg:
-            # Equal, not the same object: from Python 3.12 (profiling through sys.monitoring), a
-            # method called on its instance, `Tensor._is_view(t)`, arrives as a new bound method
-            # at each event, equal to the one of its call.
-            self.calls.pop()
+        elif event in ("c_return", "c_exception"):
+            if event == "c_return" and getattr(arg, "__name__", "").startswith("set_autocast"):
+                self.enabled = torch.is_autocast_enabled(self.device_type)
+            if self.calls and self.calls[-1].func == arg:
+                # Equal, not the same object: from Python 3.12 (profiling through
+                # sys.monitoring), a method called on its instance, `Tensor._is_view(t)`, arrives
+                # as a new bound method at each event, equal to the one of its call.
+                self.calls.pop()
 
     def _push(self, name: str, key: Any) -> None:
-        scope = self.modules[-1][1] if self.modules else None
-        enabled = scope if scope is not None else torch.is_autocast_enabled(self.device_type)
-        self.calls.append(_Call(name, enabled, scope is not None, key))
+        effect = self.effect(torch.is_autocast_enabled(self.device_type))
+        self.calls.append(_Call(name, effect, key))
 
     def governing(self) -> _Call | None:
         """The outermost running torch call named like an aten op: its rule is the op's."""
@@ -151,22 +169,25 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return call
         return None
 
-    def records(self, rules: OpRules) -> list[OpRecord]:
-        defaults = default_rules(rules.device_type)
+    def records(self, outside: OpRules) -> list[OpRecord]:
+        """The records, each op with the rules of the famp.autocast call it ran in (`outside`:
+        those of the ops outside every call, such as the output cast)."""
         out: list[OpRecord] = []
         for raw in self.raw:
-            packet = op_schema(raw.func).name.partition("::")[2]
-            own = (packet, overload_name(raw.func))
             call = raw.call
+            effect = call.effect if call is not None else raw.effect
+            assert effect is not None
+            rules = effect.rules or outside
             if call is not None:
                 key = (call.name, call.overload or _overload_of(rules, call.name))
-                enabled, name = call.enabled, call.name
             else:
-                key, enabled, name = own, raw.enabled, ""
-            rule = rules.lookup(*key) if enabled else None
-            if rules.lookup(*key) != defaults.lookup(*key):
+                packet = op_schema(raw.func).name.partition("::")[2]
+                key = (packet, overload_name(raw.func))
+            name = call.name if call is not None else ""
+            rule = rules.lookup(*key) if effect.enabled else None
+            if rules.lookup(*key) != default_rules(rules.device_type).lookup(*key):
                 source = "override"
-            elif raw.scoped or (call is not None and call.scoped):
+            elif effect.scoped:
                 source = "module"
             else:
                 source = "default"

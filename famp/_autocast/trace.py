@@ -32,10 +32,13 @@ class OpRecord:
     Attributes:
         op: The aten overload, such as `"aten.mm.default"`.
         module: The path of the innermost `nn.Module` running it, relative to the outermost
-            module the call entered (`""` outside any module, the backward pass included).
+            module running (`""` outside any module, the backward pass included): a module
+            called on its own is a root for that call of it, as for `famp.autocast`'s module
+            rules (`model[1](x)` gives it `""`, `model(x)` `"1"`).
         rule: The famp rule governing it (see `famp.explain`), or `None` where autocast is off.
         source: `"default"`, `"override"` (the call's `rules` differ from the defaults
-            here) or `"module"` (a module rule's policy governs it).
+            here; in a nested `famp.autocast` call, its own) or `"module"` (a module rule's
+            policy governs it).
         in_dtypes: The dtypes of its tensor arguments, in order.
         out_dtypes: The dtypes of its tensor results, in order.
         call: The torch function called from Python whose rule governs the op (`"linear"`),

@@ -130,7 +130,7 @@ def test_a_call_ends_on_an_equal_callable_not_only_the_same_one() -> None:
     # events as 3.12 sends them, on any Python.
     from famp._autocast.recorder import Recorder
 
-    recorder = Recorder("cpu", (True, torch.bfloat16), [])
+    recorder = Recorder("cpu")
     t = torch.ones(2)
     frame = sys._getframe()
     call, end = t._is_view, t._is_view
@@ -234,3 +234,161 @@ def test_digits_demo_explain_and_report_options(
     assert report[1].split(":")[0].strip() in {
         n for n, _ in digits.build_model().named_parameters()
     }
+
+
+# What explain reports, against what ran: the ground truth runs the same computation under
+# torch.autocast with famp's casts written by hand, logging each aten op with its dtypes and the
+# (module, rule, source) that docs/debugging.md gives the code running it.
+
+Label = tuple[str, Any, str]  # (module path, rule or a function of the op giving it, source)
+# `a @ b`: torch's C++ wrapper casts (the `_to_copy`s show their own rule, "keep": the documented
+# blind spot) and runs `mm` with autocast off, under `mm`'s rule.
+OPERATOR = {"aten._to_copy.default": "keep", "aten.mm.default": "lower"}
+
+
+class LabelledLog(OpLog):
+    """OpLog whose rows also carry the label set for the code running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label: Label = ("", None, "default")
+        self.rows: list[tuple[Any, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        module, rule, source = self.label
+        rule = rule.get(str(func)) if isinstance(rule, dict) else rule
+        self.rows.append((*self.ops[-1], module, rule, source))
+        return out
+
+
+def _rows(trace: famp.Trace) -> list[tuple[Any, ...]]:
+    return [(r.op, r.in_dtypes, r.out_dtypes, r.module, r.rule, r.source) for r in trace]
+
+
+def _assert_same_outputs(out: Any, expected: Any) -> None:
+    assert len(out) == len(expected)
+    for a, e in zip(out, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+@pytest.mark.parametrize("order", ["sub_then_model", "model_then_sub"])
+def test_a_module_called_on_its_own_and_in_its_parent_gets_each_calls_path_and_rule(
+    order: str,
+) -> None:
+    # famp.autocast makes a module entered outside any other a root for that call of it:
+    # `model[1](x)` gives it the path "" and `model(x)` the path "1", in either order, and the
+    # module rule for "1" applies inside `model(x)` only. Explain fixed each module's path the
+    # first time it saw it, so one of the two calls was reported with the other's path and rule.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    bf16, f32 = torch.bfloat16, torch.float32
+    policy = famp.get_policy("c=bf16,o=f32")
+    module_rules = {"1": "c=f32,o=f32"}
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if order == "sub_then_model":
+            alone = model[1](x)
+            whole = model(x)
+        else:
+            whole = model(x)
+            alone = model[1](x)
+        return alone, whole
+
+    with LabelledLog() as log, torch.no_grad():
+        with torch.autocast("cpu", dtype=bf16):
+            for step in ("sub", "model") if order == "sub_then_model" else ("model", "sub"):
+                if step == "sub":
+                    log.label = ("", "lower", "default")
+                    alone = model[1](x)
+                    continue
+                log.label = ("0", "lower", "default")
+                h = model[0](x)
+                log.label = ("1", None, "module")  # the rule's input cast, then autocast off
+                h = policy.cast_to_compute(h).float()
+                with torch.autocast("cpu", enabled=False):
+                    whole = model[1](h)
+        log.label = ("", None, "default")
+        expected = policy.cast_to_output((alone, whole))
+    with torch.no_grad():
+        out, trace = famp.explain(fn, policy, module_rules=module_rules)(x)
+    _assert_same_outputs(out, expected)
+    assert _rows(trace) == log.rows
+    assert [d for r in trace if r.module == "1" for d in r.out_dtypes] == [f32] * 3
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        self.head = torch.nn.Linear(4, 4)
+        self.nested = famp.autocast(self.inner, "c=bf16,o=f32", module_rules={"1": "c=f16,o=bf16"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.nested(x))
+
+
+def test_a_nested_call_is_reported_under_its_own_rules_policy_and_module_rules() -> None:
+    # Inside a nested famp.autocast call its own rules, policy and module rules apply, not the
+    # outer call's overrides and module rules (docs/autocast.md, "Nested transforms"). Explain
+    # labelled the nested call's ops with the outer call's: linear's float32 override, and the
+    # outer module rule for "inner.0".
+    torch.manual_seed(0)
+    model, x = _Outer(), torch.randn(2, 4)
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    kwargs: dict[str, Any] = {"rules": rules, "module_rules": {"inner.0": "c=f32,o=f32"}}
+    with LabelledLog() as log, torch.no_grad(), torch.autocast("cpu", dtype=bf16):
+        log.label = ("", "keep", "default")  # the nested call's input cast, by the outer
+        h = x.to(bf16)
+        with torch.autocast("cpu", dtype=bf16):  # the nested call's region
+            log.label = ("inner.0", "lower", "default")
+            h = model.inner[0](h)
+            log.label = ("inner.1", "keep", "module")  # its own module rule's input cast
+            h = h.to(f16)
+            log.label = ("inner.1", "lower", "module")
+            with torch.autocast("cpu", dtype=f16):
+                h = model.inner[1](h)
+            log.label = ("inner", "keep", "default")  # the module rule's output cast
+            h = h.to(bf16)
+        log.label = ("", "keep", "default")  # the nested call's output cast
+        h = h.to(f32)
+        log.label = ("head", "float32", "override")  # the outer override: autocast off
+        with torch.autocast("cpu", enabled=False):
+            expected = model.head(h)
+    with torch.no_grad():
+        out, trace = famp.explain(model, "c=bf16,o=f32", **kwargs)(x)
+    assert_bitwise_equal(out, expected)
+    assert _rows(trace) == log.rows
+    inner = [r for r in trace if r.op == "aten.addmm.default"]
+    assert [r.out_dtypes for r in inner] == [(bf16,), (f16,), (f32,)]
+
+
+def test_an_op_where_autocast_is_off_has_no_rule_also_from_an_operator() -> None:
+    # docs/debugging.md: the rule is `-` under the function's own torch.autocast(enabled=False)
+    # and where a nested call computes in float32. `x @ w` there was labelled "lower": explain
+    # took autocast off without an enclosing call for the inside of torch's C++ wrapper.
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    bf16 = torch.bfloat16
+    nested = famp.autocast(lambda x, w: x @ w, "c=f32,o=f32", device_type="cpu")
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.autocast("cpu", enabled=False):
+            off = (x @ w, torch.mm(x, w))
+        return (*off, nested(x, w), x @ w)
+
+    with LabelledLog() as log:
+        with torch.autocast("cpu", dtype=bf16):
+            with torch.autocast("cpu", enabled=False):
+                off = (x @ w, torch.mm(x, w))
+                in_f32 = x @ w  # the nested call: float32 inputs, autocast off, float32 output
+            log.label = ("", OPERATOR, "default")  # inside torch's wrapper: autocast on
+            on = x @ w
+        log.label = ("", None, "default")  # the output cast, after the region
+        expected = famp.get_policy("c=bf16,o=bf16").cast_to_output((*off, in_f32, on))
+    out, trace = famp.explain(fn, "c=bf16,o=bf16")(x, w)
+    _assert_same_outputs(out, expected)
+    assert _rows(trace) == log.rows
+    assert [r.rule for r in trace if r.op == "aten.mm.default"] == [None, None, None, "lower"]
