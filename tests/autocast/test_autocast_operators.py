@@ -17,7 +17,11 @@ from famp._autocast.compiled import own_code
 from tests.helpers import assert_bitwise_equal
 
 BF16, F32 = torch.bfloat16, torch.float32
-RUNS = ("compiled", "torch.compile, dynamic")
+# Compiled runs trace famp's overrides with Dynamo and AOTAutograd (`aot_eager`: the overrides
+# are graph nodes by then; inductor's C++ compiles cost seconds a case, minutes for the file).
+# Inductor (famp's own compile, and torch.compile's default) runs the cases of `INDUCTOR`.
+RUNS = ("aot_eager", "aot_eager, dynamic")
+INDUCTOR = ("compiled", "torch.compile, dynamic")
 
 
 def _sample(shape: tuple[int, int] = (8, 8)) -> torch.Tensor:
@@ -38,18 +42,32 @@ def _pair(
     both returning float32: eager, with famp's own compile (the reference compiled the same way,
     `torch.compile(fullgraph=True)`), or both under torch.compile(dynamic=True)."""
     rules = famp.default_rules("cpu").override(changes)
-    transformed = famp.autocast(fn, "c=bf16,o=f32", rules=rules, compile=run == "compiled")
+    transformed = _compiled(famp.autocast(fn, "c=bf16,o=f32", rules=rules), rules, fn, run)
 
     def reference(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=BF16):
             return hand(x).float()
 
-    if run == "torch.compile, dynamic":
-        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
     if run != "eager":  # a code object of its own per case: Dynamo compiles one at most 8 times
-        dynamic = None if run == "compiled" else True
-        reference = torch.compile(own_code(reference), fullgraph=True, dynamic=dynamic)
+        dynamic = True if run.endswith("dynamic") else None
+        backend = "aot_eager" if run.startswith("aot_eager") else "inductor"
+        reference = torch.compile(
+            own_code(reference), fullgraph=True, dynamic=dynamic, backend=backend
+        )
     return transformed, reference
+
+
+def _compiled(
+    transformed: Callable[..., Any], rules: famp.OpRules, fn: Callable[..., Any], run: str
+) -> Callable[..., Any]:
+    """`transformed` (`famp.autocast(fn, ..., rules=rules)`) run as `run` says."""
+    if run == "compiled":  # famp's own compile
+        return famp.autocast(fn, "c=bf16,o=f32", rules=rules, compile=True)
+    if run == "eager":
+        return transformed
+    dynamic = True if run.endswith("dynamic") else None
+    backend = "aot_eager" if run.startswith("aot_eager") else "inductor"
+    return torch.compile(transformed, fullgraph=True, dynamic=dynamic, backend=backend)
 
 
 def _run(
@@ -303,8 +321,11 @@ PARTIAL_OVERRIDES: dict[str, tuple[dict[str, str], Callable[..., Any], Callable[
 }
 
 
-@pytest.mark.parametrize("run", RUNS)
-@pytest.mark.parametrize("name", sorted(PARTIAL_OVERRIDES))
+@pytest.mark.parametrize(
+    ("name", "run"),
+    [(name, run) for name in sorted(PARTIAL_OVERRIDES) for run in RUNS]
+    + [("mul", INDUCTOR[0]), ("pow.Tensor_Scalar", INDUCTOR[1])],
+)
 def test_override_of_some_overloads_compiles_as_hand_written_casts(name: str, run: str) -> None:
     # Compiled with fullgraph=True, static and dynamic shapes; a second shape recompiles famp's
     # own compile with dynamic sizes (as it does the reference's). Bitwise equal to the same
@@ -361,7 +382,7 @@ BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] 
 }
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", [*RUNS, INDUCTOR[1]])
 @pytest.mark.parametrize("name", sorted(BY_KIND))
 def test_override_of_one_overload_reaches_the_same_calls_compiled_as_eagerly(
     name: str, run: str
@@ -375,9 +396,7 @@ def test_override_of_one_overload_reaches_the_same_calls_compiled_as_eagerly(
 
     rules = famp.default_rules("cpu").override(changes)
     eager = famp.autocast(dtypes, "c=bf16,o=f32", rules=rules)
-    transformed = famp.autocast(dtypes, "c=bf16,o=f32", rules=rules, compile=run == "compiled")
-    if run == "torch.compile, dynamic":
-        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
+    transformed = _compiled(famp.autocast(dtypes, "c=bf16,o=f32", rules=rules), rules, dtypes, run)
     for shape in ((8, 8), (12, 6)):
         x = _sample(shape)
         assert transformed(x).tolist() == eager(x).tolist() == casts
