@@ -264,14 +264,12 @@ def dynamo_disabled() -> bool:
 
 
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` unscales and skips in its kernel (fused Adam, AdamW, SGD,
-    Adagrad): torch marks them only with this private attribute, the one GradScaler reads."""
+    """Whether `optimizer.step()` unscales and skips in its kernel (GradScaler's private mark)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether step hooks (the optimizer's or global ones) would see a step famp undoes: then it
-    steps only when the step applies. Only private dicts hold them (read defensively: no hooks)."""
+    """Whether step hooks (own or global; private dicts, read defensively) would see an undo."""
     shared = sys.modules.get("torch.optim.optimizer")  # loaded by `import torch`
     own = any(getattr(optimizer, n, None) for n in _STEP_HOOKS)
     return own or any(getattr(shared, n, None) for n in _GLOBAL_STEP_HOOKS)
@@ -282,14 +280,12 @@ _GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hoo
 
 
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists.
-    Eagerly famp runs it and the in-place kernel itself (the kernel's functional variant)."""
+    """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists."""
     return tuple(torch._foreach_clone(tensors))
 
 
-# Eager `famp.value_and_grad` unscales autograd's fresh grads in place only where nothing else holds
-# their memory (a storage's holder count: no public query) and no post-accumulate-grad hook (a
-# private field) watches `.grad`. A torch without either: out of place, with the same results.
+# Eager value_and_grad unscales fresh grads in place only where no other holder of their memory
+# (no public query) nor post-accumulate-grad hook (private) exists: else out of place, same bits.
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -308,3 +304,7 @@ _FRESH_HOLDERS = _holders(torch.empty(1))  # the tensor (alive as the argument) 
 
 def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
     return getattr(tensor, "_post_accumulate_grad_hooks", True) is not None
+
+
+def forward_hooked(module: torch.nn.Module) -> bool:  # a module's own forward hooks: a private dict
+    return bool(module._forward_hooks)

@@ -28,6 +28,7 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
+    forward_hooked,
     is_compiled_module,
     no_torch_function,
     torch_function_modes,
@@ -156,7 +157,7 @@ class CallRecord:
         if module.__dict__.get("inplace") is not True:
             args = policy.cast_to_compute(args)
         self.declined.append(self._decline(module, args, inner))
-        if module._forward_hooks:  # the module's own forward hooks run in its scope: leave last
+        if forward_hooked(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
         return args
 
