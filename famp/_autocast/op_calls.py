@@ -1,19 +1,16 @@
-"""Torch function calls as famp.autocast sees them: aten op names, torch's Python functions.
+"""Torch function calls as famp.autocast sees them: aten op names, writes, the call itself.
 
 `famp.autocast`'s mode (`famp._autocast.mode`) receives one call of a torch function at a time. This
 module names the aten op of a call (`op_name`), tells whether it writes into its first argument
 (`writes_first_arg`, and through an `inplace` flag `inplace_target`) or renormalizes a weight
-(`renorms`), calls it (`call`), and holds copies of torch's own Python functions
-(`torch.nn.functional`, `torch.functional`, Python `Tensor` methods) that the mode can enter so
-that the ops they call are seen too (`copies()`, with the op names each may call in `calls()`).
+(`renorms`), and calls it (`call`). The copies of torch's Python functions that the mode enters
+are in `entered`.
 """
 
 from __future__ import annotations
 
-import dis
-import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -26,122 +23,6 @@ from famp._compat import (
     overload_name,
     packet_name,
 )
-
-# --- entering torch's own Python functions with the mode still active ----------------------------
-# torch's Python functions begin `if has_torch_function(...): return handle_torch_function(...)`,
-# which hands the call to the mode with the mode popped, hiding the ops inside. The mode runs a copy
-# of such a function whose `has_torch_function*` globals answer False, with the mode pushed again.
-# The copies are made once, on first use (the first `famp.autocast` whose rules override an op, in
-# Python: overrides are read outside Dynamo's tracing), not at famp's import (~50 ms): Dynamo can
-# call a prebuilt copy but cannot build one.
-
-_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-_UNCALLED = frozenset({*_CHECKS, "handle_torch_function"})  # what the copies never call
-
-
-def _never(*args: object) -> bool:
-    return False
-
-
-def _copies() -> dict[Callable[..., Any], Callable[..., Any]]:
-    copies: dict[Callable[..., Any], Callable[..., Any]] = {}
-    patched: dict[int, dict[str, Any]] = {}
-
-    def add(func: object) -> None:
-        if not isinstance(func, types.FunctionType) or func in copies:
-            return
-        if not set(_CHECKS) & set(func.__code__.co_names):
-            return  # not a torch function: the mode never receives it
-        if "__class__" in func.__code__.co_freevars:
-            return  # calls super(): Dynamo cannot trace super() into TensorBase; call it whole
-        key = id(func.__globals__)
-        if key not in patched:
-            patched[key] = {**func.__globals__, **dict.fromkeys(_CHECKS, _never)}
-        copy = types.FunctionType(
-            func.__code__, patched[key], func.__name__, func.__defaults__, func.__closure__
-        )
-        copy.__kwdefaults__ = func.__kwdefaults__
-        copies[func] = copy
-
-    for module in (torch.nn.functional, torch.functional):
-        for value in list(vars(module).values()):
-            add(value)
-    for value in list(vars(torch.Tensor).values()):
-        add(value)
-    return copies
-
-
-@functools.cache
-def copies() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """torch's Python function -> its copy whose `has_torch_function*` answer False."""
-    return _copies()
-
-
-def _names(func: types.FunctionType) -> frozenset[str]:
-    """Every name a function's code (and the functions of its module it calls) refers to.
-
-    A superset of the ops it may call from Python, by their aten names: `torch.linalg.vector_norm`
-    adds `linalg_vector_norm`, as the Python bindings of namespaced ops are named. The functions a
-    closure holds are followed (torch's reflected operators wrap one: `Tensor.__rsub__` calls
-    `rsub`), and so are the `Tensor` methods its operators call (`a * b`: `__mul__`, `__rmul__`).
-    """
-    names: set[str] = set()
-    seen: set[types.CodeType] = set()
-    todo = [func]
-    while todo:
-        f = todo.pop()
-        codes = [f.__code__]
-        while codes:
-            code = codes.pop()
-            if code in seen:
-                continue
-            seen.add(code)
-            names.update(code.co_names)
-            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-            for name in set(code.co_names) - _UNCALLED:  # functions it may call: globals, ...
-                for g in (
-                    f.__globals__.get(name),
-                    vars(torch).get(name),  # not getattr: that imports torch._dynamo & co.
-                    getattr(torch.nn.functional, name, None),
-                ):
-                    if isinstance(g, types.FunctionType) and g.__code__ not in seen:
-                        todo.append(g)
-            for method in _operators(code):  # `a * b`: Tensor.__mul__, __rmul__, __imul__
-                names.add(_op_name(method)[0])
-                if isinstance(method, types.FunctionType):  # `__rtruediv__`: reciprocal, `*`
-                    todo.append(method)
-        held = (c.cell_contents for c in f.__closure__ or ())  # a wrapper's (`Tensor.__rsub__`)
-        todo.extend(c for c in held if isinstance(c, types.FunctionType) and c.__code__ not in seen)
-    for space in ("linalg", "fft", "special", "nested"):
-        if space in names:
-            names.update(f"{space}_{n}" for n in list(names))
-    return frozenset(names)
-
-
-# Binary operators: the symbol `dis` shows (Python 3.11 on), the opcode (3.10), the methods' stem.
-_OPERATORS = (
-    "+ ADD add, - SUBTRACT sub, * MULTIPLY mul, / TRUE_DIVIDE truediv, // FLOOR_DIVIDE floordiv, "
-    "% MODULO mod, ** POWER pow, @ MATRIX_MULTIPLY matmul, << LSHIFT lshift, >> RSHIFT rshift, "
-    "& AND and, | OR or, ^ XOR xor"
-)
-_STEMS = {key: e.split()[2] for e in _OPERATORS.split(", ") for key in e.split()[:2]}
-
-
-def _operators(code: types.CodeType) -> Iterator[Any]:
-    """The `Tensor` methods that the binary operators in `code` may call."""
-    for ins in dis.get_instructions(code):
-        op = ins.opname
-        key = ins.argrepr.rstrip("=") if op == "BINARY_OP" else op.partition("_")[2]
-        stem = _STEMS.get(key) if op.startswith(("BINARY_", "INPLACE_")) else None
-        methods = (getattr(torch.Tensor, f"__{r}{stem}__", None) for r in ("", "r", "i") if stem)
-        yield from (m for m in methods if m is not None)
-
-
-@functools.cache
-def calls() -> dict[Callable[..., Any], frozenset[str]]:
-    """torch's Python function (those of `copies()`) -> the op names it may call."""
-    return {f: _names(f) for f in copies()}  # type: ignore[arg-type]
-
 
 # --- naming the op of a call ----------------------------------------------------------------------
 

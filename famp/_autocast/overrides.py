@@ -15,14 +15,8 @@ from typing import Any, TypeAlias
 import torch
 
 from famp._autocast.defaults import default_rules
-from famp._autocast.op_calls import (
-    calls,
-    copies,
-    op_name,
-    recall,
-    remember,
-    writes_first_arg,
-)
+from famp._autocast.entered import calls, copies
+from famp._autocast.op_calls import op_name, recall, remember, writes_first_arg
 from famp._autocast.ops import functional_overloads
 from famp._autocast.rules import OpRules
 from famp._compat import assume_constant_result, op_schema

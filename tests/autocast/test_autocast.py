@@ -1411,7 +1411,7 @@ def test_module_rules_compile_fullgraph_with_static_and_dynamic_shapes(dynamic: 
         assert _autocast_state() == CLEAN
 
 
-# --- the copies of torch's Python functions (famp/_autocast/op_calls.py) -------------------------
+# --- the copies of torch's Python functions (famp/_autocast/entered.py) --------------------------
 
 
 def _code_names(code: Any) -> set[str]:
@@ -1427,7 +1427,7 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
     # False. On the installed torch, each copy must be the original in everything else: the same
     # code, defaults, closure, and every global its code names bound to the same object as in the
     # original's module now (so a global torch sets or changes after famp's import is no risk).
-    from famp._autocast.op_calls import _CHECKS, copies
+    from famp._autocast.entered import _CHECKS, copies
 
     assert len(copies()) > 100  # F.*, torch.functional.*, Python Tensor methods
     for original, copy in copies().items():
@@ -1443,3 +1443,21 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
                 assert copy.__globals__[name] is original.__globals__[name], (original, name)
             else:
                 assert name not in copy.__globals__, (original, name)
+
+
+def test_the_ops_a_function_may_call_are_read_past_an_empty_closure_cell() -> None:
+    # famp reads the ops a torch Python function may call through the functions its closure holds
+    # (`Tensor.__rsub__` holds `rsub`). A cell bound only later (a name a function defines after an
+    # inner function that uses it) holds nothing yet: it is skipped, and the rest is still read.
+    from famp._autocast.entered import _names
+
+    def wrapper(x: torch.Tensor) -> torch.Tensor:
+        return later(torch.rsub(x, 1.0))  # `later`'s cell is empty until the line below runs
+
+    names = _names(wrapper)  # type: ignore[arg-type]
+
+    def later(x: torch.Tensor) -> torch.Tensor:
+        return torch.special.expm1(x)
+
+    assert "rsub" in names
+    assert _names(wrapper) >= {"rsub", "expm1", "special_expm1"}  # type: ignore[arg-type]
