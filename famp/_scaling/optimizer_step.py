@@ -144,8 +144,9 @@ def optimizer_step(
       optimizer steps, and a skipped step is undone with `torch.where` on copies taken before it
       (one copy of the parameters and the optimizer state per step, and of the tensors the param
       groups hold, if any): parameters, optimizer state and each param group's entries
-      (optimizers that count steps in `group['step']`, as timm's `Lamb` does) end as if the
-      step never ran.
+      (optimizers that count steps in `group['step']`, as timm's `Lamb` does), tensors
+      inside lists, tuples and dicts among them (SOAP's `state['GG']`), end as if the step
+      never ran.
     - **Step hooks.** With any step hook registered (`register_step_pre_hook`,
       `register_step_post_hook`, or the global
       `torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`), a non-fused
@@ -162,7 +163,8 @@ def optimizer_step(
     step hook on a non-fused optimizer (every step); on a step where a non-fused optimizer
     creates its state (its first: a skipped one must leave no state, and famp reads `found_inf`
     once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
-    counts its steps in a Python int; `group['step'] += 1`; a key added to a param group). On
+    counts its steps in a Python int; `group['step'] += 1`; a key added to a param group; a
+    list appended to). On
     CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
     (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
     its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals

@@ -4,25 +4,27 @@
 with `torch.where(skip, before, after)`, in place: the parameters, their `.grad` (some
 implementations write into it), every tensor of `optimizer.state`, and every tensor entry of each
 param group other than `'params'` (optimizers that keep counters there: timm's Lamb, apex
-FusedLAMB, several Lion and Adan ports). A group's tensors are copied in one multi-tensor clone,
-and selected back only if the step wrote into them (their version counter moved): torch's own
-optimizers never do, and most keep no tensors there. What a tensor choice cannot restore (state
-created lazily on a first step, Python numbers such as `SparseAdam`'s count or a group's
-`group['step'] += 1`, keys added or removed) is restored after one host read of `skip`, on the
-steps that changed it only.
+FusedLAMB, several Lion and Adan ports), also tensors inside lists, tuples and dicts (SOAP and
+Shampoo ports keep per-parameter lists of preconditioner statistics, written in place). A group's
+tensors are copied in one multi-tensor clone. A tensor is selected back only if the step wrote into
+it or replaced it (its version counter moved, or another tensor stands in its place). What a
+tensor choice cannot restore (state created lazily on a first step, Python numbers such as
+`SparseAdam`'s count or a group's `group['step'] += 1`, keys added or removed, lists grown) is
+restored after one host read of `skip`, on the steps that changed it only.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from famp import _compat
 from famp._scaling.trees import to_device
 from famp._typing import Tensor
 
-# Python values of a param group that compare by value: a new but equal one is no change.
+# Python values that compare by value: a new but equal one is no change.
 _PLAIN = (bool, int, float, complex, str)
 
 
@@ -42,71 +44,97 @@ def _tensor_like(new: object, old: object) -> bool:
 
 
 def _same(new: object, old: object) -> bool:
-    """Whether a group's value is unchanged, without comparing tensors (a host read)."""
+    """Whether a value is unchanged, without comparing tensors (a host read)."""
     return new is old or (type(new) is type(old) and type(new) in _PLAIN and new == old)
 
 
-class _Groups:
-    """The param groups' entries other than `'params'`, as they were before the step."""
+def _flat(entries: dict[Any, Any]) -> tuple[list[Any], Any]:
+    """A dict's values as leaves, inside lists, tuples and dicts too (SOAP's `state['GG']`), and
+    its structure: the keys alone where no value is a container (torch's optimizers' states)."""
+    values = list(entries.values())
+    for v in values:  # not any(...): this runs for every parameter's state at every step
+        if isinstance(v, (list, tuple, dict)):
+            return optree.tree_flatten(entries, none_is_leaf=True)  # type: ignore[arg-type]
+    return values, tuple(entries)
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.groups = optimizer.param_groups
-        self.entries = [{k: v for k, v in g.items() if k != "params"} for g in self.groups]
-        self.tensors = [v for e in self.entries for v in e.values() if isinstance(v, torch.Tensor)]
+
+def _unflat(spec: Any, leaves: list[Any]) -> dict[Any, Any]:
+    if isinstance(spec, tuple):
+        return dict(zip(spec, leaves, strict=True))
+    return optree.tree_unflatten(spec, leaves)  # type: ignore[return-value]
+
+
+class _Entries:
+    """A dict's entries (an optimizer state, or a param group but its `'params'`) as they were:
+    its tensors, also those inside lists, tuples and dicts, copied; its other values kept. Used
+    under `torch.no_grad()`.
+
+    A restore puts the same objects back, holding their old values: a scheduler or a user may hold
+    a group's tensor (a tensor `lr`), and a list appended in place is rebuilt as it was.
+    """
+
+    def __init__(self, entries: dict[Any, Any], tensors_at_once: bool = False) -> None:
+        self.leaves, self.spec = _flat(entries)
+        self.at = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
+        self.tensors: list[Tensor] = [self.leaves[i] for i in self.at]
         self.versions = [_compat.tensor_version(t) for t in self.tensors]
-        self.copies: tuple[Tensor, ...] = ()
-        if self.tensors:
-            with torch.no_grad():
-                self.copies = _compat.foreach_clone([t.detach() for t in self.tensors])
+        if tensors_at_once and self.tensors:  # one multi-tensor clone (dense, alike)
+            self.copies = list(_compat.foreach_clone([t.detach() for t in self.tensors]))
+        else:
+            self.copies = [t.clone() for t in self.tensors]
 
-    def select(self, on: Any) -> bool:
+    def select(self, entries: dict[Any, Any], on: Any) -> bool:
         """Tensors written in place back where `skip` is true; whether anything else changed."""
+        leaves, spec = _flat(entries)
+        if spec != self.spec:  # keys added or removed, containers grown or shrunk
+            return True
+        if len(self.at) < len(leaves):  # Python values: a new but equal one is no change
+            tensors = set(self.at)
+            for i, (new, old) in enumerate(zip(leaves, self.leaves, strict=True)):
+                if i not in tensors and (isinstance(new, torch.Tensor) or not _same(new, old)):
+                    return True
         changed = False
-        with torch.no_grad():
-            for t, version, old in zip(self.tensors, self.versions, self.copies, strict=True):
-                if _compat.tensor_version(t) == version:
-                    continue
-                if _tensor_like(t, old):
-                    new = t.detach()
-                    torch.where(on(new.device), old, new, out=new)
-                else:
-                    changed = True
-        return changed or not all(
-            group.keys() - {"params"} == entries.keys()
-            and all(_same(group[k], v) for k, v in entries.items())
-            for group, entries in zip(self.groups, self.entries, strict=True)
-        )
+        for i, old, version, copy in zip(
+            self.at, self.tensors, self.versions, self.copies, strict=True
+        ):
+            new = leaves[i]
+            if new is old and _compat.tensor_version(new) == version:
+                continue  # not written
+            if _tensor_like(new, copy):
+                where = new.detach() if new.requires_grad else new
+                torch.where(on(new.device), copy, new, out=where)
+            else:
+                changed = True
+        return changed
 
-    def restore(self) -> None:
-        """The entries as they were (after `select`: their tensors hold their old values)."""
-        for t, old in zip(self.tensors, self.copies, strict=True):
-            if not _tensor_like(t, old):
-                with torch.no_grad():
-                    # reshaped in place: onto the copy's storage, with its old shape
-                    t.set_(old.untyped_storage(), old.storage_offset(), old.shape, old.stride())
-        for group, entries in zip(self.groups, self.entries, strict=True):
-            for k in [k for k in group if k != "params" and k not in entries]:
-                del group[k]
-            group.update(entries)
+    def restored(self) -> dict[Any, Any]:
+        """The entries as they were: the same objects, their old values (tensors put back)."""
+        for t, version, copy in zip(self.tensors, self.versions, self.copies, strict=True):
+            if _compat.tensor_version(t) == version:
+                continue
+            if _tensor_like(t, copy):
+                t.detach().copy_(copy)
+            else:  # reshaped in place: onto the copy's storage, with its old shape
+                t.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
+        return _unflat(self.spec, self.leaves)
+
+
+def _group_entries(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     """`optimizer.step()`, then everything it changed back where `skip` is true."""
     params = with_grads(optimizer)
     states = optimizer.state
-    groups = _Groups(optimizer)
     with torch.no_grad():
+        groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in optimizer.param_groups]
+        before = [_Entries(states[p]) if p in states else None for p in params]
         before_params = [p.detach().clone() for p in params]
         # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
         # a skipped GradScaler step leaves the unscaled gradients as they were.
         grads = [p.grad for p in params]
         before_grads = [g.clone() if g is not None and _tensor_like(g, g) else None for g in grads]
-        before: list[dict[Any, Any] | None] = [
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[p].items()}
-            if p in states
-            else None
-            for p in params
-        ]
     optimizer.step()
     skips: dict[torch.device, Tensor] = {}
 
@@ -115,8 +143,10 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
             skips[device] = to_device(skip, device)
         return skips[device]
 
-    untensorlike = groups.select(on)  # state that a tensor choice cannot restore
+    untensorlike = False  # whether the step changed what a tensor choice cannot restore
     with torch.no_grad():
+        for group, old_group in zip(optimizer.param_groups, groups, strict=True):
+            untensorlike |= old_group.select(_group_entries(group), on)
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
             torch.where(on(new.device), old, new, out=new)
@@ -126,21 +156,17 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         for p, old_state in zip(params, before, strict=True):
             new_state = states.get(p)
             if new_state is None or old_state is None:
-                untensorlike |= new_state is not old_state  # state created (or dropped)
-                continue
-            untensorlike |= new_state.keys() != old_state.keys()
-            for k, v in new_state.items():
-                if k not in old_state:
-                    continue
-                old_v = old_state[k]
-                if _tensor_like(v, old_v):
-                    torch.where(on(v.device), old_v, v, out=v)
-                elif isinstance(v, torch.Tensor) or isinstance(old_v, torch.Tensor) or v != old_v:
-                    untensorlike = True
-    if untensorlike and bool(skip):  # the one host sync, on a step that created state
-        groups.restore()
-        for p, old_state in zip(params, before, strict=True):
-            if old_state is None:
-                states.pop(p, None)
+                untensorlike |= new_state is not None or old_state is not None  # created, dropped
             else:
-                states[p] = old_state
+                untensorlike |= old_state.select(new_state, on)
+        if untensorlike and bool(skip):  # the one host sync, on a step that created state
+            for group, old_group in zip(optimizer.param_groups, groups, strict=True):
+                entries = old_group.restored()
+                for k in [k for k in group if k != "params" and k not in entries]:
+                    del group[k]
+                group.update(entries)
+            for p, old_state in zip(params, before, strict=True):
+                if old_state is None:
+                    states.pop(p, None)
+                else:
+                    states[p] = old_state.restored()

@@ -1,0 +1,136 @@
+"""famp.optimizer_step undoes a skipped step inside nested optimizer state, against GradScaler.
+
+Optimizers beyond `torch.optim` keep tensors inside lists and dicts and write into them in place:
+SOAP and Shampoo ports keep a list of preconditioner statistics per parameter
+(`state['GG'][i].lerp_(...)`), some keep a list in a param group they append to, and a schedule may
+write into tensor `betas` inside a tuple. GradScaler never calls `step()` on a skipped step, so
+none of it moves; famp steps and undoes, and must reach into those containers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import example, given, settings
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.scaling.test_optimizer_step import (
+    HostSyncs,
+    assert_models_equal,
+    inject,
+    loss_of,
+    make_model,
+    overflows,
+    side_by_side,
+)
+
+
+class NestedState(torch.optim.Optimizer):
+    """Preconditioned momentum in the style of SOAP: per parameter a list of Kronecker statistics
+    updated in place and a dict holding the momentum; per group a tuple of tensor betas decayed in
+    place. `python_count` adds Python values (step counts in state and group, a list in the group
+    appended each step), which famp can only restore after one host read; without them the undo
+    needs none."""
+
+    def __init__(self, params: Any, python_count: bool) -> None:
+        betas = (torch.tensor(0.9), torch.tensor(0.99))
+        super().__init__(params, {"lr": 0.05, "betas": betas})
+        self.python_count = python_count
+        for group in self.param_groups:
+            group["betas"] = tuple(b.clone() for b in group["betas"])  # a tuple per group
+            group["seen"] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            b1.mul_(0.999)  # a tensor inside a tuple, written in place
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.reshape(p.shape[0], -1)
+                state = self.state[p]
+                if "GG" not in state:
+                    state["GG"] = [torch.zeros(g.shape[0], g.shape[0]), torch.zeros(g.shape[1], 1)]
+                    state["m"] = {"avg": torch.zeros_like(p)}
+                    if self.python_count:
+                        state["step"] = 0
+                if self.python_count:
+                    state["step"] += 1
+                state["GG"][0].lerp_(g @ g.T, 1 - b2)  # tensors inside a list, in place
+                state["GG"][1].lerp_((g * g).sum(0, keepdim=True).T, 1 - b2)
+                state["m"]["avg"].lerp_(p.grad, 1 - b1)  # a tensor inside a dict
+                scale = state["GG"][0].diagonal().mean() + state["GG"][1].mean()
+                p.sub_(group["lr"] * state["m"]["avg"] / (1 + scale).sqrt())
+            if self.python_count:
+                group["seen"].append(len(group["seen"]))  # a list, appended in place
+                group["step"] = group.get("step", 0) + 1
+
+
+def assert_trees_equal(actual: Any, expected: Any) -> None:
+    leaves, spec = optree.tree_flatten(actual, none_is_leaf=True)
+    expected_leaves, expected_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert spec == expected_spec
+    for a, e in zip(leaves, expected_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert_bitwise_equal(a, e)
+        else:
+            assert type(a) is type(e)
+            assert a == e
+
+
+def assert_nested_states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    for pa, pb in zip(
+        (p for g in a.param_groups for p in g["params"]),
+        (p for g in b.param_groups for p in g["params"]),
+        strict=True,
+    ):
+        assert (pa in a.state) == (pb in b.state)
+        if pa in a.state:
+            assert_trees_equal(dict(a.state[pa]), dict(b.state[pb]))
+    for ga, gb in zip(a.param_groups, b.param_groups, strict=True):
+        assert_trees_equal(
+            {k: v for k, v in ga.items() if k != "params"},
+            {k: v for k, v in gb.items() if k != "params"},
+        )
+
+
+@pytest.mark.parametrize("python_count", [True, False])
+@settings(max_examples=6, deadline=None)
+@given(pattern=overflows)
+@example(pattern=[None, math.inf, None, math.nan, None])
+@example(pattern=[math.inf, None, math.nan])  # a skipped first step: state created, then dropped
+def test_optimizer_step_undoes_nested_state_as_gradscaler_never_steps(
+    python_count: bool, pattern: list[float | None]
+) -> None:
+    model, famp_model = make_model(), make_model()
+    opt = NestedState(model.parameters(), python_count)
+    famp_opt = NestedState(famp_model.parameters(), python_count)
+    betas = [b for g in famp_opt.param_groups for b in g["betas"]]
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), [*pattern, None], 2.0**10):
+        assert_models_equal(famp_model, model)
+        assert_nested_states_equal(famp_opt, opt)
+    # the group's tensors are the same objects, restored in place (a scheduler may hold them)
+    assert [b for g in famp_opt.param_groups for b in g["betas"]] == betas
+
+
+def test_optimizer_step_undoes_nested_tensors_without_a_host_sync() -> None:
+    model = make_model()
+    opt = NestedState(model.parameters(), python_count=False)
+    state = famp.init_scaler(2.0**10)
+    for step, bad in enumerate([None, math.inf, None, math.nan]):
+        opt.zero_grad()
+        famp.scale(state, loss_of(model, step)).backward()
+        inject(model, bad)
+        with HostSyncs() as syncs:
+            state = famp.update_scale(state, famp.optimizer_step(opt, state))
+        if step > 0:  # the first step creates the state: the one step that may read skip
+            assert syncs.from_famp == []
+    assert opt.param_groups[0]["betas"][0].item() == pytest.approx(0.9 * 0.999**2)
+    for p in model.parameters():
+        assert all(torch.isfinite(t).all() for t in opt.state[p]["GG"])
