@@ -23,8 +23,9 @@ from famp._autocast.ops import (
     spelled_out,
     value_arguments,
 )
+from famp._autocast.overrides import resolve_overload
 from famp._autocast.weights import CastCache
-from famp._compat import OpOverload, assume_constant_result, op_schema
+from famp._compat import OpOverload, OpOverloadPacket, assume_constant_result, op_schema
 
 
 def eligible(value: object, device_type: str) -> bool:
@@ -226,6 +227,8 @@ def apply_rule(
         name = None if args else _input_keyword(func, packet, tuple(kwargs))
         first = args[0] if args else kwargs[name] if name is not None else None
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
+            if isinstance(func, OpOverloadPacket):  # `aten.norm(t, 3, [1])`: the overload it picks
+                func = getattr(func, resolve_overload(packet, args, kwargs))
             if isinstance(func, OpOverload) and _lacks_dtype(func):
                 # An overload without dtype: redispatch with every positional argument spelled out
                 # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).

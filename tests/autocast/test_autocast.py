@@ -684,6 +684,34 @@ def test_override_float32_append_dtype_redispatches_norm() -> None:
     assert_bitwise_equal(rows, torch.ops.aten.norm.ScalarOpt_dim_dtype(x, 2, [1], False, dtype=F32))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_override_float32_append_dtype_on_the_op_packet_redispatches_the_overload_it_picks(
+    compiled: bool,
+) -> None:
+    # `aten.norm(x, p, [1])` names no overload: torch's dispatcher picks norm.ScalarOpt_dim,
+    # whose float32_append_dtype rule redispatches to norm.ScalarOpt_dim_dtype (before, famp
+    # passed dtype= to the packet, which matches no overload: a RuntimeError).
+    x = torch.randn(4, D).to(BF16)
+    rules = _cpu_rules(
+        {"norm.Scalar": "float32_append_dtype", "norm.ScalarOpt_dim": "float32_append_dtype"}
+    )
+
+    def fn(x: torch.Tensor, p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.aten.norm(x, p, [1]), torch.ops.aten.norm(x, p, [0], True)
+
+    f = famp.autocast(fn, "c=bf16,o=f32", rules=rules)
+    if compiled:
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for p in (2, 3.0, None):
+        rows, cols = f(x, p)
+        assert_bitwise_equal(
+            rows, torch.ops.aten.norm.ScalarOpt_dim_dtype(x, p, [1], False, dtype=F32)
+        )
+        assert_bitwise_equal(
+            cols, torch.ops.aten.norm.ScalarOpt_dim_dtype(x, p, [0], True, dtype=F32)
+        )
+
+
 def test_banned_rule_raises_like_torch() -> None:
     rules = _cpu_rules({"binary_cross_entropy": "banned"})
     y = torch.rand(3)
