@@ -28,7 +28,7 @@ from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.kernels import unscale_in_place
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import to_device
-from famp._scaling.undo import step_and_undo_if, with_grads
+from famp._scaling.undo import step_and_undo_if, with_grads, wrapped
 from famp._scaling.unscale import unscale_and_check
 from famp._typing import Tensor
 
@@ -146,9 +146,10 @@ def optimizer_step(
       groups hold, if any): parameters, optimizer state and each param group's entries
       (optimizers that count steps in `group['step']`, as timm's `Lamb` does), tensors
       inside lists, tuples and dicts among them (SOAP's `state['GG']`), end as if the step
-      never ran.
+      never ran; so do those of the optimizers it wraps (an attribute that is an optimizer:
+      Lookahead's base, `ZeroRedundancyOptimizer`'s local one).
     - **Step hooks.** With any step hook registered (`register_step_pre_hook`,
-      `register_step_post_hook`, or the global
+      `register_step_post_hook`, on it or an optimizer it wraps, or the global
       `torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`), a non-fused
       optimizer steps as under `GradScaler`: famp reads `found_inf` on the host and calls
       `optimizer.step()` only if the step applies (no copies, no undo), so no hook sees a
@@ -246,7 +247,7 @@ def optimizer_step(
         optimizer.step()
         return torch.zeros((), dtype=torch.float32, device=state.scale.device)
     skip = found_inf.reshape(()) != 0
-    if not _compat.optimizer_step_hooked(optimizer):
+    if not any(_compat.optimizer_step_hooked(o) for o in wrapped(optimizer)):
         step_and_undo_if(optimizer, skip)
     elif not bool(skip):  # hooks must not see a step that is undone: GradScaler's host read
         optimizer.step()

@@ -123,13 +123,33 @@ def _group_entries(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizer and those it wraps, each once: optimizers among its attributes (Lookahead's
+    base optimizer, `ZeroRedundancyOptimizer`'s local one), in lists, tuples and dicts too, and
+    theirs. A wrapped optimizer keeps its own state, which a skipped step must leave as it was."""
+    found = [optimizer]
+    for o in found:
+        for v in vars(o).values():
+            held = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else (v,)
+            for w in held:
+                if isinstance(w, torch.optim.Optimizer) and all(w is not f for f in found):
+                    found.append(w)
+    return found
+
+
+def _unique(items: Any) -> list[Any]:
+    return list({id(x): x for x in items}.values())
+
+
 def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     """`optimizer.step()`, then everything it changed back where `skip` is true."""
-    params = with_grads(optimizer)
-    states = optimizer.state
+    optimizers = wrapped(optimizer)
+    params = _unique(p for o in optimizers for p in with_grads(o))
+    all_groups = _unique(g for o in optimizers for g in o.param_groups)
+    states = _unique(o.state for o in optimizers)
     with torch.no_grad():
-        groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in optimizer.param_groups]
-        before = [_Entries(states[p]) if p in states else None for p in params]
+        groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in all_groups]
+        before = [[_Entries(s[p]) if p in s else None for p in params] for s in states]
         before_params = [p.detach().clone() for p in params]
         # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
         # a skipped GradScaler step leaves the unscaled gradients as they were.
@@ -145,7 +165,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
 
     untensorlike = False  # whether the step changed what a tensor choice cannot restore
     with torch.no_grad():
-        for group, old_group in zip(optimizer.param_groups, groups, strict=True):
+        for group, old_group in zip(all_groups, groups, strict=True):
             untensorlike |= old_group.select(_group_entries(group), on)
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
@@ -153,20 +173,22 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         for grad, old_grad in zip(grads, before_grads, strict=True):
             if grad is not None and old_grad is not None:
                 torch.where(on(grad.device), old_grad, grad, out=grad)
-        for p, old_state in zip(params, before, strict=True):
-            new_state = states.get(p)
-            if new_state is None or old_state is None:
-                untensorlike |= new_state is not None or old_state is not None  # created, dropped
-            else:
-                untensorlike |= old_state.select(new_state, on)
+        for s, olds in zip(states, before, strict=True):
+            for p, old_state in zip(params, olds, strict=True):
+                new_state = s.get(p)
+                if new_state is None or old_state is None:  # created, dropped
+                    untensorlike |= new_state is not None or old_state is not None
+                else:
+                    untensorlike |= old_state.select(new_state, on)
         if untensorlike and bool(skip):  # the one host sync, on a step that created state
-            for group, old_group in zip(optimizer.param_groups, groups, strict=True):
+            for group, old_group in zip(all_groups, groups, strict=True):
                 entries = old_group.restored()
                 for k in [k for k in group if k != "params" and k not in entries]:
                     del group[k]
                 group.update(entries)
-            for p, old_state in zip(params, before, strict=True):
-                if old_state is None:
-                    states.pop(p, None)
-                else:
-                    states[p] = old_state.restored()
+            for s, olds in zip(states, before, strict=True):
+                for p, old_state in zip(params, olds, strict=True):
+                    if old_state is None:
+                        s.pop(p, None)
+                    else:
+                        s[p] = old_state.restored()

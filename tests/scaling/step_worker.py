@@ -11,6 +11,9 @@ Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
   ``train`` with an inf in the last rank's shard, next to ``GradScaler`` + fused AdamW (the oracle).
   A DCP checkpoint at step 3; torch's own full state at step 3 (for the W=1 resume in the test);
   a fresh model and optimizer resumed from the checkpoint at W=2 and trained to the end.
+- ``zero``: ``ZeroRedundancyOptimizer`` (Adam) stepped by ``famp.optimizer_step`` next to a
+  ``GradScaler`` loop, with an inf at one step: each rank's local optimizer keeps the moments of
+  its shard, which a skipped step must leave as they were.
 - Finally the example's ``main`` runs at W=2 in this process group, writing ``OUT/cli``.
 """
 
@@ -204,6 +207,50 @@ def fsdp2(ex: Any, rank: int, out_dir: pathlib.Path) -> dict[str, Any]:
     }
 
 
+ZERO_STEPS, ZERO_BAD_STEP = 5, 2
+
+
+def zero(rank: int) -> dict[str, Any]:
+    """famp.optimizer_step on a ZeroRedundancyOptimizer next to GradScaler.step, per step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    runs: dict[str, Any] = {}
+    for name in ("torch", "famp"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2, foreach=True
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        state = famp.init_scaler(2.0**10, growth_interval=2)
+        steps = []
+        for step in range(ZERO_STEPS):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            (scaler.scale(loss) if name == "torch" else famp.scale(state, loss)).backward()
+            if step == ZERO_BAD_STEP:
+                next(model.parameters()).grad[0, 0] = math.inf  # type: ignore[index]
+            if name == "torch":
+                scaler.step(opt)
+                scaler.update()
+            else:
+                state = famp.update_scale(state, famp.optimizer_step(opt, state))
+            local = opt.optim.state  # this rank's shard of the state
+            steps.append(
+                {
+                    "params": [p.detach().clone() for p in model.parameters()],
+                    "optim": [
+                        {k: v.clone() for k, v in local[p].items()}
+                        for p in model.parameters()
+                        if p in local
+                    ],
+                }
+            )
+        runs[name] = steps
+    return runs
+
+
 def main() -> None:
     out_dir = pathlib.Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -214,6 +261,7 @@ def main() -> None:
             "value_and_grad": value_and_grad_group(rank),
             "fsdp1": fsdp1(ex, rank),
             "fsdp2": fsdp2(ex, rank, out_dir),
+            "zero": zero(rank),
         }
         torch.save(record, out_dir / f"rank{rank}.pt")
         ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])

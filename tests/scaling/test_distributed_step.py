@@ -43,6 +43,27 @@ def test_value_and_grad_group_gives_every_rank_the_same_found_inf_and_scale(job:
         assert scale.item() == 2.0**9
 
 
+def test_zero_redundancy_optimizer_skips_as_under_gradscaler_its_local_state_too(job: Any) -> None:
+    # ZeroRedundancyOptimizer keeps each rank's state in a local optimizer (`opt.optim`): a
+    # skipped step must leave it as it was (before, famp undid only `opt.state`, which is empty).
+    from tests.scaling.step_worker import ZERO_STEPS
+
+    _, ranks, _ = job
+    for record in ranks:
+        famp_run, oracle = record["zero"]["famp"], record["zero"]["torch"]
+        assert len(famp_run) == len(oracle) == ZERO_STEPS
+        for actual, expected in zip(famp_run, oracle, strict=True):
+            for p, q in zip(actual["params"], expected["params"], strict=True):
+                assert_bitwise_equal(p, q)
+            assert len(actual["optim"]) == len(expected["optim"])
+            for s, t in zip(actual["optim"], expected["optim"], strict=True):
+                assert s.keys() == t.keys()
+                for k in s:
+                    assert_bitwise_equal(s[k], t[k])
+    assert len(ranks[0]["zero"]["famp"][-1]["optim"]) > 0  # each rank holds a shard
+    assert len(ranks[1]["zero"]["famp"][-1]["optim"]) > 0
+
+
 def test_fsdp1_local_shards_every_rank_skips_and_backs_off_with_group(job: Any) -> None:
     from tests.scaling.step_worker import FSDP1_BAD_STEP, FSDP1_STEPS
 

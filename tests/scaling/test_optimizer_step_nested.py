@@ -10,6 +10,7 @@ none of it moves; famp steps and undoes, and must reach into those containers.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import optree
@@ -134,3 +135,79 @@ def test_optimizer_step_undoes_nested_tensors_without_a_host_sync() -> None:
     assert opt.param_groups[0]["betas"][0].item() == pytest.approx(0.9 * 0.999**2)
     for p in model.parameters():
         assert all(torch.isfinite(t).all() for t in opt.state[p]["GG"])
+
+
+# --- optimizers that wrap another: the state lives in the wrapped one ----------------------------
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead as timm and its ports write it: the wrapped optimizer keeps its own state (the
+    fast weights' moments, in `base.state`), the wrapper keeps the slow weights in its `state`,
+    and both share the param groups, which count the steps (`lookahead_step`)."""
+
+    def __init__(self, base: torch.optim.Optimizer, alpha: float = 0.5, k: int = 2) -> None:
+        self.base = base
+        self.param_groups = base.param_groups
+        self.defaults = {**base.defaults, "lookahead_alpha": alpha, "lookahead_k": k}
+        self.state: dict[Any, Any] = defaultdict(dict)
+        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
+        for group in self.param_groups:
+            group.setdefault("lookahead_alpha", alpha)
+            group.setdefault("lookahead_k", k)
+            group.setdefault("lookahead_step", 0)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.base.step()
+        for group in self.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"]:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                slow = self.state[p].setdefault("slow", p.detach().clone())
+                slow.add_(p - slow, alpha=group["lookahead_alpha"])
+                p.copy_(slow)
+
+
+@pytest.mark.parametrize("base", ["adam_foreach", "sgd_momentum"])
+@settings(max_examples=4, deadline=None)
+@given(pattern=overflows)
+@example(pattern=[None, math.inf, None, None, math.nan, None])
+def test_optimizer_step_undoes_the_wrapped_optimizers_state_as_gradscaler_never_steps(
+    base: str, pattern: list[float | None]
+) -> None:
+    def build(model: torch.nn.Module) -> Lookahead:
+        if base == "adam_foreach":
+            return Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True))
+        return Lookahead(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = build(model), build(famp_model)
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), [*pattern, None, None], 2.0**10):
+        assert_models_equal(famp_model, model)
+        assert_nested_states_equal(famp_opt, opt)  # the slow weights, the shared groups
+        assert_nested_states_equal(famp_opt.base, opt.base)  # the moments
+
+
+def test_optimizer_step_hooks_of_the_wrapped_optimizer_see_what_they_see_under_gradscaler() -> None:
+    # GradScaler never steps on a skipped step, so a hook of the wrapped optimizer never runs
+    # there; famp then steps only where the step applies (one host read), as for the wrapper's.
+    model, famp_model = make_model(), make_model()
+    opt = Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2))
+    famp_opt = Lookahead(torch.optim.Adam(famp_model.parameters(), lr=1e-2))
+    seen: list[list[torch.Tensor]] = [[], []]
+    for o, record in zip((opt.base, famp_opt.base), seen, strict=True):
+        o.register_step_post_hook(
+            lambda optimizer, args, kwargs, record=record: record.append(  # type: ignore[misc]
+                next(p for g in optimizer.param_groups for p in g["params"]).detach().clone()
+            )
+        )
+    pattern = [None, math.inf, None, math.nan, None]
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), pattern, 2.0**10):
+        assert_models_equal(famp_model, model)
+    assert len(seen[1]) == len(seen[0]) == 3
+    for a, e in zip(seen[1], seen[0], strict=True):
+        assert_bitwise_equal(a, e)
