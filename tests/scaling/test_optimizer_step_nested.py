@@ -18,13 +18,10 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
-import famp
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_optimizer_step import (
-    HostSyncs,
     assert_models_equal,
-    inject,
-    loss_of,
+    assert_no_host_sync_after_the_first_step,
     make_model,
     overflows,
     side_by_side,
@@ -123,15 +120,7 @@ def test_optimizer_step_undoes_nested_state_as_gradscaler_never_steps(
 def test_optimizer_step_undoes_nested_tensors_without_a_host_sync() -> None:
     model = make_model()
     opt = NestedState(model.parameters(), python_count=False)
-    state = famp.init_scaler(2.0**10)
-    for step, bad in enumerate([None, math.inf, None, math.nan]):
-        opt.zero_grad()
-        famp.scale(state, loss_of(model, step)).backward()
-        inject(model, bad)
-        with HostSyncs() as syncs:
-            state = famp.update_scale(state, famp.optimizer_step(opt, state))
-        if step > 0:  # the first step creates the state: the one step that may read skip
-            assert syncs.from_famp == []
+    assert_no_host_sync_after_the_first_step(model, opt)
     assert opt.param_groups[0]["betas"][0].item() == pytest.approx(0.9 * 0.999**2)
     for p in model.parameters():
         assert all(torch.isfinite(t).all() for t in opt.state[p]["GG"])
