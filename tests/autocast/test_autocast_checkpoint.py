@@ -268,10 +268,15 @@ def test_checkpoint_mode_fsdp2(mode: str, kind: str, one_rank_mesh: Any) -> None
 # traced aten graph as is.
 
 
-def _compiled_run(mode: str | None, kwargs: dict[str, Any], x: torch.Tensor) -> Any:
+@functools.cache
+def _compiled_run(mode: str | None, kind: str) -> Any:
+    """Loss and gradients of `Net` under `mode`'s checkpoint and `kind`'s rules, compiled, on
+    `_x()`: computed once per (mode, kind) and shared by the tests below (a trace of a
+    checkpointed block costs a second or two)."""
+    x = _x()
     net = Net(None if mode is None else MODES[mode])
     params = [x, *net.parameters()]
-    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **kwargs)
+    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules(kind))
     loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     return loss, list(torch.autograd.grad(loss, params))
 
@@ -279,16 +284,15 @@ def _compiled_run(mode: str | None, kwargs: dict[str, Any], x: torch.Tensor) -> 
 @pytest.mark.parametrize("mode", ["nonreentrant", "selective"])
 @pytest.mark.parametrize("kind", ["overrides", "default"])
 def test_checkpoint_mode_compiled(mode: str, kind: str) -> None:
-    x, kwargs = _x(), _rules(kind)
-    _assert_same(_compiled_run(mode, kwargs, x), _compiled_run(None, kwargs, x))
+    _assert_same(_compiled_run(mode, kind), _compiled_run(None, kind))
 
 
 def test_checkpoint_compiled_overrides_reach_the_block() -> None:
     # Dynamo hands the checkpoint to famp's mode and would trace the block without it: the
     # overrides must change the compiled result as they change the eager one.
     x = _x()
-    overridden = _compiled_run("nonreentrant", _rules("overrides"), x)
-    assert not torch.equal(overridden[0], _compiled_run("nonreentrant", {}, x)[0])
+    overridden = _compiled_run("nonreentrant", "overrides")
+    assert not torch.equal(overridden[0], _compiled_run("nonreentrant", "default")[0])
     assert_bitwise_equal(overridden[0], _run(Net(None), _rules("overrides"), x)[0])
 
 
