@@ -281,7 +281,11 @@ import torch, famp
 def loss(p, x):
     block = lambda h: (h * p["a"]).square()
     return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum()
-step = torch.compile(lambda s, p, x: famp.value_and_grad(loss)(s, p, x), fullgraph=True)
+# aot_eager: AOTAutograd refuses while tracing, before a backend compiles (inductor refuses the
+# same; its import alone costs the fresh process a second)
+step = torch.compile(
+    lambda s, p, x: famp.value_and_grad(loss)(s, p, x), fullgraph=True, backend="aot_eager"
+)
 try:
     print(step(famp.init_scaler(2.0), {"a": torch.ones(3)}, torch.ones(3)))
 except Exception as error:
