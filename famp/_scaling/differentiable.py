@@ -23,9 +23,11 @@ class _Unscale(torch.autograd.Function):
     torch's recipe unscales with `g * (1.0 / scaler.get_scale())`, a Python float; the backward
     of that multiply is `grad * (1.0 / scale)` with the same scalar arithmetic, which a 0-d
     float64 reciprocal reproduces (float32 and narrower grads compute with `f32(1/f64(scale))`,
-    float64 ones with `1/f64(scale)`). The forward is the kernel's (`out_of_place`), whose
-    results differ from the recipe's multiply only at a scale of 1 (NaN payloads) and, for
-    float64 grads, at scales that are not powers of two.
+    float64 ones with `1/f64(scale)`). Forward mode (`jvp`, `jacfwd`, `hessian` over a function
+    of the unscaled grads) gets the recipe's tangents the same way: `tangent * (1.0 / scale)`.
+    The forward is the kernel's (`out_of_place`), whose results differ from the recipe's multiply
+    only at a scale of 1 (NaN payloads) and, for float64 grads, at scales that are not powers
+    of two.
     """
 
     generate_vmap_rule = True
@@ -42,12 +44,18 @@ class _Unscale(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
         ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
         ctx.mark_non_differentiable(output[-1])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         (inv64,) = ctx.saved_tensors
         return (None, None, *(None if g is None else g * inv64 for g in grads[:-1]))
+
+    @staticmethod
+    def jvp(ctx: Any, _found: Tensor | None, _inv: Tensor | None, *tangents: Tensor | None) -> Any:
+        (inv64,) = ctx.saved_tensors
+        return (*(None if t is None else t * inv64 for t in tangents), None)
 
 
 def differentiable_unscale(

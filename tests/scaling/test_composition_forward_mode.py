@@ -1,0 +1,96 @@
+"""Forward mode over gradients that carry a graph: the tangents of torch's gradient-penalty recipe.
+
+`famp.unscale_and_check` of gradients that require grad (`create_graph=True`, an outer
+`torch.func.jacrev`) goes through an autograd Function; forward mode over it (`forward_ad`,
+`torch.func.jvp`, `jacfwd`, `hessian` of a penalty) must give the tangents of the recipe's
+`g * (1.0 / scale)`, as it gives its values and its backward. The oracle is that recipe written
+by hand in the same composition.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from torch.autograd import forward_ad
+from torch.func import grad, hessian, jacfwd, jacrev, jvp
+
+import famp
+from tests.helpers import assert_bitwise_equal
+from tests.scaling.test_scaler_gradient_penalty import CASES
+
+# torch's forward mode scripts its decompositions with `torch.jit.script` on first use, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is")
+
+X = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+
+
+def loss(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tanh(X.to(dtype) @ w).square().mean()
+
+
+def weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(4, 3, generator=g).to(dtype), torch.randn(4, 3, generator=g).to(dtype)
+
+
+def recipe(w: torch.Tensor, dtype: torch.dtype, scale_value: float) -> torch.Tensor:
+    """torch's recipe under torch.func: the scaled loss's gradient times `1.0 / scale`."""
+    scaled = grad(lambda v: loss(v, dtype) * torch.tensor(scale_value))(w)
+    return scaled * (1.0 / scale_value)
+
+
+def famp_grads(w: torch.Tensor, dtype: torch.dtype, scale_value: float) -> torch.Tensor:
+    state = famp.init_scaler(scale_value)
+    _, grads, _, _ = famp.value_and_grad(lambda v: loss(v, dtype))(state, w)
+    return grads
+
+
+@pytest.mark.parametrize(("dtype", "scale_value"), CASES)
+def test_forward_ad_over_create_graph_unscale_gives_the_recipes_tangents(
+    dtype: torch.dtype, scale_value: float
+) -> None:
+    w, tangent = weights(dtype)
+    state = famp.init_scaler(scale_value)
+    results = []
+    for use_famp in (True, False):
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(w.clone().requires_grad_(), tangent)
+            (scaled,) = torch.autograd.grad(
+                famp.scale(state, loss(dual, dtype)), dual, create_graph=True
+            )
+            if use_famp:
+                (unscaled,), found_inf = famp.unscale_and_check(state, [scaled])
+                assert found_inf.item() == 0.0
+            else:
+                unscaled = scaled * (1.0 / scale_value)
+            primal, tangent_out = forward_ad.unpack_dual(unscaled)
+            results.append((primal.detach(), tangent_out))
+    (actual, actual_tangent), (expected, expected_tangent) = results
+    assert actual.dtype == actual_tangent.dtype == dtype
+    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(actual_tangent, expected_tangent)
+
+
+@pytest.mark.parametrize(("dtype", "scale_value"), CASES)
+@pytest.mark.parametrize("transform", ["hessian", "jacfwd_of_jacrev", "jvp_of_grad"])
+def test_forward_over_reverse_of_value_and_grad_gives_the_recipes_bits(
+    transform: str, dtype: torch.dtype, scale_value: float
+) -> None:
+    w, tangent = weights(dtype)
+
+    def penalty(fn):  # type: ignore[no-untyped-def]
+        return lambda v: fn(v, dtype, scale_value).square().sum()
+
+    def apply(fn):  # type: ignore[no-untyped-def]
+        if transform == "hessian":
+            return hessian(penalty(fn))(w)
+        if transform == "jacfwd_of_jacrev":
+            return jacfwd(jacrev(lambda v: fn(v, dtype, scale_value)))(w)
+        return jvp(grad(penalty(fn)), (w,), (tangent,))
+
+    actual, expected = apply(famp_grads), apply(recipe)
+    leaves = zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=True)
+    for a, e in leaves:
+        assert a.dtype == dtype
+        assert_bitwise_equal(a, e)
