@@ -4,7 +4,7 @@ Eagerly, with a readable predicate, each result is the chosen leaf itself. Compi
 the plain tensors of both trees go through one `famp::select_` operator (`select_op`): each
 result is a copy of its `on_true` leaf, into which the operator copies the `on_false` leaf where
 the predicate is false. Elsewhere (other devices, tensor subclasses, leaves that require grad,
-`torch.func` transforms) each pair is one `torch.where`.
+complex leaves, `torch.func` transforms) each pair is one `torch.where`.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def select(
             and b.is_cpu
             and a.layout == torch.strided
             and b.layout == torch.strided
+            and not a.is_complex()  # inductor keeps no complex mutation (auto_functionalized_v2)
         ):
             # A copy of a's bits (float16/bfloat16 as integers, see `_HALF_BITS`).
             copy = a.view(torch.int16).clone().view(a.dtype) if a.dtype in _HALF else a.clone()
