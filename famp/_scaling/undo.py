@@ -6,8 +6,9 @@ implementations write into it), every tensor of `optimizer.state`, and every ten
 param group other than `'params'` (optimizers that keep counters there: timm's Lamb, apex
 FusedLAMB, several Lion and Adan ports), also tensors inside lists, tuples and dicts (SOAP and
 Shampoo ports keep per-parameter lists of preconditioner statistics, written in place). A group's
-tensors are copied in one multi-tensor clone. A tensor is selected back only if the step wrote into
-it or replaced it (its version counter moved, or another tensor stands in its place). What a
+tensors are copied in one multi-tensor clone. Every tensor a choice can restore is selected back,
+written or not: version counters miss writes (foreach ops on DTensors, FSDP2's optimizer state,
+leave the DTensor's as it was; so does a write through `.data`). What a
 tensor choice cannot restore (state created lazily on a first step, Python numbers such as
 `SparseAdam`'s count or a group's `group['step'] += 1`, keys added or removed, lists grown) is
 restored after one host read of `skip`, on the steps that changed it only.
@@ -98,23 +99,19 @@ class _Entries:
             self.at, self.tensors, self.versions, self.copies, strict=True
         ):
             new = leaves[i]
-            if new is old and _compat.tensor_version(new) == version:
-                continue  # not written
-            if _tensor_like(new, copy):
+            if _tensor_like(new, copy):  # never by version: see the module's docstring
                 where = new.detach() if new.requires_grad else new
                 torch.where(on(new.device), copy, new, out=where)
-            else:
-                changed = True
+            elif new is not old or _compat.tensor_version(new) != version:
+                changed = True  # replaced, or written (that the version saw): not a tensor choice
         return changed
 
     def restored(self) -> dict[Any, Any]:
         """The entries as they were: the same objects, their old values (tensors put back)."""
         for t, version, copy in zip(self.tensors, self.versions, self.copies, strict=True):
-            if _compat.tensor_version(t) == version:
-                continue
             if _tensor_like(t, copy):
                 t.detach().copy_(copy)
-            else:  # reshaped in place: onto the copy's storage, with its old shape
+            elif _compat.tensor_version(t) != version:  # reshaped in place: put back
                 t.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
         return _unflat(self.spec, self.leaves)
 

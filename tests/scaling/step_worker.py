@@ -14,6 +14,10 @@ Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
 - ``zero``: ``ZeroRedundancyOptimizer`` (Adam) stepped by ``famp.optimizer_step`` next to a
   ``GradScaler`` loop, with an inf at one step: each rank's local optimizer keeps the moments of
   its shard, which a skipped step must leave as they were.
+- ``nonfused``: non-fused (foreach and for-loop) optimizers stepped by ``famp.optimizer_step``
+  on FSDP1 (``group=``; ``ShardedGradScaler`` the oracle) and FSDP2 (DTensor reductions;
+  ``GradScaler`` the oracle), an inf in one rank's shard at some steps: every step's local
+  parameters, optimizer state, param-group tensors, scale and found_inf, on every rank.
 - Finally the example's ``main`` runs at W=2 in this process group, writing ``OUT/cli``.
 """
 
@@ -251,6 +255,157 @@ def zero(rank: int) -> dict[str, Any]:
     return runs
 
 
+NONFUSED_STEPS, NONFUSED_BAD = 5, {1: 1, 3: 0}  # step -> the rank whose shard gets an inf
+
+
+class GroupCounter(torch.optim.Optimizer):
+    """Momentum SGD counting its steps in a tensor of each param group, in place (timm's Lamb)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        for group in self.param_groups:
+            group["count"] = torch.zeros(())
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            group["count"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    moment = self.state[p].setdefault("m", torch.zeros_like(p))
+                    moment.mul_(0.9).add_(p.grad)
+                    p.add_(moment, alpha=-0.1)
+
+
+NONFUSED_CASES: dict[str, dict[str, Any]] = {
+    # name: FSDP version, optimizer, how famp steps, FSDP2 options
+    "fsdp2_adam_foreach": {"fsdp": 2, "opt": "adam_foreach", "famp": "step"},
+    "fsdp2_sgd_nesterov_foreach_mp_accumulate": {
+        "fsdp": 2,
+        "opt": "sgd_foreach",
+        "famp": "step",
+        "mp": True,
+        "reshard": False,
+        "micro": 2,
+    },
+    "fsdp2_adamw_loop_offload_unscale": {
+        "fsdp": 2,
+        "opt": "adamw_loop",
+        "famp": "unscale",
+        "offload": True,
+    },
+    "fsdp1_adam_foreach_orig_params": {"fsdp": 1, "opt": "adam_foreach", "famp": "step"},
+    "fsdp1_group_counter_unscale": {"fsdp": 1, "opt": "counter", "famp": "unscale"},
+}
+
+
+def _nonfused_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "counter":
+        return GroupCounter(params)
+    if name == "sgd_foreach":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+    adam = torch.optim.AdamW if name.startswith("adamw") else torch.optim.Adam
+    return adam(params, lr=1e-2, weight_decay=0.1, foreach=name.endswith("foreach"))
+
+
+def _nonfused_model(case: dict[str, Any]) -> torch.nn.Module:
+    """Uneven shards: a (1, 9) weight and a (1,) bias leave rank 1 an empty FSDP2 shard; FSDP1's
+    flat parameter puts every parameter but the first wholly on rank 1."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1), torch.nn.Linear(1, 3)
+    )
+    if case["fsdp"] == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        orig = case["opt"] != "counter"
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=orig)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"reshard_after_forward": case.get("reshard", True)}
+    if case.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if case.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _clone_local(x: Any) -> Any:
+    return ex_local(x).detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _nonfused_run(case: dict[str, Any], oracle: bool, rank: int) -> list[dict[str, Any]]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = _nonfused_model(case)
+    optimizer = _nonfused_optimizer(case["opt"], model.parameters())
+    kwargs = {"init_scale": 2.0**10, "growth_interval": 2}
+    scaler = (ShardedGradScaler if case["fsdp"] == 1 else torch.amp.GradScaler)("cpu", **kwargs)
+    state = famp.init_scaler(**kwargs)
+    group = dist.group.WORLD if case["fsdp"] == 1 else None  # FSDP2: the DTensors' mesh
+    steps = []
+    for step in range(NONFUSED_STEPS):
+        optimizer.zero_grad()
+        micro = case.get("micro", 1)
+        for m in range(micro):
+            if micro > 1:
+                model.set_requires_gradient_sync(m == micro - 1)  # type: ignore[operator]
+            gen = torch.Generator().manual_seed(100 * (step * micro + m) + rank)
+            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 3, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            (scaler.scale(loss) if oracle else famp.scale(state, loss)).backward()
+        if NONFUSED_BAD.get(step) == rank:
+            shard = next(ex_local(p.grad) for p in model.parameters() if p.grad is not None)
+            shard.view(-1)[0] = math.inf
+        if oracle:
+            scaler.step(optimizer)
+            found = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+            found_inf = torch.tensor(float(found != 0))
+            scaler.update()
+            scale = scaler._scale.clone()
+        else:
+            if case["famp"] == "step":
+                found_inf = famp.optimizer_step(optimizer, state, group=group)
+            else:  # unscale_and_check(group=) then the unscaled grads with found_inf=
+                params = [p for p in model.parameters() if p.grad is not None]
+                grads, found_inf = famp.unscale_and_check(
+                    state, [p.grad for p in params], group=group, donate=rank == 0
+                )
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+                famp.optimizer_step(optimizer, found_inf=found_inf)
+            state = famp.update_scale(state, found_inf)
+            scale = state.scale.clone()
+        steps.append(
+            {
+                "params": [_clone_local(p) for p in model.parameters()],
+                "optim": [
+                    {k: _clone_local(v) for k, v in optimizer.state[p].items()}
+                    for p in model.parameters()
+                ],
+                "groups": [
+                    {k: _clone_local(v) for k, v in g.items() if k != "params"}
+                    for g in optimizer.param_groups
+                ],
+                "scale": scale.reshape(()),
+                "found_inf": found_inf.reshape(()).clone(),
+            }
+        )
+    return steps
+
+
+def nonfused(rank: int) -> dict[str, Any]:
+    return {
+        name: {"famp": _nonfused_run(case, False, rank), "oracle": _nonfused_run(case, True, rank)}
+        for name, case in NONFUSED_CASES.items()
+    }
+
+
 def main() -> None:
     out_dir = pathlib.Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -262,6 +417,7 @@ def main() -> None:
             "fsdp1": fsdp1(ex, rank),
             "fsdp2": fsdp2(ex, rank, out_dir),
             "zero": zero(rank),
+            "nonfused": nonfused(rank),
         }
         torch.save(record, out_dir / f"rank{rank}.pt")
         ex.main(["--steps", "4", "--checkpoint-every", "2", "--out", str(out_dir / "cli")])

@@ -192,3 +192,45 @@ def test_fsdp_train_example_runs_at_two_ranks_and_resumes_at_one(
     assert "rank 0/1: steps 2..4" in printed
     assert famp.to_state_dict(state)["scale"] == float(lines[0].split("scale ")[1].split(",")[0])
     assert (tmp_path / "step-4" / ".metadata").exists()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fsdp2_adam_foreach",
+        "fsdp2_sgd_nesterov_foreach_mp_accumulate",
+        "fsdp2_adamw_loop_offload_unscale",
+        "fsdp1_adam_foreach_orig_params",
+        "fsdp1_group_counter_unscale",
+    ],
+)
+def test_nonfused_optimizer_step_under_fsdp_equals_torch_scalers_on_every_rank(
+    job: Any, case: str
+) -> None:
+    """Non-fused optimizers on FSDP1 (``group=``) and FSDP2 (DTensor grads), one rank's shard
+    overflowing at some steps: every step's local parameters, optimizer state, param groups,
+    scale and found_inf equal ``ShardedGradScaler``'s (FSDP1) or ``GradScaler``'s (FSDP2), and a
+    skipped step leaves every rank as it was. Before, foreach optimizers on FSDP2 kept a skipped
+    step's moments: foreach ops on DTensors leave their version counter as it was, and the undo
+    selected back only tensors whose version had moved."""
+    from tests.helpers import assert_trees_bitwise_equal
+    from tests.scaling.step_worker import NONFUSED_BAD, NONFUSED_CASES, NONFUSED_STEPS
+
+    _, ranks, _ = job
+    assert case in NONFUSED_CASES
+    expected_found = [float(s in NONFUSED_BAD) for s in range(NONFUSED_STEPS)]
+    for record in ranks:
+        famp_run, oracle = record["nonfused"][case]["famp"], record["nonfused"][case]["oracle"]
+        assert [s["found_inf"].item() for s in oracle] == expected_found  # both ranks: reduced
+        assert_trees_bitwise_equal(famp_run, oracle)
+        for before, after, found in zip(famp_run, famp_run[1:], expected_found[1:], strict=False):
+            if found:  # skipped on this rank too: nothing but the scale moved
+                assert_trees_bitwise_equal(
+                    {k: v for k, v in after.items() if k not in ("scale", "found_inf")},
+                    {k: v for k, v in before.items() if k not in ("scale", "found_inf")},
+                )
+        assert famp_run[-1]["params"][0].dtype == torch.float32
+    if NONFUSED_CASES[case]["opt"] != "counter":  # not FSDP1's flat parameters: uneven shards,
+        # some parameter empty on some rank
+        sizes = [[p.numel() for p in r["nonfused"][case]["famp"][-1]["params"]] for r in ranks]
+        assert any(0 in s for s in sizes), sizes

@@ -200,3 +200,38 @@ def test_optimizer_step_hooks_of_the_wrapped_optimizer_see_what_they_see_under_g
     assert len(seen[1]) == len(seen[0]) == 3
     for a, e in zip(seen[1], seen[0], strict=True):
         assert_bitwise_equal(a, e)
+
+
+# --- writes that version counters do not see ---------------------------------------------------
+
+
+class DataWrites(torch.optim.Optimizer):
+    """Momentum written through `.data` (older optimizer code does): `.data` is a tensor with its
+    own version counter, so the state's counter never moves. (FSDP2's DTensor state is the other
+    case: foreach ops leave a DTensor's counter as it was; tests/scaling/test_distributed_step.py.)
+    """
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        for group in self.param_groups:
+            group["decay"] = torch.tensor(0.9)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["decay"].data.mul_(0.99)  # a group tensor, written through .data too
+            for p in group["params"]:
+                if p.grad is not None:
+                    moment = self.state[p].setdefault("m", torch.zeros_like(p))
+                    moment.data.mul_(group["decay"]).add_(p.grad)
+                    p.data.add_(moment, alpha=-group["lr"])
+
+
+def test_optimizer_step_undoes_writes_through_data_as_gradscaler_never_steps() -> None:
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = DataWrites(model.parameters()), DataWrites(famp_model.parameters())
+    pattern = [None, math.inf, None, math.nan, None]
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), pattern, 2.0**10):
+        assert_models_equal(famp_model, model)
+        assert_nested_states_equal(famp_opt, opt)
+    assert famp_opt.param_groups[0]["decay"].item() == pytest.approx(0.9 * 0.99**3)
