@@ -17,7 +17,8 @@ Records what famp and torch did on this rank in ``OUT/rank{r}.pt``:
 - ``nonfused``: non-fused (foreach and for-loop) optimizers stepped by ``famp.optimizer_step``
   on FSDP1 (``group=``; ``ShardedGradScaler`` the oracle) and FSDP2 (DTensor reductions;
   ``GradScaler`` the oracle), an inf in one rank's shard at some steps: every step's local
-  parameters, optimizer state, param-group tensors, scale and found_inf, on every rank.
+  parameters, unscaled gradients, optimizer state, param-group tensors, scale and found_inf, on
+  every rank.
 - Finally the example's ``main`` runs at W=2 in this process group, writing ``OUT/cli``.
 """
 
@@ -384,6 +385,7 @@ def _nonfused_run(case: dict[str, Any], oracle: bool, rank: int) -> list[dict[st
         steps.append(
             {
                 "params": [_clone_local(p) for p in model.parameters()],
+                "grads": [_clone_local(p.grad) for p in model.parameters()],  # unscaled
                 "optim": [
                     {k: _clone_local(v) for k, v in optimizer.state[p].items()}
                     for p in model.parameters()
