@@ -20,19 +20,15 @@ from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast/) -------------------------------------------------------------------
 
-# `saved_tensors_hooks_top()`: the innermost active `torch.autograd.graph.saved_tensors_hooks`
-# pair, or None. torch has no public query: famp needs it to tell that an op runs inside a
-# non-reentrant checkpoint's block (whose saved tensors the checkpoint's hooks pack), to restore
-# its state when torch recomputes that block. A partial of the builtin: it runs once per op.
+# The innermost active `saved_tensors_hooks` pair, or None (no public query): tells that an op runs
+# inside a non-reentrant checkpoint's block, to restore famp's state when torch recomputes it.
 saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.partial(
     torch._C._autograd._top_saved_tensors_default_hooks, False
 )
 
 
-# Whether a `torch.func` transform (grad, vmap, ...) is running here. No public query exists:
-# `famp.autocast(compile=True)` must not call `torch.compile` there (it cannot run inside
-# `torch.func` transforms) and runs the function directly instead. The builtin itself (it returns
-# a bool): it is read before eager calls that take a few microseconds.
+# Whether a `torch.func` transform is running (no public query): `torch.compile` cannot run inside
+# one, so `famp.autocast(compile=True)` runs the function directly there. The builtin itself.
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
@@ -49,8 +45,7 @@ def relaxed_marks() -> Any:
 
 
 def refused_marks(error: BaseException) -> bool:
-    """Whether `error` is Dynamo refusing a graph that fixed a marked size (its module is loaded
-    by any compile; not imported here: it imports sympy)."""
+    """Whether `error` is Dynamo refusing a graph that fixed a marked size (not imported here)."""
     shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")
     return shapes is not None and isinstance(error, shapes.ConstraintViolationError)
 
@@ -171,6 +166,11 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+def no_dispatch_modes() -> Any:
+    """A context with no dispatch mode on (a compile's fake mode, explain's): no public API."""
+    return _python_dispatch._disable_current_modes()
 
 
 def real_tensors() -> Any:

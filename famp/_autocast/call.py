@@ -278,7 +278,7 @@ class CallRecord:
         inplace = inplace_target(func, args, kwargs)  # an in-place op: no rule (torch casts none)
         rule = None
         if self.overrides is not None and enabled and inplace is None:
-            rule = self.overrides.rule(packet, overload, args, kwargs)
+            rule = self.overrides.rule(func, packet, overload, args, kwargs)
         out = AS_TORCH  # also apply_rule's answer for a result that viewed a cast input
         if rule is not None:
             out = apply_rule(

@@ -23,7 +23,7 @@ from famp._autocast.ops import (
     spelled_out,
     value_arguments,
 )
-from famp._autocast.overrides import resolve_overload
+from famp._autocast.overloads import resolve_overload
 from famp._autocast.weights import CastCache
 from famp._compat import OpOverload, OpOverloadPacket, assume_constant_result, op_schema
 
@@ -228,7 +228,7 @@ def apply_rule(
         first = args[0] if args else kwargs[name] if name is not None else None
         if eligible(first, device_type) and not _gives_dtype(args, kwargs):
             if isinstance(func, OpOverloadPacket):  # `aten.norm(t, 3, [1])`: the overload it picks
-                func = getattr(func, resolve_overload(packet, args, kwargs))
+                func = getattr(func, resolve_overload(packet, args, kwargs, func))
             if isinstance(func, OpOverload) and _lacks_dtype(func):
                 # An overload without dtype: redispatch with every positional argument spelled out
                 # (norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype, whose keepdim has no default).

@@ -168,8 +168,7 @@ def _probed_kinds(packet: str, overload: str) -> tuple[str, ...] | None:
     """The kinds of a composite overload's required arguments where famp may run it on a small
     tensor: tensors, lists of tensors, bools and floats. Ints and sizes are not made up: such a
     value can reach a kernel that does not check it (one crashed the process in a trial)."""
-    name = f"aten::{packet}" + ("" if overload == "default" else f".{overload}")
-    if name not in _composites():
+    if not is_composite(packet, overload):
         return None
     kinds = []
     for a in schema(getattr(getattr(torch.ops.aten, packet), overload)).arguments:
@@ -211,6 +210,11 @@ def _probe(packet: str, overload: str, values: tuple[bool | float, ...]) -> bool
 @functools.cache
 def _composites() -> frozenset[str]:
     return frozenset(kernel_registrations("CompositeImplicitAutograd"))
+
+
+def is_composite(packet: str, overload: str) -> bool:
+    """Whether an aten overload is a composite that decomposes before it reaches a Python mode."""
+    return f"aten::{packet}" + ("" if overload == "default" else f".{overload}") in _composites()
 
 
 def check_view(op: str, rule: str, device_type: str) -> None:

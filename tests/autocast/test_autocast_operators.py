@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import famp
 from famp._autocast.compiled import own_code
@@ -265,8 +266,8 @@ def test_dtype_rules_find_an_input_passed_by_keyword(name: str, run: str) -> Non
 
 # --- keys that leave some of the op's overloads at the default, compiled --------------------------
 # `{"mul": "float32"}` covers mul.Tensor and mul.Scalar but not mul.int, ...: famp picks the
-# overload of each call from the kinds of its arguments, compiled as eagerly (a SymInt, as
-# `t.shape[0] + 1` is under dynamic shapes, as the int it is eagerly).
+# overload of each call as torch dispatches it, compiled as eagerly (a SymInt, as `t.shape[0] + 1`
+# is under dynamic shapes, as the int it is eagerly).
 
 # name -> (overrides, the calls, what the overrides mean: torch's ops, inputs cast)
 PARTIAL_OVERRIDES: dict[str, tuple[dict[str, str], Callable[..., Any], Callable[..., Any]]] = {
@@ -280,10 +281,20 @@ PARTIAL_OVERRIDES: dict[str, tuple[dict[str, str], Callable[..., Any], Callable[
             + (t.shape[0] + 1) * t.float()
         ),
     ),
-    "mul.Tensor": (  # a float, an int or a size is mul.Scalar: left to torch (bfloat16)
-        {"mul.Tensor": "float32"},
-        lambda t: t * t.flip(0) + t * 3.3 + (t.shape[0] + 1) * t,
-        lambda t: t.float() * t.flip(0).float() + t * 3.3 + (t.shape[0] + 1) * t,
+    "mul.Tensor": (  # Python wraps a float, an int or a size: mul.Tensor, as torch dispatches
+        {"mul.Tensor": "float32"},  # it; only the aten overload called by name is mul.Scalar
+        lambda t: t * t.flip(0) + t * 3.3 + (t.shape[0] + 1) * t + aten.mul.Scalar(t, 3.3),
+        lambda t: (
+            t.float() * t.flip(0).float()
+            + t.float() * 3.3
+            + (t.shape[0] + 1) * t.float()
+            + aten.mul.Scalar(t, 3.3)
+        ),
+    ),
+    "where.ScalarOther": (  # torch.where(c, t, 0.5): Python has a Number overload for it
+        {"where.ScalarOther": "float32"},
+        lambda t: torch.where(t > 1, t, 0.5) + torch.where(t > 2, t, t.flip(0)),
+        lambda t: torch.where(t > 1, t.float(), 0.5) + torch.where(t > 2, t, t.flip(0)),
     ),
     "pow": (
         {"pow": "float32"},
@@ -343,18 +354,33 @@ def test_override_of_some_overloads_compiles_as_hand_written_casts(name: str, ru
             assert not torch.equal(eager(x), fn(x).float())
 
 
-# overrides -> (calls whose arguments are of each kind, whether the override casts each)
-BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] = {
+# overrides -> calls whose arguments are of each kind. The override casts the calls that reach
+# its overload as torch's dispatcher receives them (`dispatched`): Python bindings wrap a number
+# into a tensor where the op has a Tensor overload (`t * 3.3` is mul.Tensor), and keep
+# pow.Tensor_Scalar and pow.Scalar. (Ops with no composite overload: a composite decomposes
+# before a dispatch mode sees it.)
+BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]]]] = {
     "mul.Scalar": (
         {"mul.Scalar": "float32"},
         [
             lambda t: t * t.flip(0),  # mul.Tensor
-            lambda t: t * 3.3,  # a float: mul.Scalar
-            lambda t: t * 3,  # an int: mul.Scalar
-            lambda t: t * (t.shape[0] + 1),  # a SymInt under dynamic shapes: mul.Scalar
-            lambda t: t * (t.shape[0] / 3),  # a SymFloat: mul.Scalar
+            lambda t: t * 3.3,  # a float: mul.Tensor too (wrapped)
+            lambda t: t * 3,  # an int
+            lambda t: t * (t.shape[0] + 1),  # a SymInt under dynamic shapes
+            lambda t: t * (t.shape[0] / 3),  # a SymFloat
+            lambda t: aten.mul.Scalar(t, 3.3),  # the overload by name
+            lambda t: aten.mul(t, 3.3),  # the packet: its own resolution (mul.Tensor)
         ],
-        [False, True, True, True, True],
+    ),
+    "mul.Tensor": (
+        {"mul.Tensor": "float32"},
+        [
+            lambda t: t * t.flip(0),
+            lambda t: t * 3.3,
+            lambda t: torch.mul(t, 3),
+            lambda t: t * (t.shape[0] + 1),
+            lambda t: aten.mul.Scalar(t, 3.3),
+        ],
     ),
     "pow.Tensor_Scalar": (
         {"pow.Tensor_Scalar": "float32"},
@@ -367,7 +393,6 @@ BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] 
             lambda t: torch.pow(2, t),  # pow.Scalar
             lambda t: 1.7**t,  # Tensor.__rpow__: torch.pow(1.7, t), pow.Scalar
         ],
-        [False, True, True, True, True, False, False],
     ),
     "pow.Scalar": (
         {"pow.Scalar": "float32"},
@@ -377,9 +402,31 @@ BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] 
             lambda t: 1.7**t,  # the reflected operator: its base is the scalar
             lambda t: (t.shape[0] / 4) ** t,  # a SymFloat base under dynamic shapes
         ],
-        [False, True, True, True],
     ),
 }
+
+
+class _Dispatched(TorchDispatchMode):
+    """The aten overloads that reach torch's dispatcher, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func).removeprefix("aten."))
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched(call: Callable[[torch.Tensor], torch.Tensor], key: str, x: torch.Tensor) -> bool:
+    """Whether torch's dispatcher receives `call(x)` as the overload `key` (`"mul.Scalar"`), no
+    autocast on: the first op of the key's packet it receives."""
+    log = _Dispatched()
+    with log:
+        call(x)
+    packet = key.partition(".")[0]
+    first = next(o for o in log.ops if o.partition(".")[0] == packet)
+    return first == key
 
 
 @pytest.mark.parametrize("run", [*RUNS, INDUCTOR[1]])
@@ -387,9 +434,12 @@ BY_KIND: dict[str, tuple[dict[str, str], list[Callable[..., Any]], list[bool]]] 
 def test_override_of_one_overload_reaches_the_same_calls_compiled_as_eagerly(
     name: str, run: str
 ) -> None:
-    # The overload of a call is read off its arguments' kinds (a tensor, a float, an int, a
-    # size): compiled, where a size is a SymInt or a SymFloat, the same as eagerly.
-    changes, calls, casts = BY_KIND[name]
+    # The override casts the calls torch dispatches as its overload, compiled (where a size is a
+    # SymInt or a SymFloat) as eagerly.
+    changes, calls = BY_KIND[name]
+    casts = [dispatched(call, name, _sample()) for call in calls]
+    assert any(casts)
+    assert not all(casts)
 
     def dtypes(t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([call(t).dtype == F32 for call in calls])
