@@ -126,7 +126,9 @@ def wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     theirs. A wrapped optimizer keeps its own state, which a skipped step must leave as it was."""
     found = [optimizer]
     for o in found:
-        for v in vars(o).values():
+        for k, v in vars(o).items():
+            if k in ("state", "param_groups"):  # per-parameter entries: no optimizer there
+                continue
             held = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else (v,)
             for w in held:
                 if isinstance(w, torch.optim.Optimizer) and all(w is not f for f in found):
