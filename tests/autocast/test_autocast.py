@@ -360,27 +360,6 @@ def test_override_linear_to_float32_equals_a_float32_linear() -> None:
         assert_bitwise_equal(a, e)
 
 
-# How the override tests below run a transform: eagerly; famp's own compile ("compiled",
-# inductor) or torch.compile of the transform with dynamic shapes ("torch.compile, dynamic",
-# inductor); or Dynamo and AOTAutograd alone ("aot_eager", static or dynamic), which trace the
-# same graph of famp's calls and run it as is, without inductor's C++ compiles (seconds a case).
-# Each test keeps inductor for some of its cases, the rest trace with aot_eager.
-def _transformed(f: Callable[..., Any], rules: famp.OpRules, run: str) -> Callable[..., Any]:
-    transformed = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=run == "compiled")
-    if run in ("eager", "compiled"):
-        return transformed
-    return torch.compile(transformed, **_compile_options(run))
-
-
-def _compile_options(run: str) -> dict[str, Any]:
-    """torch.compile's arguments for `run` (the reference's, where famp's own compile runs)."""
-    backend = "aot_eager" if run.startswith("aot_eager") else "inductor"
-    return {"fullgraph": True, "dynamic": run.endswith("dynamic") or None, "backend": backend}
-
-
-RUN_DYNAMIC = "aot_eager, dynamic"
-
-
 # Calls that write into their first argument through an `inplace` flag (torch calls `relu_` and
 # the like): torch's autocast casts none of them.
 INPLACE_FLAG_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -391,12 +370,9 @@ INPLACE_FLAG_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("name", "run"),
-    [(name, run) for name in sorted(INPLACE_FLAG_CALLS) for run in ("eager", "aot_eager")]
-    + [("leaky_relu", "compiled"), ("relu_module", "compiled")],
-)
-def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, run: str) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(INPLACE_FLAG_CALLS))
+def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, compile: bool) -> None:
     # An override of the op would cast the bfloat16 input to a float32 copy and write into that:
     # the caller's tensor would keep its old values. As torch's autocast, famp casts nothing.
     rules = _cpu_rules({"relu": "float32", "hardtanh": "float32", "leaky_relu": "float32"})
@@ -412,11 +388,9 @@ def test_override_leaves_a_write_through_an_inplace_flag_to_torch(name: str, run
             return f(x)
 
     x = torch.randn(64)
-    y, out = _transformed(f, rules, run)(x)
+    y, out = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=compile)(x)
     # Compiled, against torch's autocast compiled: inductor rounds leaky_relu's product once.
-    if run != "eager":  # a code object of its own per case: Dynamo compiles one at most 8 times
-        reference = torch.compile(own_code(reference), **_compile_options(run))
-    ref_y, ref_out = reference(x)
+    ref_y, ref_out = (torch.compile(reference, fullgraph=True) if compile else reference)(x)
     assert ref_y.dtype == BF16
     assert not torch.equal(ref_y, x.to(BF16) * 2)  # the call wrote into y
     assert_bitwise_equal(y, ref_y)
@@ -433,11 +407,8 @@ EINSUM_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # Inductor's lowering of `diagonal` calls a helper torch 2.13 deprecates (torch's own warning).
 @pytest.mark.filterwarnings("ignore:.*_prims_common.check. is deprecated:FutureWarning")
-@pytest.mark.parametrize(
-    ("name", "run"),
-    [(name, run) for name in sorted(EINSUM_CALLS) for run in ("eager", "aot_eager", RUN_DYNAMIC)]
-    + [("diagonal", "compiled"), ("permutation", "torch.compile, dynamic")],
-)
+@pytest.mark.parametrize("run", ["eager", "compiled", "torch.compile, dynamic"])
+@pytest.mark.parametrize("name", sorted(EINSUM_CALLS))
 def test_override_leaves_a_call_that_returns_a_view_of_its_input_to_torch(
     name: str, run: str
 ) -> None:
@@ -459,7 +430,9 @@ def test_override_leaves_a_call_that_returns_a_view_of_its_input_to_torch(
             return product, call(y)
 
     y = torch.randn(2, 5, 5).to(BF16)
-    transformed = _transformed(f, rules, run)
+    transformed = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=run == "compiled")
+    if run == "torch.compile, dynamic":
+        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
     ours, theirs = y.clone(), y.clone()
     product, view = transformed(ours)
     ref_product, ref_view = reference(theirs)
@@ -503,16 +476,8 @@ IDENTITY_DROPOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("name", "run"),
-    [
-        (name, run)
-        for name in sorted(IDENTITY_DROPOUTS)
-        for run in ("eager", "aot_eager", RUN_DYNAMIC)
-    ]
-    + [("aten", "compiled"), ("p_zero_int_by_keyword", "compiled")]
-    + [("alpha_by_position", "torch.compile, dynamic"), ("module_eval", "torch.compile, dynamic")],
-)
+@pytest.mark.parametrize("run", ["eager", "compiled", "torch.compile, dynamic"])
+@pytest.mark.parametrize("name", sorted(IDENTITY_DROPOUTS))
 def test_override_leaves_a_call_that_returns_its_input_to_torch(name: str, run: str) -> None:
     # A cast would make the result a float32 copy, not the caller's tensor: a write through it
     # would be lost. famp asks torch, for the call's p and training flag, whether the op returns
@@ -531,10 +496,12 @@ def test_override_leaves_a_call_that_returns_its_input_to_torch(name: str, run: 
             return f(y)
 
     y = torch.randn(2, 3, 4).to(BF16)
-    transformed = _transformed(f, rules, run)
+    transformed = famp.autocast(f, "c=bf16,o=bf16", rules=rules, compile=run == "compiled")
+    if run == "torch.compile, dynamic":
+        transformed = torch.compile(transformed, fullgraph=True, dynamic=True)
     if run != "eager":  # compiled, torch loses some such writes that its eager keeps
         # A code object of its own per case: Dynamo compiles one at most 8 times.
-        reference = torch.compile(own_code(reference), **_compile_options(run))
+        reference = torch.compile(own_code(reference), fullgraph=True, dynamic=run != "compiled")
     ours, theirs = y.clone(), y.clone()
     out, ref_out = transformed(ours), reference(theirs)
     if run == "eager":
@@ -556,14 +523,11 @@ def test_override_of_dropout_still_casts_a_call_that_drops() -> None:
     assert not torch.equal(out, y.float())  # it dropped
 
 
-FORMS = ["module", "function_by_keyword", "checkpointed"]
-
-
-@pytest.mark.parametrize(
-    ("form", "run"),
-    [(form, run) for form in FORMS for run in ("eager", "aot_eager")] + [("module", "compiled")],
-)
-def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(form: str, run: str) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", ["module", "function_by_keyword", "checkpointed"])
+def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(
+    form: str, compile: bool
+) -> None:
     # F.embedding(..., max_norm=...) renormalizes the weight in place, then looks rows up. A rule
     # applied to the whole call would renormalize a cast copy: the weight would keep its norms.
     torch.manual_seed(0)
@@ -580,7 +544,7 @@ def test_override_of_embedding_keeps_max_norms_renorm_of_the_weight(form: str, r
     }
     call = calls[form]
     rules = _cpu_rules({"embedding": "lower"})
-    out = _transformed(call, rules, run)(idx)
+    out = famp.autocast(call, "c=bf16,o=bf16", rules=rules, compile=compile)(idx)
     (grad,) = torch.autograd.grad(out.float().sum(), [emb.weight])
     # torch's order: embedding_renorm_ on the weight itself, then the op on its cast.
     weight = start.clone().requires_grad_()
