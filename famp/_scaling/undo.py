@@ -84,8 +84,12 @@ class _Entries:
         else:
             self.copies = [t.clone() for t in self.tensors]
 
-    def select(self, entries: dict[Any, Any], on: Any) -> bool:
-        """Tensors written in place back where `skip` is true; whether anything else changed."""
+    def select(self, entries: dict[Any, Any], on: Any, held: frozenset[int] = frozenset()) -> bool:
+        """Tensors written in place back where `skip` is true; whether anything else changed.
+
+        A tensor that replaced an entry and is one of `held` (the ids of the parameters and
+        grads, which the undo restores itself: `state['prev'] = p.grad`) is not written into:
+        that would write into the grad; the entry is put back by the restore instead."""
         leaves, spec = _flat(entries)
         if spec != self.spec:  # keys added or removed, containers grown or shrunk
             return True
@@ -99,7 +103,9 @@ class _Entries:
             self.at, self.tensors, self.versions, self.copies, strict=True
         ):
             new = leaves[i]
-            if _tensor_like(new, copy):  # never by version: see the module's docstring
+            if new is not old and id(new) in held:
+                changed = True
+            elif _tensor_like(new, copy):  # never by version: see the module's docstring
                 where = new.detach() if new.requires_grad else new
                 torch.where(on(new.device), copy, new, out=where)
             elif new is not old or _compat.tensor_version(new) != version:
@@ -163,6 +169,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         return skips[device]
 
     untensorlike = False  # whether the step changed what a tensor choice cannot restore
+    held = frozenset(id(t) for t in (*params, *grads) if t is not None)
     with torch.no_grad():
         for group, old_group in zip(all_groups, groups, strict=True):
             untensorlike |= old_group.select(_group_entries(group), on)
@@ -178,7 +185,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                 if new_state is None or old_state is None:  # created, dropped
                     untensorlike |= new_state is not None or old_state is not None
                 else:
-                    untensorlike |= old_state.select(new_state, on)
+                    untensorlike |= old_state.select(new_state, on, held)
         if untensorlike and bool(skip):  # the one host sync, on a step that created state
             for group, old_group in zip(all_groups, groups, strict=True):
                 entries = old_group.restored()

@@ -235,3 +235,37 @@ def test_optimizer_step_undoes_writes_through_data_as_gradscaler_never_steps() -
         assert_models_equal(famp_model, model)
         assert_nested_states_equal(famp_opt, opt)
     assert famp_opt.param_groups[0]["decay"].item() == pytest.approx(0.9 * 0.99**3)
+
+
+# --- state that holds a parameter's grad itself -------------------------------------------------
+
+
+class KeepsGrad(torch.optim.Optimizer):
+    """Sign-agreement step sizes in the style of Rprop ports that keep the last gradient as the
+    grad tensor itself (`state['prev'] = p.grad`, no clone): the state holds `p.grad`'s object."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.05})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                prev = state.get("prev", torch.zeros_like(p))
+                agree = torch.where(prev * p.grad >= 0, 1.0, 0.5)
+                p.sub_(group["lr"] * agree * p.grad)
+                state["prev"] = p.grad  # the grad itself
+
+
+def test_optimizer_step_undoes_state_that_holds_the_grad_as_gradscaler_never_steps() -> None:
+    # A skipped step must leave `state['prev']` the old tensor and `p.grad` the unscaled grad
+    # (before, famp wrote the old `prev` values into the grad through the state's alias).
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = KeepsGrad(model.parameters()), KeepsGrad(famp_model.parameters())
+    pattern = [None, math.inf, None, None, math.nan, None]
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), pattern, 2.0**10):
+        assert_models_equal(famp_model, model)  # the grads too
+        assert_nested_states_equal(famp_opt, opt)
