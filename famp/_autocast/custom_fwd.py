@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from famp._autocast.call import current_state
 from famp._autocast.casts import eligible, promote_dtype
@@ -77,7 +78,9 @@ def custom_fwd(
     to the autocast dtype in effect, "float32" to float32, "promote" to the widest floating dtype
     among them; "keep" casts nothing and runs `forward` under the current autocast state. Where
     autocast is off, `forward` runs unchanged. `rule="float32"` is torch's
-    `custom_fwd(cast_inputs=torch.float32)`, and `rule="keep"` its `cast_inputs=None`.
+    `custom_fwd(cast_inputs=torch.float32)`, and `rule="keep"` its `cast_inputs=None`. A
+    `forward` without ctx (a Function with `setup_context`) has all its arguments cast, as torch
+    casts them; `custom_bwd` then has no forward state to restore.
 
     Args:
         forward: the `forward` staticmethod's function (or None, to get a decorator).
@@ -124,24 +127,29 @@ def custom_fwd(
         return functools.partial(custom_fwd, rule=rule, device_type=device_type)
 
     @functools.wraps(forward)
-    def decorated(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    def decorated(*args: Any, **kwargs: Any) -> Any:
+        # A `forward` without ctx (one with `setup_context`): every argument is cast, as torch's
+        # custom_fwd casts them, and no state is recorded (nor written onto the first argument).
+        ctx = args[0] if args and isinstance(args[0], FunctionCtx) else None
+        lead, args = ((ctx,), args[1:]) if ctx is not None else ((), args)
         dev = device_type or _device_of(args, kwargs)
         enabled, dtype = current_state(dev)
-        ctx._famp_autocast = (dev, enabled, dtype)
-        if not enabled or rule == "keep":
+        casts = enabled and rule != "keep"
+        if ctx is not None:
+            ctx._famp_autocast = (dev, enabled and not casts, dtype)  # type: ignore[attr-defined]
+        if not casts:
             if enabled:
                 with region(dev, enabled, dtype):
-                    return forward(ctx, *args, **kwargs)
-            return forward(ctx, *args, **kwargs)
+                    return forward(*lead, *args, **kwargs)
+            return forward(*lead, *args, **kwargs)
         if rule == "lower":
             target = dtype
         elif rule == "float32":
             target = torch.float32
         else:
             target = promote_dtype(dtype, _leaves((args, kwargs)), dev)
-        ctx._famp_autocast = (dev, False, dtype)
         with region(dev, False, dtype):
-            return forward(ctx, *_cast(args, dev, target), **_cast(kwargs, dev, target))
+            return forward(*lead, *_cast(args, dev, target), **_cast(kwargs, dev, target))
 
     return decorated
 

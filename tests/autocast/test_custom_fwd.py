@@ -41,3 +41,46 @@ def test_custom_fwd_accepts_what_it_documents() -> None:
         decorator = famp.custom_fwd(rule="float32", device_type=device_type)
         assert callable(decorator(forward))
     assert callable(famp.custom_bwd(forward))
+
+
+def _setup_context_square(forward_decorator: Any) -> Any:
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @forward_decorator
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x * x * y
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: Any) -> None:
+            ctx.save_for_backward(*inputs)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = ctx.saved_tensors
+            return 2 * x * y * grad, x * x * grad
+
+    return Square
+
+
+@pytest.mark.parametrize(
+    ("rule", "cast_inputs"), [("float32", torch.float32), ("lower", torch.bfloat16)]
+)
+def test_custom_fwd_without_ctx_casts_every_input_as_torch(
+    rule: str, cast_inputs: torch.dtype
+) -> None:
+    # A `forward` with `setup_context` has no ctx: its first argument is an input, which torch's
+    # custom_fwd casts; famp took it for a ctx and left it uncast (bfloat16 or float32 numbers).
+    ours = _setup_context_square(famp.custom_fwd(rule=rule))
+    theirs = _setup_context_square(torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs))
+    x = (torch.randn(8) * 3).to(torch.bfloat16 if rule == "float32" else torch.float32)
+    y = torch.randn(8, dtype=torch.float32 if rule == "float32" else torch.bfloat16)
+    results = []
+    for fn in (theirs, ours):
+        a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn.apply(a, b)
+        grads = torch.autograd.grad(out.float().sum(), [a, b])
+        results.append((out, *grads))
+    for got, expected in zip(results[1], results[0], strict=True):
+        assert got.dtype == expected.dtype
+        assert torch.equal(got, expected)
