@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,22 +26,37 @@ _RULES = ("keep", "lower", "float32", "promote")
 
 
 def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
-    # torch.amp.autocast_mode._cast: tensors, and tensors inside mappings and lists/tuples.
+    # torch.amp.autocast_mode._cast, case for case: a mapping's keys are cast too, and an iterable
+    # that is neither a list nor a tuple (a set, a deque, a generator) becomes a generator of its
+    # cast elements; strings and numpy arrays pass.
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if eligible(value, device_type) else value
+    if isinstance(value, (str, bytes)) or _ndarray(value):
+        return value
     if isinstance(value, collections.abc.Mapping):
-        return {k: _cast(v, device_type, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, device_type, dtype) for v in value)
+        return {
+            _cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()
+        }
+    if isinstance(value, collections.abc.Iterable):
+        cast = (_cast(v, device_type, dtype) for v in value)
+        return type(value)(cast) if isinstance(value, (list, tuple)) else cast
     return value
 
 
+def _ndarray(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # not imported: no value can be an array
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
 def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors `_cast` casts, read without consuming an iterator (which the cast reads)."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, (str, bytes)) or _ndarray(value):
+        return []
     if isinstance(value, collections.abc.Mapping):
-        return [t for v in value.values() for t in _leaves(v)]
-    if isinstance(value, (list, tuple)):
+        return [t for item in value.items() for t in _leaves(item)]
+    if isinstance(value, collections.abc.Collection):
         return [t for v in value for t in _leaves(v)]
     return []
 
@@ -73,14 +89,17 @@ def custom_fwd(
     """Decorate a custom autograd Function's `forward` with an autocast rule.
 
     Where autocast is on for the device (inside `famp.autocast`, a famp module rule, or a
-    `torch.autocast`), the floating, non-float64 tensors among `forward`'s arguments (also inside
-    lists, tuples and dicts) are cast per `rule` and `forward` runs with autocast off: "lower" casts
-    to the autocast dtype in effect, "float32" to float32, "promote" to the widest floating dtype
-    among them; "keep" casts nothing and runs `forward` under the current autocast state. Where
-    autocast is off, `forward` runs unchanged. `rule="float32"` is torch's
-    `custom_fwd(cast_inputs=torch.float32)`, and `rule="keep"` its `cast_inputs=None`. A
-    `forward` without ctx (a Function with `setup_context`) has all its arguments cast, as torch
-    casts them; `custom_bwd` then has no forward state to restore.
+    `torch.autocast`), the floating, non-float64 tensors among `forward`'s arguments are cast
+    per `rule` and `forward` runs with autocast off: "lower" casts to the autocast dtype in
+    effect, "float32" to float32, "promote" to the widest floating dtype among them; "keep"
+    casts nothing and runs `forward` under the current autocast state. Where autocast is off,
+    `forward` runs unchanged. `rule="float32"` is torch's `custom_fwd(cast_inputs=torch.float32)`,
+    and `rule="keep"` its `cast_inputs=None`. Tensors inside containers are cast where torch's
+    `custom_fwd` casts them: a mapping's keys and values, the elements of any iterable but a
+    string or a numpy array (one that is not a list or a tuple reaches `forward` as a generator;
+    "promote" does not count a one-shot iterator's tensors). A `forward` without ctx (a Function
+    with `setup_context`) has all its arguments cast, as torch casts them; `custom_bwd` then has
+    no forward state to restore.
 
     Args:
         forward: the `forward` staticmethod's function (or None, to get a decorator).

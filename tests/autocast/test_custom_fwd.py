@@ -84,3 +84,90 @@ def test_custom_fwd_without_ctx_casts_every_input_as_torch(
     for got, expected in zip(results[1], results[0], strict=True):
         assert got.dtype == expected.dtype
         assert torch.equal(got, expected)
+
+
+def _summing(forward_decorator: Any) -> Any:
+    class Summing(torch.autograd.Function):
+        """`x` times the sum of the tensors inside `bag`, whatever container holds them."""
+
+        @staticmethod
+        @forward_decorator
+        def forward(ctx: Any, x: torch.Tensor, bag: Any) -> torch.Tensor:
+            tensors = _tensors_in(bag)
+            ctx.dtypes = [x.dtype, *(t.dtype for t in tensors)]
+            total = tensors[0] * 0
+            for t in tensors:
+                total = total + t
+            return x * total
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return grad, None
+
+    return Summing
+
+
+def _tensors_in(bag: Any) -> list[torch.Tensor]:
+    if isinstance(bag, torch.Tensor):
+        return [bag]
+    if isinstance(bag, dict):
+        return [t for item in bag.items() for t in _tensors_in(item)]
+    if isinstance(bag, (str, bytes)):
+        return []
+    return [t for v in bag for t in _tensors_in(v)]
+
+
+BAGS: dict[str, Any] = {
+    "set": lambda ts: set(ts),
+    "frozenset": lambda ts: frozenset(ts),
+    "dict_keys_and_values": lambda ts: {ts[0]: ts[1], "k": ts[2]},
+    "deque": lambda ts: __import__("collections").deque(ts),
+    "generator": lambda ts: (t for t in ts),
+    "nested_set_in_list": lambda ts: [ts[0], {ts[1], ts[2]}],
+    "with_a_string": lambda ts: ["ab", *ts],
+}
+
+
+# "promote" cannot read a generator's tensors before the cast reads them (documented).
+@pytest.mark.parametrize(
+    ("rule", "cast_inputs", "bag"),
+    [
+        (rule, cast_inputs, bag)
+        for rule, cast_inputs in [
+            ("float32", torch.float32),
+            ("lower", torch.bfloat16),
+            ("promote", torch.float32),
+        ]
+        for bag in sorted(BAGS)
+        if (rule, bag) != ("promote", "generator")
+    ],
+)
+def test_custom_fwd_casts_tensors_in_every_container_torch_casts(
+    bag: str, rule: str, cast_inputs: torch.dtype
+) -> None:
+    # torch's custom_fwd also casts a mapping's tensor keys and the tensors of any other iterable
+    # (which it hands on as a generator); famp cast only lists, tuples and dict values, so such
+    # tensors reached forward in their own dtype: other numbers than torch's. "promote" finds the
+    # widest dtype among them all (one float32 tensor inside the container): torch's float32 cast.
+    ours = _summing(famp.custom_fwd(rule=rule))
+    theirs = _summing(torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs))
+    other = torch.float32 if rule == "lower" else torch.bfloat16
+    dtypes = [torch.float32 if rule == "promote" and i == 2 else other for i in range(3)]
+    tensors = [
+        torch.randn(6, generator=torch.Generator().manual_seed(i)).to(d)
+        for i, d in enumerate(dtypes)
+    ]
+    x = torch.randn(6, generator=torch.Generator().manual_seed(9)).to(other)
+    results = []
+    for fn in (theirs, ours):
+        a = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn.apply(a, BAGS[bag](tensors))
+        (grad,) = torch.autograd.grad(out.float().sum(), [a])
+        results.append((out, grad, out.grad_fn.dtypes))  # type: ignore[union-attr]
+    (out, grad, dtypes), (expected_out, expected_grad, expected_dtypes) = results[1], results[0]
+    assert dtypes == expected_dtypes == [cast_inputs] * 4
+    assert out.dtype == expected_out.dtype
+    assert torch.equal(out, expected_out)
+    assert grad.dtype == expected_grad.dtype
+    assert torch.equal(grad, expected_grad)
