@@ -80,9 +80,9 @@ def default_rules(device_type: str) -> OpRules:
     Equal, op by op, to torch's `Autocast<Device>` kernels: the ops listed are those that have a
     kernel in the running torch's dispatcher, and each rule casts as that torch's kernel does. For
     a torch release famp ships tables for (see the docs' "Supported torch releases") the rules are
-    read from them; for any other release the rules of ops they do not know are derived, once per
-    process, by running each op under torch's autocast on fake tensors (a few seconds per device
-    type). CPU and CUDA differ a lot: on CPU `exp`, `softmax`, `layer_norm` and `sum`
+    read from them; the ops they do not list, and every op on any other release, are derived, once
+    per process, by running each op under torch's autocast on fake tensors (a few seconds per
+    device type). CPU and CUDA differ a lot: on CPU `exp`, `softmax`, `layer_norm` and `sum`
     keep their dtype.
 
     Args:
@@ -93,8 +93,8 @@ def default_rules(device_type: str) -> OpRules:
 
     Raises:
         ValueError: no table exists for `device_type`.
-        RuntimeError: on a torch release famp does not know, an op that torch autocasts could
-            not be classified; the message names every such op.
+        RuntimeError: an op that torch autocasts and no shipped table lists for this release
+            could not be classified; the message names every such op.
 
     Examples:
         >>> import famp
