@@ -160,6 +160,41 @@ def test_donated_expanded_tensor_is_refused() -> None:
     assert_bitwise_equal(out["e"], torch.full((4,), 0.5))
 
 
+def test_donated_expanded_tensor_with_a_wide_stride_is_refused_by_famp() -> None:
+    grads = {"e": (torch.arange(200.0) * 4)[::100].unsqueeze(0).expand(3, 2)}  # strides (0, 100)
+    with pytest.raises(ValueError, match=r"tree\['e'\] has elements that share memory"):
+        famp.unscale_and_check(famp.init_scaler(2.0), grads, donate=True)
+
+
+@pytest.mark.parametrize("bad", [False, True])
+@pytest.mark.parametrize("scale_value", [3.0, 1024.0])
+def test_donated_windows_that_overlap_with_gaps_between_them_are_unscaled_once(
+    bad: bool, scale_value: float
+) -> None:
+    """`unfold` windows of a strided slice: shape (8, 2, 2), strides (10, 1, 1), neighbouring
+    windows share an element, and their span (73 elements) is no smaller than their count (32),
+    so the span alone does not show it. torch's kernel in place (what GradScaler.unscale_ runs
+    on such a .grad) unscales each shared element twice; famp unscales every element once."""
+    base = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)) * 1e3
+    if bad:
+        base[2, 1] = math.inf  # in the element both windows of row 2 hold
+    windows = base[:, :3].unfold(1, 2, 1)
+    held = base.clone()[:, :3].unfold(1, 2, 1)  # the same layout, for GradScaler below
+    expected, expected_found = torch_unscale(scale_value, [windows.clone()])
+    out, found = famp.unscale_and_check(famp.init_scaler(scale_value), [windows], donate=True)
+    assert out[0] is windows
+    assert_bitwise_equal(windows, expected[0])
+    assert_bitwise_equal(found, expected_found)
+    # GradScaler.unscale_ on such a .grad (the kernel in place) unscales the shared ones twice.
+    param = torch.nn.Parameter(torch.zeros(held.shape))
+    param.grad = held
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale_value)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(torch.optim.SGD([param], lr=0.1))
+    assert not torch.equal(held[:, 0, 1], expected[0][:, 0, 1])  # the shared elements
+    assert torch.equal(held[:, 0, 0], expected[0][:, 0, 0])  # the others
+
+
 def test_donating_gradients_that_require_grad_is_refused() -> None:
     g = torch.ones(3, requires_grad=True) * 4
     with pytest.raises(ValueError, match=r"donate=True .* tree\[1\], which requires grad"):
