@@ -21,6 +21,7 @@ from typing import Any
 
 from famp._scaling.build import init_scaler, make_state
 from famp._scaling.checks import DICT_KEYS as _KEYS
+from famp._scaling.checks import check_statics
 from famp._scaling.state import ScalerState
 from famp._typing import DeviceLike
 
@@ -136,6 +137,9 @@ def from_state_dict(
         tensor(512.)
     """
     if isinstance(d, Mapping) and len(d) == 0:  # a disabled state's (or GradScaler's) dict
+        # The famp-only settings are checked as init_scaler checks them, then dropped: a
+        # disabled state never uses them.
+        check_statics(2.0, 0.5, 1, False, dynamic, min_scale, max_scale, hysteresis)
         return init_scaler(1.0, enabled=False, device=device, dynamic=dynamic)
     _validate_keys(d)
     famp_only = {"min_scale": min_scale, "max_scale": max_scale, "hysteresis": hysteresis}

@@ -193,6 +193,34 @@ BAD = [  # (the dict, the error type, a fragment the message must contain)
 ]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"hysteresis": 0}, ValueError, "hysteresis must be an int in [1, 2**31 - 1], got 0"),
+        ({"min_scale": "x"}, TypeError, "min_scale must be an int or float"),
+        ({"max_scale": -1.0}, ValueError, "max_scale must be None or a number"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, ValueError, "min_scale must be <= max_scale"),
+        ({"dynamic": "no"}, TypeError, "dynamic must be a bool"),
+    ],
+)
+def test_the_empty_dict_checks_the_famp_only_settings_as_init_scaler_does(
+    kwargs: dict[str, Any], error: type, fragment: str
+) -> None:
+    """`{}` (a disabled GradScaler's or famp state's dict) with bad keyword arguments is refused
+    as `init_scaler(enabled=False, ...)` refuses them; before, they were dropped unchecked."""
+    for build in (
+        lambda: famp.from_state_dict({}, **kwargs),
+        lambda: famp.from_state_dict(
+            torch.amp.GradScaler("cpu", enabled=False).state_dict(), **kwargs
+        ),
+        lambda: famp.init_scaler(enabled=False, **kwargs),
+    ):
+        with pytest.raises(error) as info:
+            build()
+        assert fragment in str(info.value)
+    assert famp.from_state_dict({}, min_scale=4.0, hysteresis=2).enabled is False  # valid: kept out
+
+
 @pytest.mark.parametrize(("d", "error", "fragment"), BAD)
 def test_from_state_dict_refuses_bad_dicts_whole(d: Any, error: type, fragment: str) -> None:
     with pytest.raises(error, match=None) as info:
