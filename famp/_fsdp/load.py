@@ -193,7 +193,8 @@ def optim_state_dict_to_load(
             FSDP1 unit whose parameters have differing state names or values. The message names
             the parameter; nothing is built.
         TypeError: `layout` is not a layout, `rank` is not an int, `optimizer` has no
-            `param_groups` list, `model` is not a module, or a state tensor is sparse.
+            `param_groups` list, `model` is not a module, or a state tensor is sparse
+            or a DTensor (famp runs no collective: pass its `.to_local()` chunk).
 
     Examples:
         >>> import famp, torch

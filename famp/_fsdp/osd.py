@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from famp._collectives import is_dtensor
 from famp._fsdp.layout import Layout, local_shape, specs
 
 State = dict[str, dict[str, Any]]
@@ -81,7 +82,17 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
 
 
 def check_dense(value: object, where: str) -> None:
-    """A TypeError naming `where` for a sparse (or otherwise non-strided) tensor."""
+    """A TypeError naming `where` for a DTensor or a sparse (or otherwise non-strided) tensor.
+
+    A DTensor's ops are collectives that every rank must call alike: cutting one rank's chunk
+    out of it ran mismatched collectives (gloo aborted, NCCL would hang).
+    """
+    if is_dtensor(value):
+        raise TypeError(
+            f"{where} is a DTensor; famp maps plain tensors, full or (FSDP2) a rank's local "
+            "chunk: pass value.to_local(), or get_optimizer_state_dict(..., "
+            "options=StateDictOptions(full_state_dict=True))"
+        )
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
         raise TypeError(
             f"{where} is a {value.layout} tensor; optimizer state must be dense (torch.strided) "

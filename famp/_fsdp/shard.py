@@ -92,7 +92,7 @@ def shard_optim_state(
             param groups or in none; `mesh` with an FSDP1 layout, of another size or shape, or
             on which this process is not `rank`.
         TypeError: `layout` is not a layout, `rank` is not an int, a state tensor is sparse
-            (not `torch.strided`), or `mesh` is not a `DeviceMesh`.
+            (not `torch.strided`) or a DTensor, or `mesh` is not a `DeviceMesh`.
 
     Examples:
         >>> import famp, torch
@@ -145,7 +145,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
         ValueError: a missing or extra shard, a shard of the wrong shape or dtype, parameters or
             state names or `param_groups` that differ between ranks, replicated values that
             differ, non-tensor state where other ranks hold tensors.
-        TypeError: `shards` is not a list.
+        TypeError: `shards` is not a list, or a state tensor is sparse or a DTensor.
 
     Examples:
         >>> import famp, torch

@@ -150,8 +150,10 @@ def _refusals(
     rank: int,
     world_size: int,
     optim: torch.optim.Optimizer,
+    sharded: dict[str, Any],
 ) -> dict[str, Any]:
-    """optim_state_dict_to_load with layouts that do not match the live optimizer (issue 12)."""
+    """optim_state_dict_to_load with layouts that do not match the live optimizer (issue 12);
+    famp given ``get_optimizer_state_dict``'s DTensors (``sharded``), not plain tensors."""
     before = _local(optim.state_dict())
     out = {
         "dim0_layout": _refusal(
@@ -166,6 +168,12 @@ def _refusals(
         ),
         "other_rank": _refusal(
             lambda: famp.optim_state_dict_to_load(full, layout, (rank + 1) % world_size, optim)
+        ),
+        # a DTensor's chunk differs per rank: cutting it ran mismatched collectives (gloo abort)
+        "dtensor_shard": _refusal(lambda: famp.shard_optim_state(sharded, layout, rank)),
+        "dtensor_to_load": _refusal(lambda: famp.optim_state_dict_to_load(sharded, layout, rank)),
+        "dtensor_to_load_optim": _refusal(
+            lambda: famp.optim_state_dict_to_load(sharded, layout, rank, optim)
         ),
     }
     out["untouched"] = (before, _local(optim.state_dict()))
@@ -220,7 +228,9 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
             # famp's to-load dict into a fresh optimizer, famp's DTensor shard into another
             # through DCP's set_optimizer_state_dict; then one more step on all three
             fresh, fresh_optim = _fresh_copy(model, placement, kind)
-            record["refusals"] = _refusals(full, params, layout, rank, world_size, fresh_optim)
+            record["refusals"] = _refusals(
+                full, params, layout, rank, world_size, fresh_optim, sharded
+            )
             fresh_optim.load_state_dict(
                 famp.optim_state_dict_to_load(full, layout, rank, fresh_optim)
             )

@@ -7,6 +7,7 @@ tests recompute the same things with famp in this process and compare.
 from __future__ import annotations
 
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -133,6 +134,23 @@ def test_fsdp2_to_load_refuses_a_layout_that_does_not_match_the_optimizer(record
         before, after = refusals["untouched"]  # nothing was loaded
         assert_same_osd(after, before)
         assert before["state"] == {}
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_fsdp2_dtensor_values_are_refused_before_any_collective(records, name) -> None:
+    """get_optimizer_state_dict's DTensors passed where famp maps plain tensors: one TypeError
+    naming the entry. Before, famp cut each rank's chunk out of the DTensors, which ran
+    collectives of a different size on every rank: gloo aborted the job."""
+    _, ranks = records
+    for record in ranks:
+        refusals = record["fsdp2"][name]["refusals"]
+        for call in ("dtensor_shard", "dtensor_to_load", "dtensor_to_load_optim"):
+            kind, message = refusals[call]
+            assert kind == "TypeError", (call, message)
+            assert re.search(r"\['state'\]\['[\w.]+'\]\['exp_avg(_sq)?'\] is a DTensor", message)
+            assert "to_local()" in message
+        before, after = refusals["untouched"]  # nothing was loaded
+        assert_same_osd(after, before)
 
 
 @pytest.mark.parametrize("name", FSDP2_CONFIGS)
