@@ -22,6 +22,11 @@ from famp._scaling.checks import check_statics
 from famp._typing import Tensor
 
 _LEAF = {"leaf": True}  # dataclass-field metadata: a tensor leaf; every other field is static
+_LEAF_DTYPES = (
+    ("scale", torch.float32),
+    ("growth_tracker", torch.int32),
+    ("overflow_count", torch.int32),
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,10 +55,12 @@ class ScalerState:
         hysteresis: Opt-in guard: back off only from the `hysteresis`-th consecutive overflow on.
 
     Raises:
-        TypeError: A static field has the wrong type, as `famp.init_scaler` refuses it.
+        TypeError: A static field has the wrong type, as `famp.init_scaler` refuses it, or a
+            tensor leaf has the wrong dtype (`dataclasses.replace(state,
+            scale=torch.tensor(1024))` is int64: the first `famp.update_scale` would fail).
         ValueError: A static field is out of range, as `famp.init_scaler` refuses it, or
             `overflow_count` is given without `hysteresis > 1` or missing with it. The
-            tensor leaves are not read (that would be a host sync): build states with
+            tensor leaves' values are not read (that would be a host sync): build states with
             `famp.init_scaler` or `famp.from_state_dict`, which check their values.
 
     Examples:
@@ -92,6 +99,13 @@ class ScalerState:
             self.hysteresis,
         )
         check_statics(*statics)
+        for name, dtype in _LEAF_DTYPES:  # metadata only: no value is read
+            leaf = getattr(self, name)
+            if isinstance(leaf, torch.Tensor) and leaf.dtype != dtype:
+                raise TypeError(
+                    f"ScalerState.{name} must be a {dtype} tensor, got {leaf.dtype} (torch's "
+                    f"update kernel refuses it): torch.tensor(..., dtype={dtype})"
+                )
         if (self.overflow_count is None) != (self.hysteresis == 1):
             raise ValueError(
                 "overflow_count must be a 0-d int32 tensor when hysteresis > 1 and None otherwise, "

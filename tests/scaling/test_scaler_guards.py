@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -270,3 +271,33 @@ def test_scaler_state_checks_its_hyperparameters_as_init_scaler_does() -> None:
         with pytest.raises(info.type) as init_info:
             famp.init_scaler(**kwargs)
         assert str(info.value) == str(init_info.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "leaf"),
+    [
+        ("scale", torch.tensor(1024)),  # int64: torch.tensor of an int
+        ("scale", torch.tensor(1024.0, dtype=torch.float64)),
+        ("scale", torch.tensor(1024.0, dtype=torch.float16)),
+        ("growth_tracker", torch.tensor(0)),
+        ("growth_tracker", torch.tensor(0.0)),
+        ("overflow_count", torch.tensor(0)),
+    ],
+)
+def test_a_state_leaf_of_another_dtype_is_refused_when_the_state_is_built(
+    field: str, leaf: torch.Tensor
+) -> None:
+    """`dataclasses.replace(state, scale=torch.tensor(...))`, famp's `update(new_scale=...)`:
+    GradScaler copies any new scale into its float32 one; famp's leaves must already have the
+    dtypes torch's update kernel takes. Before, such a state scaled and unscaled (a float64 scale
+    even promoted the loss) and only the first update_scale failed, with torch's message."""
+    state = famp.init_scaler(2.0**10, growth_interval=1, hysteresis=2)
+    with pytest.raises(TypeError, match=rf"ScalerState\.{field} must be a torch\.(float|int)32"):
+        dataclasses.replace(state, **{field: leaf})
+    # GradScaler takes a scale of any dtype as float32; so does famp, given in float32.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=torch.tensor(512))
+    state = dataclasses.replace(state, scale=torch.tensor(512, dtype=torch.float32))
+    assert_bitwise_equal(state.scale, scaler._scale)
+    assert_bitwise_equal(famp.update_scale(state, torch.tensor(0.0)).scale, torch.tensor(1024.0))
