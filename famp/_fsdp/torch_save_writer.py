@@ -56,30 +56,37 @@ def write_torch_save(
             set_element(tree, p, ckpt.read(key))
     with torch.serialization.skip_data():
         torch.save(tree, path)
-    order = _pickling_order(tree)  # storage keys "0", "1", ... in this order
     by_id = {id(t): (key, md) for key, md, t in tensors}
-    if len(order) != len(tensors) or {id(t) for t in order} != set(by_id):
-        raise AssertionError("placeholders pickled in an unexpected order")
     jobs: list[tuple[str, int, str, int]] = []  # record name, data offset, key, bytes
+    in_memory: list[tuple[str, int, torch.Tensor]] = []  # record name, data offset, bytes
     with open(path, "rb") as f, zipfile.ZipFile(path) as zf:
         infos = {info.filename: info for info in zf.infolist()}
         prefix = next(n for n in infos if n.endswith("/data.pkl"))[: -len("data.pkl")]
-        for storage_key, placeholder in enumerate(order):
-            key, md = by_id[id(placeholder)]
+        records = _storages(tree)  # storage keys "0", "1", ... in this order
+        if len(records) != sum(n.startswith(f"{prefix}data/") for n in infos):
+            raise AssertionError("tensors pickled in an unexpected order")
+        for storage_key, tensor in enumerate(records):
             info = infos[f"{prefix}data/{storage_key}"]
-            nbytes = placeholder.numel() * placeholder.element_size()
+            data = None if id(tensor) in by_id else _storage_bytes(tensor)
+            nbytes = tensor.numel() * tensor.element_size() if data is None else data.numel()
             if info.file_size != nbytes:
                 raise AssertionError(f"record {info.filename} holds {info.file_size} bytes")
             f.seek(info.header_offset + 26)
             name_len, extra_len = struct.unpack("<HH", f.read(4))
-            jobs.append(
-                (info.filename, info.header_offset + 30 + name_len + extra_len, key, nbytes)
-            )
+            offset = info.header_offset + 30 + name_len + extra_len
+            if data is None:
+                jobs.append((info.filename, offset, by_id[id(tensor)][0], nbytes))
+            else:  # a tensor inside a non-tensor item (betas=(tensor, tensor)): read already
+                in_memory.append((info.filename, offset, data))
     largest = max((job[3] for job in jobs), default=1)
     buffer_bytes = max(1, min(buffer_bytes, largest))
     crcs: dict[str, int] = {}
+    with open(path, "r+b") as f:
+        for record, start, data in in_memory:
+            f.seek(start)
+            crcs[record] = _write_bytes(f, data, bytearray(max(1, data.numel())), 0)
     if workers <= 1 or len(jobs) <= 1:
-        crcs = _write_records(root, path, jobs, buffer_bytes, progress)
+        crcs.update(_write_records(root, path, jobs, buffer_bytes, progress))
     else:
         # Records are disjoint byte ranges of one file: each worker writes its own share of
         # them in place and returns their CRC-32s; the bytes do not depend on who wrote them.
@@ -141,6 +148,32 @@ def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[tor
         for value in obj:
             _pickling_order(value, out)
     return out
+
+
+def _storages(tree: Any) -> list[torch.Tensor]:
+    """A tensor of each storage `torch.save` writes a record for, in the records' order.
+
+    `pickle` saves a tensor object once (later references are memo hits), and `torch.save`
+    writes a storage once: tensors read from one non-tensor item may share one (views).
+    Placeholders own their storages; a storage of no bytes is told apart by its tensor.
+    """
+    seen: set[tuple[str, int]] = set()
+    records = []
+    for tensor in _pickling_order(tree):
+        storage = tensor.untyped_storage()
+        idents = {("tensor", id(tensor))}
+        if storage.nbytes():
+            idents.add(("storage", storage.data_ptr()))
+        if not idents & seen:
+            records.append(tensor)
+        seen |= idents
+    return records
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of `tensor`'s whole storage (what `torch.save` writes), as a uint8 tensor."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _row_slabs(

@@ -334,12 +334,21 @@ def test_full_from_dcp_equals_dcp_to_torch_save(
 
         monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
     # bf16 and int state, a 0-d tensor, a tuple hyperparameter, an extra top-level key, and
-    # tensors saved in column blocks (not dim-0 slabs), next to the real AdamW state.
+    # tensors saved in column blocks (not dim-0 slabs), next to the real AdamW state. Tuples
+    # are saved as pickled items, tensors inside them too (Adam's betas may be tensors); two
+    # views of one storage are one record, and empty tensors each their own. Before, --full
+    # refused such tuples (AssertionError: placeholders pickled in an unexpected order).
     model, osd = trained
     extra = {
         "bf16": torch.randn(7, 3).to(torch.bfloat16),
         "count": torch.tensor(5, dtype=torch.int64),
-        "meta": {"epoch": 3, "betas": (0.9, 0.99)},
+        "meta": {
+            "epoch": 3,
+            "betas": (0.9, 0.99),
+            "tensor_betas": (torch.tensor(0.9), torch.tensor(0.999, dtype=torch.float64)),
+            "views": tuple(torch.arange(6.0).split(3)),
+            "empty": (torch.zeros(0), torch.zeros(0, 2, dtype=torch.bfloat16)),
+        },
     }
     ckpt = tmp_path / "ckpt"
     with warnings.catch_warnings():
