@@ -301,3 +301,28 @@ def test_a_state_leaf_of_another_dtype_is_refused_when_the_state_is_built(
     state = dataclasses.replace(state, scale=torch.tensor(512, dtype=torch.float32))
     assert_bitwise_equal(state.scale, scaler._scale)
     assert_bitwise_equal(famp.update_scale(state, torch.tensor(0.0)).scale, torch.tensor(1024.0))
+
+
+def test_sharded_grad_scaler_updates_otherwise_on_the_cpu_famp_keeps_gradscalers_numbers() -> None:
+    """On the CPU, ShardedGradScaler.update runs float32 Python ops instead of torch's kernel:
+    it multiplies by float32(factor), not f32(f64(scale) * factor), and grows a scale past
+    float32's maximum to inf (then every step is skipped and the scale stays inf). famp is
+    GradScaler's kernel there as everywhere (docs/loss-scaling.md, Sharded gradients)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    for init, factor, expected_sharded in (
+        (0.1, 1.1, 0.11000000685453415),
+        (2.0**127, 2.0, math.inf),
+    ):
+        sharded = ShardedGradScaler("cpu", init_scale=init, growth_factor=factor, growth_interval=1)
+        sharded._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        sharded._amp_update_scale_cpu_(torch.zeros(1))  # what update() runs on the CPU
+        scale, tracker = torch.tensor(init), torch.tensor(0, dtype=torch.int32)
+        torch._amp_update_scale_(scale, tracker, torch.zeros(()), factor, 0.5, 1)  # GradScaler's
+        state = famp.update_scale(
+            famp.init_scaler(init, factor, growth_interval=1), torch.zeros(())
+        )
+        assert_bitwise_equal(state.scale, scale)
+        assert sharded._scale.item() == expected_sharded != scale.item()
+    with pytest.raises(ValueError, match="'scale'"):  # and famp does not resume from it
+        famp.from_state_dict({**famp.to_state_dict(famp.init_scaler()), "scale": math.inf})
