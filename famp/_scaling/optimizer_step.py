@@ -12,7 +12,9 @@ Two paths, one result: what a `GradScaler` loop leaves, bit for bit.
   is then undone: famp reads `skip` once and calls `step()` only if it applies, as
   `GradScaler.step` does.
 
-Deliberately not supported: optimizers whose `step` needs a closure (`LBFGS`).
+Deliberately not supported: optimizers whose `step` needs a closure (`LBFGS`), and those
+whose `step` takes `GradScaler`'s deprecated `grad_scaler=` argument (refused: stepped
+without a `GradScaler` they would apply the scaled gradients).
 """
 
 from __future__ import annotations
@@ -79,7 +81,17 @@ def _check_optimizer(optimizer: object) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    parameters = inspect.signature(optimizer.step).parameters
+    if _compat.step_supports_amp_scaling(optimizer) and "grad_scaler" in parameters:
+        # GradScaler.step hands such an optimizer itself (a deprecated contract) and no
+        # grad_scale/found_inf; stepped without it, the optimizer would apply the scaled grads.
+        raise TypeError(
+            f"famp.optimizer_step cannot step {type(optimizer).__name__}: its step() takes "
+            f"GradScaler's deprecated grad_scaler= argument, a GradScaler object famp does not "
+            f"have; unscale with famp.unscale_and_check(..., donate=True) and call "
+            f"optimizer.step() yourself only where found_inf is 0"
+        )
+    closure = parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise TypeError(
             f"famp.optimizer_step cannot step {type(optimizer).__name__}: its step() requires a "
@@ -187,9 +199,9 @@ def optimizer_step(
         asking `bool(...)` is the only host sync, and only if you ask.
 
     Raises:
-        TypeError: `optimizer` is not a `torch.optim.Optimizer` or its `step()` requires a
-            closure (`LBFGS`), `state` is not a `famp.ScalerState`, or `found_inf` is not a
-            float32 tensor.
+        TypeError: `optimizer` is not a `torch.optim.Optimizer`, its `step()` requires a
+            closure (`LBFGS`) or takes `GradScaler`'s deprecated `grad_scaler=` argument,
+            `state` is not a `famp.ScalerState`, or `found_inf` is not a float32 tensor.
         ValueError: Neither `state` nor `found_inf` is given, or `found_inf` has more than one
             element.
 

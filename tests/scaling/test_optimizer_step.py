@@ -320,6 +320,53 @@ def test_optimizer_step_refuses_closure_optimizers_in_public_terms() -> None:
     assert_bitwise_equal(w.grad, torch.ones(2))  # nothing was unscaled
 
 
+class GradScalerArgumentSGD(torch.optim.Optimizer):
+    """SGD with the contract GradScaler.step still honours (with a FutureWarning): marked
+    `_step_supports_amp_scaling`, its step() takes `grad_scaler=` and unscales and skips itself."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+        if grad_scaler is not None:
+            grad_scaler.unscale_(self)
+            if any(f.item() for f in grad_scaler._found_inf_per_device(self).values()):
+                return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad)
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_optimizer_step_refuses_the_grad_scaler_argument_contract(bad: float | None) -> None:
+    """GradScaler.step hands such an optimizer itself and no grad_scale/found_inf attributes;
+    stepped without it, it applied the scaled gradients (a 1024 times larger update, and no skip
+    on an overflow). famp refuses it, with or without a state, and touches nothing."""
+    w, v = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(w.sum()).backward()
+    if bad is not None:
+        w.grad[0] = bad  # type: ignore[index]
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        scaler.step(GradScalerArgumentSGD([w]))
+    expected = torch.ones(2) if bad is not None else torch.full((2,), 0.9)
+    assert_bitwise_equal(w.detach(), expected)
+    state = famp.init_scaler(1024.0)
+    famp.scale(state, v.sum()).backward()
+    if bad is not None:
+        v.grad[0] = bad  # type: ignore[index]
+    grad = v.grad.clone()  # type: ignore[union-attr]
+    for kwargs in ({"state": state}, {"found_inf": torch.zeros(())}):
+        with pytest.raises(TypeError, match=r"GradScalerArgumentSGD: .* grad_scaler= argument"):
+            famp.optimizer_step(GradScalerArgumentSGD([v]), **kwargs)  # type: ignore[arg-type]
+    assert_bitwise_equal(v.detach(), torch.ones(2))
+    assert_bitwise_equal(v.grad, grad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("impl", ["for-loop", "foreach"])
 def test_optimizer_step_param_groups_and_a_parameter_without_grad_equal_gradscaler(
     impl: str,
