@@ -198,7 +198,10 @@ def _shapes_from_shards(
     for fqn in group_fqns(shards[0].get("param_groups"), f"{paths[0]}: param_groups"):
         if recorded is not None:
             if fqn not in recorded:
-                raise KeyError(f"{paths[0]}[{SHARDING!r}] has no entry for parameter {fqn!r}")
+                raise KeyError(
+                    f"{paths[0]}[{SHARDING!r}] has no entry for parameter {fqn!r}: record "
+                    "every parameter, with or without state (docs/fsdp.md's save recipe)"
+                )
             shape, dims[fqn] = _recorded_spec(recorded[fqn], fqn, paths[0])
             shapes[fqn] = torch.Size(shape)
             continue

@@ -108,8 +108,9 @@ def fsdp2_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     )
 
 
-def _saved_by_the_recipe(osd: dict[str, Any]) -> dict[str, Any]:
+def _saved_by_the_recipe(osd: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """What docs/fsdp.md's save recipe writes from ``get_optimizer_state_dict(model, optim)``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
     local = {
@@ -117,10 +118,9 @@ def _saved_by_the_recipe(osd: dict[str, Any]) -> dict[str, Any]:
         for fqn, entry in osd["state"].items()
     }
     sharding = {
-        fqn: {"shape": list(v.shape), "dim": v.placements[0].dim}
-        for fqn, entry in osd["state"].items()
-        for v in entry.values()
-        if isinstance(v, DTensor)
+        fqn: {"shape": list(p.shape), "dim": p.placements[0].dim}
+        for fqn, p in get_model_state_dict(model).items()
+        if isinstance(p, DTensor)
     }
     return {"state": local, "param_groups": osd["param_groups"], "sharding": sharding}
 
@@ -207,7 +207,7 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
                 "params": params,
                 "layout_of": layout,
                 "sharded": _local(sharded),
-                "recipe": _local(_saved_by_the_recipe(sharded)),
+                "recipe": _local(_saved_by_the_recipe(sharded, model)),
                 "full": _local(full),
                 "raw": _local(optim.state_dict()),
                 # famp's rekeying of the raw int-keyed state, against DCP's FQN form above
@@ -250,7 +250,26 @@ def run_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
             record["after_step_set_from_mesh_shard"] = _local(dict(via_dcp.named_parameters()))
             out[name] = record
     out["order"] = _fsdp2_other_order(rank)
+    out["frozen"] = _fsdp2_frozen_in_the_optimizer()
     return out
+
+
+def _fsdp2_frozen_in_the_optimizer() -> dict[str, Any]:
+    """The recipe's files of an optimizer that holds a frozen parameter, which has no state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    model = fsdp2_sharded(None)
+    model[2].weight.requires_grad_(False)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, steps=2, seed=1)
+    options = StateDictOptions(full_state_dict=True)
+    return {
+        "recipe": _local(_saved_by_the_recipe(get_optimizer_state_dict(model, optim), model)),
+        "full": _local(get_optimizer_state_dict(model, optim, options=options)),
+    }
 
 
 def _twins() -> nn.Module:

@@ -304,3 +304,21 @@ def test_famp_reshard_reads_the_recipes_rank_files_as_get_optimizer_state_dict_f
         assert "'4.weight'" in err, err
     else:  # dim 0 proven where the shards differ; assumed on request where they do not
         assert_same_osd(_reshard_to_full(old, tmp_path / "old.pt", "--assume-dim0"), full)
+
+
+def test_famp_reshard_reads_the_recipes_rank_files_of_a_parameter_without_state(
+    records, tmp_path: pathlib.Path
+) -> None:
+    """An optimizer that holds a frozen parameter (no state, listed in param_groups): the
+    recipe records every parameter's sharding, so famp-reshard --full gives torch's
+    full_state_dict. Before, the recipe recorded the parameters with state only and
+    famp-reshard refused the files (exit 1: no 'sharding' entry for '2.weight')."""
+    _, ranks = records
+    full = ranks[0]["fsdp2"]["frozen"]["full"]
+    assert "2.weight" in full["param_groups"][0]["params"]
+    assert "2.weight" not in full["state"]
+    files = []
+    for rank, record in enumerate(ranks):
+        files.append(str(tmp_path / f"optim.rank{rank}.pt"))
+        torch.save(record["fsdp2"]["frozen"]["recipe"], files[-1])
+    assert_same_osd(_reshard_to_full(files, tmp_path / "full.pt"), full)
