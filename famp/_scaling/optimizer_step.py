@@ -145,8 +145,8 @@ def optimizer_step(
     second time, which famp cannot see (clipping writes into them). Any
     non-zero or NaN `found_inf` skips the step, as `famp.update_scale` reads it. Parameters,
     optimizer state, step counts and `.grad` end up exactly as a `GradScaler` loop leaves
-    them, bit for bit (tested for every `torch.optim` optimizer in its for-loop, foreach and
-    fused forms, over sequences with overflows).
+    them, bit for bit (tested for every `torch.optim` optimizer but `LBFGS`, which needs a
+    closure, in its for-loop, foreach and fused forms, over sequences with overflows).
 
     - **Fused optimizers** (`Adam`, `AdamW`, `SGD`, `Adagrad` with `fused=True`) get the
       scale and `found_inf` and unscale and skip in their kernel (`found_inf` computed from the
@@ -177,7 +177,7 @@ def optimizer_step(
     creates its state (its first: a skipped one must leave no state, and famp reads `found_inf`
     once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
     counts its steps in a Python int; `group['step'] += 1`; a key added to a param group; a
-    list appended to). On
+    list appended to; a state entry that is a parameter's `.grad` itself, not a copy). On
     CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
     (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
     its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals

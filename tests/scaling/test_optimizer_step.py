@@ -63,6 +63,16 @@ OPTIMIZERS: dict[str, tuple[Factory, tuple[str, ...]]] = {
     "radam": (lambda ps, kw: torch.optim.RAdam(ps, lr=1e-2, **kw), ("for-loop", "foreach")),
     "asgd": (lambda ps, kw: torch.optim.ASGD(ps, lr=1e-2, t0=2, **kw), ("for-loop", "foreach")),
     "rprop": (lambda ps, kw: torch.optim.Rprop(ps, lr=1e-2, **kw), ("for-loop", "foreach")),
+    # Factored second moments (row and column statistics of each matrix, another shape).
+    "adafactor": (
+        lambda ps, kw: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1, **kw),
+        ("for-loop", "foreach"),
+    ),
+    # Matrices only (the biases keep their scaled grads on both sides); no foreach form.
+    "muon": (
+        lambda ps, kw: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-2),
+        ("for-loop",),
+    ),
 }
 IMPLEMENTATIONS = {
     "for-loop": {"foreach": False},
