@@ -51,7 +51,8 @@ class NonfiniteReport:
             value (0 for an empty or all-non-finite leaf; float64 values are rounded to float32).
             With a group, 1-d as `counts`.
         found_inf: 0-d float32, 1.0 iff any count (on any rank, with a group) is non-zero.
-        paths: Static: each leaf's path, as `summary` prints it.
+        paths: Static: each leaf's path, as `summary` prints it: its keys, indices and named
+            tuples' field names, joined by dots (`"moments.var"`).
         dtypes: Static: each leaf's dtype name.
         world_size: Static: the group's size, or `None` without a group.
     """
@@ -161,7 +162,13 @@ torch_pytree.register_pytree_node(
 
 
 def _path_str(path: Sequence[Any]) -> str:
-    return ".".join(str(k) for k in path) if path else "<tree>"
+    """A leaf's path as the summary prints it: keys, indices, and a named tuple's field names."""
+    return ".".join(_entry_name(e) for e in path) if path else "<tree>"
+
+
+def _entry_name(entry: Any) -> str:
+    field = getattr(entry, "field", None)  # a namedtuple's or a structseq's (`torch.max`'s) field
+    return field if isinstance(field, str) else str(entry.entry)
 
 
 def _exact(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -239,7 +246,7 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         found_inf = 1: 1 of 2 leaves hold non-finite values
           w: 1 non-finite (float32), largest finite |x| 7
     """
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    paths, leaves, spec = optree.tree_flatten_with_accessor(tree)
     local: list[Tensor] = []
     dtensors = []
     for path, leaf in zip(paths, leaves, strict=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import socket
 from typing import Any
@@ -200,6 +201,28 @@ def test_summary_counts_leaves_whose_paths_print_alike() -> None:
     tree = {"a.b": torch.tensor([math.inf]), "a": {"b": torch.tensor([math.nan])}}
     lines = famp.nonfinite_report(tree).summary().splitlines()
     assert lines[0] == "found_inf = 1: 2 of 2 leaves hold non-finite values"
+
+
+def test_summary_names_named_tuple_fields_by_name() -> None:
+    # A namedtuple's leaves were named by position (`moments.1`); so were a structseq's, such as
+    # torch.aminmax's result. Keys and list indices print as before.
+    moments = collections.namedtuple("Moments", ["mean", "var"])
+    tree = {
+        "moments": moments(torch.ones(2), torch.tensor([math.inf])),
+        "range": torch.aminmax(torch.tensor([1.0, math.nan])),
+        "list": [torch.ones(1), torch.tensor([math.nan])],
+    }
+    report = famp.nonfinite_report(tree)
+    assert report.paths == (
+        "list.0",
+        "list.1",
+        "moments.mean",
+        "moments.var",
+        "range.min",
+        "range.max",
+    )
+    lines = report.summary().splitlines()
+    assert "  moments.var: 1 non-finite (float32), largest finite |x| 0" in lines
 
 
 def test_summary_of_a_finite_tree_says_so() -> None:
