@@ -15,8 +15,8 @@ local tensors) to ``DIR/local4_{rank}.pt``, rank 0 the full optimizer state dict
 model and optimizer built with other learning rates; each rank writes its optimizer state to
 ``DIR/local3_{rank}.pt`` and model state to ``DIR/model3_{rank}.pt``. Then famp's outputs
 for 3 ranks: ``DIR/dcp3`` (``--format dcp``) loaded by ``dcp.load`` into
-``DIR/fromdcp3_{rank}.pt``, and ``DIR/famp3/rank{rank:05d}.pt`` (rank files) loaded as a user
-would (``DTensor.from_local`` + ``set_optimizer_state_dict``) into ``DIR/fromfamp3_{rank}.pt``.
+``DIR/fromdcp3_{rank}.pt``, and ``DIR/famp3/rank{rank:05d}.pt`` (rank files) loaded by
+docs/fsdp-dcp.md's ``load_shard`` (the block run from the page) into ``DIR/fromfamp3_{rank}.pt``.
 
 ``MATRIX``: sources saved at 1..4 ranks (float32 and bfloat16 models, so AdamW state of that
 dtype), resharded by ``famp-reshard --format dcp`` and loaded at another world size.
@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
-    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
@@ -128,22 +127,6 @@ def to_local(osd: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
-def from_local(local: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """A local optimizer state (plain tensors) as DTensors placed like the model's parameters."""
-    params = dict(model.named_parameters())
-    state = {}
-    for fqn, entry in local["state"].items():
-        p = params[fqn]
-        assert isinstance(p, DTensor)
-        state[fqn] = {
-            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-            else v
-            for k, v in entry.items()
-        }
-    return {"state": state, "param_groups": local["param_groups"]}
-
-
 # (dtype, source W, target W): every W in 1..4 saves a source and loads one; bf16 state too.
 MATRIX = (
     ("float32", 1, 4),
@@ -217,11 +200,13 @@ def load_job(rank: int, w: int, out: str, mesh: Any, group: Any) -> None:
     famp_dcp = os.path.join(out, f"dcp{w}")  # famp-reshard --format dcp output, loaded by DCP
     got = dcp_load(mesh, torch.float32, famp_dcp, group)
     torch.save(got, os.path.join(out, f"fromdcp{w}_{rank}.pt"))
-    # famp-reshard's rank file, loaded as a user would
+    # famp-reshard's rank file, loaded by the docs' recipe, run from the page
+    from tests.fsdp.fsdp_helpers import docs_block
+
+    namespace: dict[str, Any] = {}
+    exec(docs_block("fsdp-dcp.md", "def load_shard"), namespace)
     model, optim = fresh(mesh, torch.float32, 10.0)
-    famp_file = os.path.join(out, f"famp{w}", f"rank{rank:05d}.pt")
-    osd = from_local(torch.load(famp_file, weights_only=True), model)
-    set_optimizer_state_dict(model, optim, osd)
+    namespace["load_shard"](model, optim, os.path.join(out, f"famp{w}", f"rank{rank:05d}.pt"))
     local = to_local(get_optimizer_state_dict(model, optim))
     torch.save(local, os.path.join(out, f"fromfamp{w}_{rank}.pt"))
 

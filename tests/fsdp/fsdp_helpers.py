@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 import hypothesis.strategies as st
@@ -139,3 +140,11 @@ def full_states(draw: st.DrawFn, params: dict[str, tuple[int, ...]]) -> dict[str
         {"lr": 0.01, "betas": (0.8, 0.9), "params": names[1::2]},
     ]
     return {"state": state, "param_groups": groups}
+
+
+def docs_block(page: str, defines: str) -> str:
+    """The one ``python`` block of ``docs/<page>`` that contains ``defines``, as written there."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / page).read_text()
+    found = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if defines in b]
+    assert len(found) == 1, (page, defines, len(found))
+    return found[0]

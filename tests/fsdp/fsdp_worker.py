@@ -272,6 +272,74 @@ def _fsdp2_frozen_in_the_optimizer() -> dict[str, Any]:
     }
 
 
+def _fsdp2_docs_load_shard(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """docs/fsdp.md's save recipe, famp-reshard, then docs/fsdp-dcp.md's ``load_shard`` (both
+    blocks taken from the pages) into fresh FSDP2 optimizers: files for this world size, files
+    for one rank more, and this world size's files in a model with a parameter on Shard(1)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import Shard
+
+    from famp._fsdp.cli import main as famp_reshard
+    from tests.fsdp.fsdp_helpers import docs_block
+
+    model = fsdp2_sharded(None)
+    optim = fsdp2_optimizer(model, "adamw2")
+    _train(model, optim, steps=2, seed=1)
+    src, cwd = os.path.join(out_dir, "recipe_saved"), os.getcwd()
+    os.makedirs(src, exist_ok=True)
+    os.chdir(src)  # the recipe writes optim.rank{rank}.pt to the working directory
+    try:
+        exec(
+            docs_block("fsdp.md", "get_model_state_dict(model)"),
+            {"model": model, "optim": optim, "rank": rank},
+        )
+    finally:
+        os.chdir(cwd)
+    dist.barrier()
+    same, more = (os.path.join(out_dir, f"recipe_w{w}") for w in (world_size, world_size + 1))
+    if rank == 0:
+        saved = [os.path.join(src, f"optim.rank{r}.pt") for r in range(world_size)]
+        for w, dst in ((world_size, same), (world_size + 1, more)):
+            if famp_reshard([*saved, "-n", str(w), "-o", dst, "--no-progress"]) != 0:
+                raise RuntimeError(f"famp-reshard of the recipe's files to {w} ranks failed")
+    dist.barrier()
+    namespace: dict[str, Any] = {}
+    exec(docs_block("fsdp-dcp.md", "def load_shard"), namespace)
+    load_shard, mine = namespace["load_shard"], f"rank{rank:05d}.pt"
+    full_options = StateDictOptions(full_state_dict=True)
+    full = get_optimizer_state_dict(model, optim, options=full_options)
+    loaded, loaded_optim = _fresh_copy(model, None, "adamw2")
+    load_shard(loaded, loaded_optim, os.path.join(same, mine))
+    by_torch, by_torch_optim = _fresh_copy(model, None, "adamw2")
+    # a copy: full's 0-d steps are the trained optimizer's own tensors, which a load would share
+    set_optimizer_state_dict(by_torch, by_torch_optim, _local(full), options=full_options)
+    record: dict[str, Any] = {
+        "trained": _local(optim.state_dict()),
+        "loaded": _local(loaded_optim.state_dict()),
+        "by_torch": _local(by_torch_optim.state_dict()),
+    }
+    more_model, more_optim = _fresh_copy(model, None, "adamw2")
+    record["more_ranks"] = _refusal(
+        lambda: load_shard(more_model, more_optim, os.path.join(more, mine))
+    )
+    dim1 = fsdp2_sharded(lambda p: Shard(1) if p.shape == (1, 6) else None)
+    dim1_optim = fsdp2_optimizer(dim1, "adamw2")
+    record["dim1"] = _refusal(lambda: load_shard(dim1, dim1_optim, os.path.join(same, mine)))
+    record["untouched"] = [more_optim.state_dict()["state"], dim1_optim.state_dict()["state"]]
+    for net, opt in ((model, optim), (loaded, loaded_optim), (by_torch, by_torch_optim)):
+        _train(net, opt, steps=1, seed=2)
+    record["after_step"] = {
+        "trained": _local(dict(model.named_parameters())),
+        "loaded": _local(dict(loaded.named_parameters())),
+        "by_torch": _local(dict(by_torch.named_parameters())),
+    }
+    return record
+
+
 def _twins() -> nn.Module:
     torch.manual_seed(0)  # two layers of the same shapes: a swap of their states shows no shape
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -485,6 +553,7 @@ def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
     try:
         torch.set_num_threads(1)
         result = {"fsdp2": run_fsdp2(rank, world_size), "fsdp1": run_fsdp1(rank, world_size)}
+        result["fsdp2"]["docs_load_shard"] = _fsdp2_docs_load_shard(rank, world_size, out_dir)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

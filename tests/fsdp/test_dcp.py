@@ -144,8 +144,9 @@ def test_famp_reshard_cli_writes_what_dcp_loads_on_each_rank(
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_famp_rank_files_load_into_real_fsdp2_as_dcp_would(real: pathlib.Path) -> None:
-    # Each of 3 real ranks wrapped its famp-reshard file with DTensor.from_local and called
-    # set_optimizer_state_dict; the optimizer then holds what DCP's own load gave it.
+    # Each of 3 real ranks loaded its famp-reshard file (resharded from 4 ranks) with
+    # docs/fsdp-dcp.md's load_shard, run from the page; the optimizer then holds what DCP's own
+    # load gave it.
     for rank in range(LOAD_W):
         expected = load_dict(real / f"local{LOAD_W}_{rank}.pt")
         assert_osd_bitwise_equal(load_dict(real / f"fromfamp{LOAD_W}_{rank}.pt"), expected)

@@ -322,3 +322,43 @@ def test_famp_reshard_reads_the_recipes_rank_files_of_a_parameter_without_state(
         files.append(str(tmp_path / f"optim.rank{rank}.pt"))
         torch.save(record["fsdp2"]["frozen"]["recipe"], files[-1])
     assert_same_osd(_reshard_to_full(files, tmp_path / "full.pt"), full)
+
+
+def test_the_docs_load_shard_restores_the_optimizer_and_refuses_mismatched_files(
+    records,
+) -> None:
+    """docs/fsdp-dcp.md's ``load_shard``, run from the page on every rank: famp-reshard's files
+    of docs/fsdp.md's recipe files (same world size) load into a fresh FSDP2 AdamW as the
+    trained optimizer's state and as torch's full-state-dict load, bit for bit, and the next
+    step agrees. Files for one rank more, and a model with '4.weight' on Shard(1), raise its
+    ValueError before loading anything. Before, ``DTensor.from_local(..., shape=, stride=)``
+    took them silently: wrong slices, or dim-0 rows placed as Shard(1)."""
+    _, ranks = records
+    for record in ranks:
+        rec = record["fsdp2"]["docs_load_shard"]
+        assert rec["trained"]["state"], "AdamW holds state after two steps"
+        assert_same_osd(rec["loaded"], rec["trained"])
+        # torch's full-state load gives betas back as a list; famp's files keep the tuple
+        assert_same_osd(rec["by_torch"]["state"], rec["trained"]["state"])
+        assert rec["by_torch"]["param_groups"] == [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+            for group in rec["trained"]["param_groups"]
+        ]
+        assert_same_osd(rec["after_step"]["loaded"], rec["after_step"]["trained"])
+        assert_same_osd(rec["after_step"]["by_torch"], rec["after_step"]["trained"])
+        assert rec["more_ranks"] is not None, "the files for one rank more were loaded"
+        kind, message = rec["more_ranks"]
+        assert kind == "ValueError", message
+        assert re.fullmatch(
+            r"'[\w.]+': the file's 'exp_avg' has shape \[\d+(, \d+)?\], this rank's shard "
+            r"\[\d+(, \d+)?\]: a file for another world size or rank\?",
+            message,
+        ), message
+        assert rec["dim1"] is not None, "dim-0 files were loaded into a Shard(1) parameter"
+        kind, message = rec["dim1"]
+        assert kind == "ValueError", message
+        assert message == (
+            "'4.weight': the file holds shape [1, 6] sharded on dim 0, "
+            "the model shape [1, 6] placed (Shard(dim=1),)"
+        )
+        assert rec["untouched"] == [{}, {}]  # nothing loaded where it raised
