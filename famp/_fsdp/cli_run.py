@@ -30,8 +30,15 @@ from famp._fsdp.cli_report import (
     rank_stats,
     state_nbytes,
 )
-from famp._fsdp.cli_sources import SHARDING, Source, is_dcp_source, read_source, sharding_entry
-from famp._fsdp.dcp import read_dcp_param_shapes
+from famp._fsdp.cli_sources import (
+    SHARDING,
+    Source,
+    check_inferred_shapes,
+    is_dcp_source,
+    read_source,
+    sharding_entry,
+)
+from famp._fsdp.dcp import dcp_param_shapes
 from famp._fsdp.layout import FSDP2Layout, specs
 from famp._fsdp.shard import shard_optim_state
 
@@ -60,6 +67,7 @@ def _run_optim(args: argparse.Namespace) -> int:
     out = sys.stdout
     print_source(source, out)
     if args.world_size is not None:
+        check_inferred_shapes(source.shapes, source.inferred, args.model_key)
         layout = fsdp2_layout(source.shapes, args.world_size)
         if args.dry_run:
             ranks = _LazyShards(source.full, layout, copy=False)
@@ -88,7 +96,8 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
     path, out = args.sources[0], args.out
     # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
-    shapes = read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
+    shapes, inferred = dcp_param_shapes(path, args.model_key, args.key)
+    check_inferred_shapes(shapes, inferred, args.model_key)
     fsdp2_layout(shapes, args.world_size)
     ckpt = reader.Checkpoint(path)
     keys = list(ckpt.metadata.state_dict_metadata)

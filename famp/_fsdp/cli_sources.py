@@ -16,7 +16,7 @@ import os
 import pickle
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,9 +25,9 @@ from famp._fsdp.build import fsdp2_layout
 from famp._fsdp.cli_report import Progress, human, progress_wanted
 from famp._fsdp.dcp import (
     dcp_optim_nbytes,
+    dcp_param_shapes,
     load_optim_state,
     param_shape_from_state,
-    read_dcp_param_shapes,
 )
 from famp._fsdp.osd import check_shards, group_fqns
 from famp._fsdp.shard import unshard_optim_state
@@ -41,11 +41,28 @@ class UsageError(ValueError):
 
 @dataclass
 class Source:
-    """A SOURCE read: the full optimizer state, parameter shapes, and a description."""
+    """A SOURCE read: the full optimizer state, parameter shapes, and a description; `inferred`
+    names the parameters whose shapes were read off the optimizer state (no model entry)."""
 
     full: dict[str, Any]
     shapes: dict[str, torch.Size]
     what: str
+    inferred: set[str] = field(default_factory=set)
+
+
+def check_inferred_shapes(
+    shapes: Mapping[str, torch.Size], inferred: set[str], model_key: str
+) -> None:
+    """Refuse a shape read off the optimizer state as 0-d: it may hold the shaped tensors in lists
+    or dicts, which are not read (`read_dcp_param_shapes` documents torch.Size([]) then)."""
+    for fqn, shape in shapes.items():
+        if fqn in inferred and len(shape) == 0:
+            raise ValueError(
+                f"parameter {fqn!r}: its shape cannot be read off its optimizer state, which "
+                "holds only 0-d tensors at its top level (tensors inside lists or dicts are not "
+                f"read): save the model's state dict beside it under {model_key!r} "
+                "(--model-key) to give the shapes"
+            )
 
 
 def is_dcp_source(sources: Sequence[str]) -> bool:
@@ -62,8 +79,8 @@ def read_source(args: argparse.Namespace) -> Source:
         bar = Progress("reading", total, progress_wanted(args, total), human)
         full = load_optim_state(path, args.key, bar.update)
         bar.close()
-        shapes = read_dcp_param_shapes(path, key=args.model_key, optim_key=args.key)
-        return Source(full, shapes, f"DCP checkpoint {path} (key {args.key!r})")
+        shapes, inferred = dcp_param_shapes(path, args.model_key, args.key)
+        return Source(full, shapes, f"DCP checkpoint {path} (key {args.key!r})", inferred)
     for path in sources:
         if os.path.isdir(path):
             raise ValueError(f"SOURCE {path!r} is a directory: give one DCP checkpoint alone")
@@ -72,8 +89,11 @@ def read_source(args: argparse.Namespace) -> Source:
         obj, path = objs[0], sources[0]
         full = _pick_optim(obj, args.key, path)
         model = obj.get(args.model_key) if "state" not in obj else None
-        shapes = _shapes_from_model(full, model) or _shapes_from_state(full, path)
-        return Source(full, shapes, f"full state dict {path}")
+        from_model = _shapes_from_model(full, model)
+        if from_model is not None:
+            return Source(full, from_model, f"full state dict {path}")
+        shapes = _shapes_from_state(full, path)
+        return Source(full, shapes, f"full state dict {path}", set(shapes))
     shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
     shapes, dims, unknown = _shapes_from_shards(shards, sources)
     layout = fsdp2_layout(shapes, len(shards), shard_dims=dims)

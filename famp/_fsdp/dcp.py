@@ -122,6 +122,13 @@ def read_dcp_param_shapes(
         {'w': torch.Size([2, 3]), 'b': torch.Size([2])}
         >>> tmp.cleanup()
     """
+    return dcp_param_shapes(checkpoint_id, key, optim_key)[0]
+
+
+def dcp_param_shapes(
+    checkpoint_id: str | os.PathLike[str], key: str, optim_key: str
+) -> tuple[dict[str, torch.Size], set[str]]:
+    """`read_dcp_param_shapes`, and the FQNs whose shapes were read off the optimizer state."""
     from famp._fsdp import dcp_reader as reader
     from famp._fsdp.dcp_metadata import is_tensor_entry
 
@@ -142,10 +149,11 @@ def read_dcp_param_shapes(
             fqn = state_fqn(path, flat, optim["param_groups"])
             if fqn is not None:
                 state.setdefault(fqn, []).append(torch.Size(md.size))  # type: ignore[union-attr]
-    shapes = {}
+    shapes, inferred = {}, set()
     for fqn in group_fqns(optim["param_groups"], f"{optim_key}.param_groups"):
         shape = model.get(fqn)
         if shape is None:
+            inferred.add(fqn)
             shape = param_shape_from_state(f"{optim_key}.state.{fqn}", state.get(fqn, []))
         if shape is None:
             raise KeyError(
@@ -153,7 +161,7 @@ def read_dcp_param_shapes(
                 f"shape from in {os.fspath(checkpoint_id)!r}"
             )
         shapes[fqn] = shape
-    return shapes
+    return shapes, inferred
 
 
 def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Size | None:

@@ -223,6 +223,42 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize(
+    ("source", "extra"), [("dcp", []), ("dcp", ["--format", "dcp"]), ("file", [])]
+)
+def test_a_shape_hidden_in_nested_state_asks_for_the_model_state_dict(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], source: str, extra: list[str]
+) -> None:
+    """No model entry, and the parameter's shaped tensors only inside a list: famp cannot read
+    its shape. Before, the 0-d step alone made it shape () and famp-reshard said 0-d parameters
+    are not supported; now it says what it could not read and asks for the model's state dict.
+    read_dcp_param_shapes keeps its documented torch.Size([]); with a model entry it runs."""
+    state = {"w": {"step": torch.tensor(1.0), "hist": [torch.randn(3), torch.randn(3)]}}
+    osd = {"state": state, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+    src, with_model = tmp_path / "src", tmp_path / "with_model"
+    if source == "dcp":
+        with warnings.catch_warnings():  # one process, no process group: DCP warns
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"optim": osd}, checkpoint_id=src, no_dist=True)
+            model = {"w": torch.zeros(3)}
+            dcp.save({"model": model, "optim": osd}, checkpoint_id=with_model, no_dist=True)
+        assert famp.read_dcp_param_shapes(src) == {"w": torch.Size([])}
+    else:
+        torch.save({"optim": osd}, src)
+        torch.save({"model": {"w": torch.zeros(3)}, "optim": osd}, with_model)
+    before = sorted(os.listdir(tmp_path))
+    assert main([str(src), "-n", "3", "-o", str(tmp_path / "out"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "famp-reshard: error: parameter 'w': its shape cannot be read off its optimizer state, "
+        "which holds only 0-d tensors at its top level (tensors inside lists or dicts are not "
+        "read): save the model's state dict beside it under 'model' (--model-key) to give "
+        "the shapes\n"
+    ), err
+    assert sorted(os.listdir(tmp_path)) == before
+    assert main([str(with_model), "-n", "3", "-o", str(tmp_path / "out"), *extra]) == 0
+
+
 def test_a_failure_while_writing_leaves_nothing(
     tmp_path: pathlib.Path, full_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
