@@ -49,7 +49,8 @@ def _ndarray(value: object) -> bool:
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors `_cast` casts, read without consuming an iterator (which the cast reads)."""
+    """The tensors `_cast` casts, but those of iterables that are not collections (generators,
+    data loaders): reading them could consume them, or run a loader, before the cast does."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (str, bytes)) or _ndarray(value):
@@ -97,7 +98,8 @@ def custom_fwd(
     and `rule="keep"` its `cast_inputs=None`. Tensors inside containers are cast where torch's
     `custom_fwd` casts them: a mapping's keys and values, the elements of any iterable but a
     string or a numpy array (one that is not a list or a tuple reaches `forward` as a generator;
-    "promote" does not count a one-shot iterator's tensors). A `forward` without ctx (a Function
+    "promote", and `device_type=None`, do not read an iterable that is not a collection, such as
+    a generator, which only the cast reads). A `forward` without ctx (a Function
     with `setup_context`) has all its arguments cast, as torch casts them; `custom_bwd` then has
     no forward state to restore.
 
