@@ -137,14 +137,16 @@ def _write_records(
 
 
 def _pickling_order(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Tensors in the order `pickle` meets them: dicts in insertion order, lists in order."""
+    """Tensors in the order `pickle` meets them: a dict's keys and values in insertion order,
+    lists, tuples and sets in their iteration order."""
     out = [] if out is None else out
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, dict):
-        for value in obj.values():
+        for key, value in obj.items():
+            _pickling_order(key, out)
             _pickling_order(value, out)
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
             _pickling_order(value, out)
     return out
