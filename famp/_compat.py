@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,20 +59,17 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
     """The schema of an op overload: famp reads argument names, defaults and mutability from it."""
-    schema: torch.FunctionSchema = op._schema
-    return schema
+    return op._schema
 
 
 def overload_name(op: OpOverload) -> str:
     """The overload name of an op overload (`"default"`, `"dim_IntList"`, ...)."""
-    name: str = op._overloadname
-    return name
+    return str(op._overloadname)
 
 
 def packet_name(packet: OpOverloadPacket) -> str:
     """The qualified name of an op packet (`"aten::linear"`)."""
-    name: str = packet._qualified_op_name
-    return name
+    return str(packet._qualified_op_name)
 
 
 _TRACED_HOOK_KEY = -0xFA4D  # negative: never meets a handle id (those count up from 0)
@@ -81,9 +79,8 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
     """Set famp's global module forward hooks while Dynamo traces; with both None remove them.
 
     `pre` is set as a forward pre-hook and `post` as an always-called forward hook, each unless
-    None (eager code registered it already, with `register_module_forward_pre_hook` and
-    `register_module_forward_hook(always_call=True)`). Dynamo cannot trace the creation of their
-    `RemovableHandle`s, so while tracing famp writes the same entries into torch's hook dicts."""
+    None (eager code registered it already, with the public functions). Dynamo cannot trace the
+    creation of their `RemovableHandle`s, so while tracing famp writes them into torch's dicts."""
     import torch.nn.modules.module as torch_module
 
     tables: tuple[dict[int, Any], ...] = (
@@ -100,15 +97,12 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
 
 def tree_leaves(tree: object) -> list[object]:
     """A pytree's leaves by torch's registry (its module is private): `famp.autocast`'s device."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_leaves(tree)
+    return torch_pytree_module.tree_leaves(tree)
 
 
 def in_backward() -> bool:
-    """Whether an autograd backward pass is running on this thread. No public query: famp's
-    checkpoint hooks leave what they entered in a node's post-hook, which never runs when that
-    node's backward raises; a later call outside backward cleans up."""
+    """Whether a backward pass runs on this thread (no public query): checkpoint hooks leave in a
+    node's post-hook, which never runs if it raises; a later call outside backward cleans up."""
     return bool(torch._C._current_graph_task_id() != -1)
 
 
@@ -161,8 +155,7 @@ def is_compiled_module(module: object) -> bool:
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
-    """A `FakeTensorMode(**kwargs)`: deriving a rule runs the op on fake tensors. The class lives
-    in a private module, imported here on first use (not at famp's import)."""
+    """A `FakeTensorMode(**kwargs)` to derive rules on (a private module, imported on first use)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
@@ -255,12 +248,19 @@ def python_modes_active() -> bool:
 
 
 def dynamo_disabled() -> bool:
-    """Whether `torch.compile` is switched off in this process (`TORCHDYNAMO_DISABLE=1`): then a
-    compiled function runs its Python body op by op, and famp's eager fused unscale keeps the
-    kernel. Only a private config holds it. Imported lazily: `torch._dynamo` is heavy."""
+    """Whether `torch.compile` is off (`TORCHDYNAMO_DISABLE=1`): famp's eager fused unscale then
+    keeps the kernel. Only a private config holds it; imported lazily (`torch._dynamo` is heavy)."""
     import torch._dynamo
 
     return bool(torch._dynamo.config.disable)
+
+
+def dynamo_graphs(code: types.CodeType) -> int:
+    """How many graphs Dynamo keeps for `code` (a private debug query): fused unscale warms its
+    program again after `torch.compiler.reset()` (a first trace on equal sizes would tie them)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
 
 
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:

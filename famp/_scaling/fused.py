@@ -8,7 +8,9 @@ as a clone does. So, eagerly, famp compiles that program once per dtype
 it for every call: fewer tensors are padded with distinct two-element zeros, and new sizes never
 recompile. The first trace of each dtype and thread count is a warm-up on tensors of
 distinct big sizes, so that inductor parallelizes the loops of every slot (it decides from the
-sizes it traced) and no two slots share a size symbol.
+sizes it traced) and no two slots share a size symbol. After `torch.compiler.reset()`, which
+drops every compiled graph, the next call warms up again (a first trace on tensors of equal sizes
+would tie their sizes, and each new size would then recompile).
 
 Compiling takes seconds (inductor's caches on disk shorten it in later processes), so eager
 unscaling takes this path only for calls whose big float32/float64 grads of one dtype total at
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from famp._compat import dynamo_disabled, python_modes_active
+from famp._compat import dynamo_disabled, dynamo_graphs, python_modes_active
 from famp._scaling.program import where_program
 
 ARITY = 8  # tensors per call: fewer calls of the compiled program's fixed cost (about 50 µs)
@@ -89,11 +91,13 @@ def _batch(found: Tensor, inv: Tensor, *tensors: Tensor) -> tuple[list[Tensor], 
 def _warmed_program(dtype: torch.dtype, found: Tensor, inv: Tensor) -> _Program:
     """The compiled program, traced for this dtype and thread count on tensors of big sizes."""
     key = (dtype, torch.get_num_threads())
-    if key in _warmed:
+    if key in _warmed and dynamo_graphs(_batch.__code__):
         return _program[0]
     with _lock:
         if not _program:
             _program.append(torch.compile(_batch, dynamic=True, fullgraph=True))
+        if not dynamo_graphs(_batch.__code__):  # `torch.compiler.reset()` dropped every graph
+            _warmed.clear()
         if key not in _warmed:
             size = (1 << 20) // dtype.itemsize + 1
             with torch.no_grad():

@@ -96,6 +96,24 @@ def test_any_count_and_sizes_equal_gradscaler_without_recompiling(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_after_a_compiler_reset_new_sizes_do_not_recompile(dtype: torch.dtype) -> None:
+    """`torch.compiler.reset()` drops the program's graphs while famp's record says it is warm.
+    The next call then traced on its own tensors and on the padding's equal sizes, which tied
+    those sizes: every later call with other sizes recompiled (seconds each), and within a
+    `fail_on_recompile` stance gave up the program for the rest of the process. famp now sees
+    that the graphs are gone and warms up again, as in a fresh process."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=gen) * 1e4).to(dtype) for n in (375, 2494, 796, 2494)]
+    unscale_equals_gradscaler(grads[:1], 1024.0)  # warmed, if not yet
+    torch.compiler.reset()
+    unscale_equals_gradscaler(grads[:1], 1024.0)  # the first trace after the reset
+    with pytest.MonkeyPatch.context() as patch, torch.compiler.set_stance("fail_on_recompile"):
+        no_kernel_fallback(patch)  # and a recompile would warn: warnings are errors here
+        unscale_equals_gradscaler(grads, 0.25)
+        unscale_equals_gradscaler([g.clone() for g in grads[1:3] * 5], 2.0**-20)  # two calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "layout", ["contiguous", "channels_last", "transposed", "offset view", "gapped slice"]
 )
