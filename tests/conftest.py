@@ -25,6 +25,31 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("FAMP_HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With pytest-xdist installed (the `test` extra), the suite runs in parallel unless `-n` says
+    otherwise: one worker per CPU, at most four, each taking whole files (`--dist loadfile`), so
+    the functions a file compiles once are compiled by one worker. `-n 0` runs it serially.
+    Without pytest-xdist the suite runs serially, as before."""
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if config.option.usepdb or config.option.collectonly:
+        return  # one process: a debugger needs the terminal, a collection runs nothing
+    if config.option.numprocesses is None:
+        config.option.numprocesses = "auto"
+    if config.option.numprocesses and config.option.dist == "no":  # not `-n 0`
+        config.option.dist = "loadfile"
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: the CPUs this process may use, at most four (each worker's torch also runs its
+    own intra-op threads, and the multi-process tests start two or three ranks each)."""
+    usable = (
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    return max(1, min(len(usable), 4))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` skip without a CUDA GPU, unless FAMP_REQUIRE_CUDA=1 (``.ci/cuda``),
     under which they run and fail; no other test may skip for want of a device."""
