@@ -41,6 +41,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.dist = "loadfile"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to pytest without it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: the CPUs this process may use, at most four (each worker's torch also runs its
     own intra-op threads, and the multi-process tests start two or three ranks each)."""
