@@ -12,10 +12,17 @@ leave the DTensor's as it was; so does a write through `.data`). What a
 tensor choice cannot restore (state created lazily on a first step, Python numbers such as
 `SparseAdam`'s count or a group's `group['step'] += 1`, keys added or removed, lists grown) is
 restored after one host read of `skip`, on the steps that changed it only.
+
+Optimizers also keep state outside their parameters' entries, which is undone alike: entries of
+`optimizer.state` not keyed by a parameter (MADGRAD's step count, `state['k']`, a tensor written
+in place) and the optimizer's own attributes (Ranger21's iteration count, an EMA of the gradient
+norm kept in a tensor attribute). torch's own attributes (hooks, `defaults`, an LR scheduler's
+flag that `step()` was called) are not training state and are left as the step set them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import optree
@@ -27,6 +34,15 @@ from famp._typing import Tensor
 
 # Python values that compare by value: a new but equal one is no change.
 _PLAIN = (bool, int, float, complex, str)
+_NONE: frozenset[int] = frozenset()
+
+# Dicts flatten in insertion order in famp's own optree namespace, so their keys need not sort
+# (an attribute keyed by parameters, as `ZeroRedundancyOptimizer` keeps). Set once for good: the
+# setting is global to the namespace, and no thread should see it change (the context is held
+# here: collected, it would set the namespace back).
+_NAMESPACE = "famp.undo"
+_INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=_NAMESPACE)
+_INSERTION_ORDERED.__enter__()
 
 
 def with_grads(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -55,8 +71,15 @@ def _flat(entries: dict[Any, Any]) -> tuple[list[Any], Any]:
     values = list(entries.values())
     for v in values:  # not any(...): this runs for every parameter's state at every step
         if isinstance(v, (list, tuple, dict)):
-            return optree.tree_flatten(entries, none_is_leaf=True)  # type: ignore[arg-type]
+            return optree.tree_flatten(entries, none_is_leaf=True, namespace=_NAMESPACE)  # type: ignore[arg-type]
     return values, tuple(entries)
+
+
+def _same_structure(spec: Any, old: Any) -> bool:
+    try:
+        return bool(spec == old)
+    except RuntimeError:  # dict keys that are tensors, other than before: compared elementwise
+        return False
 
 
 def _unflat(spec: Any, leaves: list[Any]) -> dict[Any, Any]:
@@ -74,9 +97,13 @@ class _Entries:
     a group's tensor (a tensor `lr`), and a list appended in place is rebuilt as it was.
     """
 
-    def __init__(self, entries: dict[Any, Any], tensors_at_once: bool = False) -> None:
+    def __init__(
+        self, entries: dict[Any, Any], tensors_at_once: bool = False, held: frozenset[int] = _NONE
+    ) -> None:
+        """`held`: ids of tensors the undo restores itself (parameters, grads), not copied here."""
         self.leaves, self.spec = _flat(entries)
-        self.at = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
+        leaves = enumerate(self.leaves)
+        self.at = [i for i, v in leaves if isinstance(v, torch.Tensor) and id(v) not in held]
         self.tensors: list[Tensor] = [self.leaves[i] for i in self.at]
         self.versions = [_compat.tensor_version(t) for t in self.tensors]
         if tensors_at_once and self.tensors:  # one multi-tensor clone (dense, alike)
@@ -84,19 +111,19 @@ class _Entries:
         else:
             self.copies = [t.clone() for t in self.tensors]
 
-    def select(self, entries: dict[Any, Any], on: Any, held: frozenset[int] = frozenset()) -> bool:
+    def select(self, entries: dict[Any, Any], on: Any, held: frozenset[int] = _NONE) -> bool:
         """Tensors written in place back where `skip` is true; whether anything else changed.
 
         A tensor that replaced an entry and is one of `held` (the ids of the parameters and
         grads, which the undo restores itself: `state['prev'] = p.grad`) is not written into:
         that would write into the grad; the entry is put back by the restore instead."""
         leaves, spec = _flat(entries)
-        if spec != self.spec:  # keys added or removed, containers grown or shrunk
+        if not _same_structure(spec, self.spec):  # keys added or removed, containers resized
             return True
         if len(self.at) < len(leaves):  # Python values: a new but equal one is no change
             tensors = set(self.at)
             for i, (new, old) in enumerate(zip(leaves, self.leaves, strict=True)):
-                if i not in tensors and (isinstance(new, torch.Tensor) or not _same(new, old)):
+                if i not in tensors and not _same(new, old):  # held tensors: the same objects
                     return True
         changed = False
         for i, old, version, copy in zip(
@@ -120,6 +147,31 @@ class _Entries:
             elif _compat.tensor_version(t) != version:  # reshaped in place: put back
                 t.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
         return _unflat(self.spec, self.leaves)
+
+
+@functools.cache
+def _torch_attributes() -> frozenset[str]:
+    """The attributes torch itself keeps on an optimizer, read from the installed torch: its
+    state, param groups, defaults, hooks and flags, and what an LR scheduler adds (a wrapped
+    `step`, a flag that it was called)."""
+    p = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([p], lr=0.0)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    p.grad = torch.zeros(1)
+    optimizer.step()
+    optimizer.zero_grad()
+    return frozenset(vars(optimizer))
+
+
+def _attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's own attributes: torch's left out."""
+    torch_own = _torch_attributes()
+    return {k: v for k, v in vars(optimizer).items() if k not in torch_own}
+
+
+def _unkeyed(state: dict[Any, Any]) -> dict[Any, Any]:
+    """Entries of an optimizer's `state` not keyed by a parameter (MADGRAD's `state['k']`)."""
+    return {k: v for k, v in state.items() if not isinstance(k, torch.Tensor)}
 
 
 def _group_entries(group: dict[str, Any]) -> dict[str, Any]:
@@ -152,13 +204,16 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     params = _unique(p for o in optimizers for p in with_grads(o))
     all_groups = _unique(g for o in optimizers for g in o.param_groups)
     states = _unique(o.state for o in optimizers)
+    grads = [p.grad for p in params]
+    held = frozenset(id(t) for t in (*params, *grads) if t is not None)
     with torch.no_grad():
         groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in all_groups]
         before = [[_Entries(s[p]) if p in s else None for p in params] for s in states]
+        unkeyed = [_Entries(_unkeyed(s), held=held) for s in states]
+        attributes = [_Entries(_attributes(o), held=held) for o in optimizers]
         before_params = [p.detach().clone() for p in params]
         # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
         # a skipped GradScaler step leaves the unscaled gradients as they were.
-        grads = [p.grad for p in params]
         before_grads = [g.clone() if g is not None and _tensor_like(g, g) else None for g in grads]
     optimizer.step()
     skips: dict[torch.device, Tensor] = {}
@@ -169,10 +224,13 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         return skips[device]
 
     untensorlike = False  # whether the step changed what a tensor choice cannot restore
-    held = frozenset(id(t) for t in (*params, *grads) if t is not None)
     with torch.no_grad():
         for group, old_group in zip(all_groups, groups, strict=True):
             untensorlike |= old_group.select(_group_entries(group), on)
+        for s, old_unkeyed in zip(states, unkeyed, strict=True):
+            untensorlike |= old_unkeyed.select(_unkeyed(s), on, held)
+        for o, old_attributes in zip(optimizers, attributes, strict=True):
+            untensorlike |= old_attributes.select(_attributes(o), on, held)
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
             torch.where(on(new.device), old, new, out=new)
@@ -198,3 +256,13 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                         s.pop(p, None)
                     else:
                         s[p] = old_state.restored()
+            for s, old_unkeyed in zip(states, unkeyed, strict=True):
+                entries = old_unkeyed.restored()
+                for k in [k for k in _unkeyed(s) if k not in entries]:
+                    del s[k]
+                s.update(entries)
+            for o, old_attributes in zip(optimizers, attributes, strict=True):
+                entries = old_attributes.restored()
+                for k in [k for k in _attributes(o) if k not in entries]:
+                    del vars(o)[k]
+                vars(o).update(entries)

@@ -269,3 +269,81 @@ def test_optimizer_step_undoes_state_that_holds_the_grad_as_gradscaler_never_ste
     for _ in side_by_side((model, opt), (famp_model, famp_opt), pattern, 2.0**10):
         assert_models_equal(famp_model, model)  # the grads too
         assert_nested_states_equal(famp_opt, opt)
+
+
+# --- state kept outside the parameters' entries: unkeyed state, the optimizer's attributes ------
+
+
+class KeepsStateElsewhere(torch.optim.Optimizer):
+    """Optimizers that keep training state where torch's do not. MADGRAD counts its steps in a
+    tensor under a key of `state` that is no parameter (`state['k']`, created on the first step,
+    `+= 1` in place), and Ranger21 in attributes of the optimizer (`self.current_iter += 1`); others
+    keep an EMA of the gradient norm in a tensor attribute, or a dict of buffers keyed by the
+    parameters themselves (keys that do not sort). `python_count` adds the Python values, which
+    famp can only restore after a host read; the tensors need none."""
+
+    def __init__(self, params: Any, python_count: bool) -> None:
+        super().__init__(params, {"lr": 0.05})
+        self.python_count = python_count
+        self.params = [p for g in self.param_groups for p in g["params"]]  # held: not copied
+        self.grad_norm = torch.zeros(())
+        self.momentum = {p: torch.zeros_like(p) for p in self.params}
+        self.current_iter = 0
+        self.seen: list[int] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if "k" not in self.state:
+            self.state["k"] = torch.zeros((), dtype=torch.long)
+        lr = 0.05 * (self.state["k"] + 1).sqrt()
+        for p in self.params:
+            if p.grad is None:
+                continue
+            self.grad_norm.lerp_(p.grad.norm(), 0.1)
+            self.momentum[p].mul_(0.9).add_(p.grad)
+            p.sub_(lr * self.momentum[p] / (1 + self.grad_norm))
+        self.state["k"] += 1
+        if self.python_count:
+            self.current_iter += 1
+            self.seen.append(self.current_iter)
+
+
+def assert_kept_elsewhere_equal(a: KeepsStateElsewhere, b: KeepsStateElsewhere) -> None:
+    assert_bitwise_equal(a.state["k"], b.state["k"])
+    assert_bitwise_equal(a.grad_norm, b.grad_norm)
+    for pa, pb in zip(a.params, b.params, strict=True):
+        assert_bitwise_equal(a.momentum[pa], b.momentum[pb])
+    assert (a.current_iter, a.seen) == (b.current_iter, b.seen)
+
+
+@pytest.mark.parametrize("python_count", [True, False])
+@settings(max_examples=6, deadline=None)
+@given(pattern=overflows)
+@example(pattern=[None, math.inf, None, math.nan, None])
+@example(pattern=[math.inf, None, math.nan])  # a skipped first step: `state['k']` not created
+def test_optimizer_step_undoes_state_kept_outside_the_parameters_as_gradscaler_never_steps(
+    python_count: bool, pattern: list[float | None]
+) -> None:
+    model, famp_model = make_model(), make_model()
+    opt = KeepsStateElsewhere(model.parameters(), python_count)
+    famp_opt = KeepsStateElsewhere(famp_model.parameters(), python_count)
+    grad_norm, momentum = famp_opt.grad_norm, famp_opt.momentum
+    for _ in side_by_side((model, opt), (famp_model, famp_opt), [*pattern, None], 2.0**10):
+        assert_models_equal(famp_model, model)
+        assert ("k" in famp_opt.state) == ("k" in opt.state)
+        if "k" in opt.state:
+            assert_kept_elsewhere_equal(famp_opt, opt)
+    assert_kept_elsewhere_equal(famp_opt, opt)
+    # tensors restored in place: the same objects (a user may hold them), their values put back
+    assert famp_opt.grad_norm is grad_norm
+    assert all(famp_opt.momentum[p] is momentum[p] for p in famp_opt.params)
+    assert all(p is q for p, q in zip(famp_opt.params, famp_model.parameters(), strict=True))
+
+
+def test_optimizer_step_undoes_tensors_kept_outside_the_parameters_without_a_host_sync() -> None:
+    model = make_model()
+    opt = KeepsStateElsewhere(model.parameters(), python_count=False)
+    assert_no_host_sync_after_the_first_step(model, opt)
+    assert opt.state["k"].item() == 2
+    assert torch.isfinite(opt.grad_norm)
+    assert all(torch.isfinite(m).all() for m in opt.momentum.values())
