@@ -159,9 +159,9 @@ def optimizer_step(
       (optimizers that count steps in `group['step']`, as timm's `Lamb` does), tensors
       inside lists, tuples and dicts among them (SOAP's `state['GG']`), end as if the step
       never ran; so do entries of `state` keyed by no parameter (MADGRAD's `state['k']`), the
-      optimizer's own attributes (Ranger21's `current_iter`), and those of the optimizers it
-      wraps (an attribute that is an optimizer: Lookahead's base, `ZeroRedundancyOptimizer`'s
-      local one).
+      optimizer's own attributes (Ranger21's `current_iter`), the random generators it draws
+      from (torch's default ones too), and those of the optimizers it wraps (an attribute that
+      is an optimizer: Lookahead's base, `ZeroRedundancyOptimizer`'s local one).
     - **Step hooks.** With any step hook registered (`register_step_pre_hook`,
       `register_step_post_hook`, on it or an optimizer it wraps, or the global
       `torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`), a non-fused
@@ -179,12 +179,12 @@ def optimizer_step(
     creates its state (its first: a skipped one must leave no state, and famp reads `found_inf`
     once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
     counts its steps in a Python int; `group['step'] += 1`; a key added to a param group; a
-    list appended to, an attribute set; a state entry that is a parameter's `.grad` itself). On
-    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the device
-    (pass `capturable=True` or `fused=True` to avoid that). Fused `SGD` with momentum leaves
-    its buffers uninitialized after a skipped first step; famp zeroes them, so the next step equals
-    a first step (bit for bit with `dampening=0`). Update the scale afterwards:
-    `famp.update_scale(state, found_inf)`.
+    list appended to, an attribute set, random numbers drawn; a state entry that is a
+    parameter's `.grad` itself). On CUDA, a non-capturable optimizer keeps `step` on the CPU,
+    and undoing it waits for the device (pass `capturable=True` or `fused=True` to avoid that).
+    Fused `SGD` with momentum leaves its buffers uninitialized after a skipped first step; famp
+    zeroes them, so the next step equals a first step (bit for bit with `dampening=0`). Update
+    the scale afterwards: `famp.update_scale(state, found_inf)`.
 
     Args:
         optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.

@@ -18,10 +18,13 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
+import famp
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_optimizer_step import (
     assert_models_equal,
     assert_no_host_sync_after_the_first_step,
+    inject,
+    loss_of,
     make_model,
     overflows,
     side_by_side,
@@ -347,3 +350,64 @@ def test_optimizer_step_undoes_tensors_kept_outside_the_parameters_without_a_hos
     assert opt.state["k"].item() == 2
     assert torch.isfinite(opt.grad_norm)
     assert all(torch.isfinite(m).all() for m in opt.momentum.values())
+
+
+class Noisy(torch.optim.Optimizer):
+    """Gradient noise from torch's default generator (SGLD, noisy SGD) and stochastic rounding
+    from a generator of its own: a skipped step must not advance either, or every later draw
+    (the next batch's dropout masks too) differs from a GradScaler loop's."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.05})
+        self.rounding = torch.Generator().manual_seed(7)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    noise = torch.randn(p.shape) * 1e-3
+                    jitter = torch.rand(p.shape, generator=self.rounding) * 1e-4
+                    p.sub_(group["lr"] * p.grad + noise + jitter)
+
+
+def _noisy_run(
+    pattern: list[float | None], famp_side: bool
+) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """One loop alone (each side draws from torch's default generator): after each step the
+    parameters, the default generator's state and the optimizer's own generator's."""
+    model = make_model()
+    opt = Noisy(model.parameters())
+    torch.manual_seed(3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    state = famp.init_scaler(2.0**10, growth_interval=2)
+    seen = []
+    for step, bad in enumerate(pattern):
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        (famp.scale(state, loss) if famp_side else scaler.scale(loss)).backward()
+        inject(model, bad)
+        if famp_side:
+            state = famp.update_scale(state, famp.optimizer_step(opt, state))
+        else:
+            scaler.step(opt)
+            scaler.update()
+        params = [p.detach().clone() for p in model.parameters()]
+        seen.append((params, torch.get_rng_state(), opt.rounding.get_state()))
+    return seen
+
+
+@settings(max_examples=6, deadline=None)
+@given(pattern=overflows)
+@example(pattern=[None, math.inf, None, math.nan, None])
+@example(pattern=[math.inf, None])
+def test_optimizer_step_leaves_the_random_generators_as_gradscaler_never_steps(
+    pattern: list[float | None],
+) -> None:
+    pattern = [*pattern, None]
+    expected, actual = _noisy_run(pattern, famp_side=False), _noisy_run(pattern, famp_side=True)
+    for (params, rng, own), (e_params, e_rng, e_own) in zip(actual, expected, strict=True):
+        for p, e in zip(params, e_params, strict=True):
+            assert_bitwise_equal(p, e)
+        assert torch.equal(rng, e_rng)
+        assert torch.equal(own, e_own)
