@@ -76,11 +76,9 @@ _TRACED_HOOK_KEY = -0xFA4D  # negative: never meets a handle id (those count up 
 
 
 def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any] | None) -> None:
-    """Set famp's global module forward hooks while Dynamo traces; with both None remove them.
-
-    `pre` is set as a forward pre-hook and `post` as an always-called forward hook, each unless
-    None (eager code registered it already, with the public functions). Dynamo cannot trace the
-    creation of their `RemovableHandle`s, so while tracing famp writes them into torch's dicts."""
+    """Set famp's global forward pre-hook `pre` and always-called hook `post` (unless None: eager
+    code registered it) while Dynamo traces, which cannot trace their handles' creation, into
+    torch's dicts; with both None remove them."""
     import torch.nn.modules.module as torch_module
 
     tables: tuple[dict[int, Any], ...] = (
@@ -93,6 +91,17 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
             table.pop(_TRACED_HOOK_KEY, None)
         elif value is not None:
             table[_TRACED_HOOK_KEY] = value
+
+
+# AOTAutograd traces compiled code's backward under the autocast state its forward began in
+# (torch's default, "same_as_forward"); eager backward runs without it (pytorch/pytorch#179804).
+# famp sets this private config "off" around compiles inside its calls (`_autocast/compiled.py`),
+# run from Dynamo's private compile callbacks: no public hook runs when a compile starts.
+BACKWARD_AUTOCAST = ("torch._functorch.config", "backward_pass_autocast")
+
+
+def compile_callbacks() -> Any:
+    return sys.modules["torch._dynamo"].callback_handler  # see above; asked once Dynamo is loaded
 
 
 def tree_leaves(tree: object) -> list[object]:
@@ -110,10 +119,9 @@ def in_backward() -> bool:
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
-# What `torch.compiler.assume_constant_result(fn)` does (torch 2.13-2.15): set this attribute,
-# which Dynamo reads when it traces a call of `fn`. torch's function first imports `torch._dynamo`
-# (~850 modules, about a second); famp marks its functions at import, so it sets the attribute
-# itself. tests/test_import_cost.py checks that torch's function sets exactly this.
+# What `torch.compiler.assume_constant_result(fn)` does (torch 2.13-2.15), without its import of
+# `torch._dynamo` (~850 modules, about a second) when famp marks its functions at import.
+# tests/test_import_cost.py checks that torch's function sets exactly this attribute.
 _DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
 
 
@@ -181,8 +189,7 @@ def kernel_registrations(dispatch_key: str) -> list[str]:
 
 # --- reliability: scaler state (_scaling/state.py), FSDP1 layouts of live models (_fsdp/live.py)
 # optree's public registration needs a namespace, and a namespaced node is one opaque leaf to
-# every optree call that does not pass that namespace: ScalerState registers in the global
-# registry (the one builtins live in) so that plain `optree.tree_map(f, state)` sees its tensors.
+# optree calls without it: ScalerState registers in the global one, as builtins, for tree_map.
 OPTREE_GLOBAL_NAMESPACE: str = getattr(optree.registry, "__GLOBAL_NAMESPACE")
 
 # torch has no public pytree module: ScalerState must be a node of torch's own pytree for
@@ -198,9 +205,8 @@ amp_update_scale_ = torch._amp_update_scale_
 
 
 def fsdp1_flat_params(module: Any) -> Any:
-    """An FSDP1 unit's flat-parameter handle, or None for a unit without parameters of its own:
-    FSDP1 exposes no public accessor for the flat parameter's original names and shapes, its
-    compute dtype or its `use_orig_params` flag; `layout_of` needs all four."""
+    """An FSDP1 unit's flat-parameter handle (None without parameters): no public accessor has
+    the flat parameter's names and shapes, compute dtype or `use_orig_params`; `layout_of` does."""
     return module._handle
 
 
@@ -222,9 +228,8 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
-    """DCP's per-item storage record, for a `.metadata` that `dcp.load` reads: `FileSystemReader`
-    looks up each item's byte range in `Metadata.storage_data` as an instance of this class
-    (unpickled by name), which has no public constructor. Imported lazily: DCP is heavy."""
+    """DCP's per-item storage record (no public constructor) that `FileSystemReader` looks up
+    byte ranges in, unpickled by name from a `.metadata`. Imported lazily: DCP is heavy."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
@@ -240,10 +245,8 @@ amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finit
 
 
 def python_modes_active() -> bool:
-    """Whether a Python torch-function mode or dispatch mode is active on this thread: famp's
-    eager fused unscale (`_scaling/fused.py`) calls a function it compiled with `torch.compile`;
-    under a user's mode (a `FlopCounterMode`, a `TorchFunctionMode`) that call would trace or
-    dispatch through the mode, so famp takes the kernel instead. No public query of either."""
+    """Whether a Python torch-function or dispatch mode is on (no public query): under a user's
+    mode famp's eager fused unscale takes the kernel, not a compiled call the mode would see."""
     return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
 
 
@@ -271,12 +274,9 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
     """Whether step hooks (own or global; private dicts, read defensively) would see an undo."""
     shared = sys.modules.get("torch.optim.optimizer")  # loaded by `import torch`
-    own = any(getattr(optimizer, n, None) for n in _STEP_HOOKS)
-    return own or any(getattr(shared, n, None) for n in _GLOBAL_STEP_HOOKS)
-
-
-_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")  # see above
-_GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")  # see above
+    kinds = ("pre", "post")
+    own = any(getattr(optimizer, f"_optimizer_step_{n}_hooks", None) for n in kinds)
+    return own or any(getattr(shared, f"_global_optimizer_{n}_hooks", None) for n in kinds)
 
 
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -12,11 +12,51 @@ no number).
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
-from famp._compat import refused_marks, relaxed_marks
+from famp._autocast.recompute import calls
+from famp._compat import (
+    BACKWARD_AUTOCAST,
+    assume_constant_result,
+    compile_callbacks,
+    refused_marks,
+    relaxed_marks,
+)
+
+_switched: list[object] = []  # torch's setting while famp set it "off" for this compile
+
+
+def _compile_starts(_: object) -> None:
+    # A famp call runs on this thread: its autocast state is the one Dynamo sees at the frame's
+    # start, but eager backward runs without it (famp's rules may compute in float32 inside).
+    module, name = BACKWARD_AUTOCAST
+    if calls() and getattr(sys.modules[module], name) == "same_as_forward":
+        _switched.append("same_as_forward")
+        setattr(sys.modules[module], name, "off")
+
+
+def _compile_ends(_: object) -> None:
+    if _switched:
+        module, name = BACKWARD_AUTOCAST
+        setattr(sys.modules[module], name, _switched.pop())
+
+
+@assume_constant_result  # traced, it runs as Dynamo traces (before a graph break resumes)
+def watch_compiles() -> bool:
+    """Have code that torch.compile compiles while a famp call runs on the thread (a compiled
+    module inside the call, a frame resumed after a graph break, a nested call's own compile)
+    trace its backward without autocast, as eager backward runs after the call: torch traces it
+    under the autocast state the frame began in, famp's, in which famp's rules were not (see
+    `famp._compat`). Nothing to do before Dynamo is loaded: nothing compiles without it."""
+    if "torch._dynamo" in sys.modules:
+        handler = compile_callbacks()
+        if _compile_starts not in handler.start_callbacks:  # torch.compiler.reset() drops them
+            handler.register_start_callback(_compile_starts)
+            handler.register_end_callback(_compile_ends)
+    return True
 
 
 def own_code(fn: Callable[..., Any]) -> Any:

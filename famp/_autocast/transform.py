@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from famp._autocast.call import CallRecord, current_state
-from famp._autocast.compiled import call_compiled, own_code
+from famp._autocast.compiled import call_compiled, own_code, watch_compiles
 from famp._autocast.mode import FampMode
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
@@ -145,6 +145,7 @@ class Transform:
             outer.suspended += 1
         stack.append(record)
         record.use_hooks(+1)
+        watch_compiles()
         try:
             with region(device_type, *record.base, call=True, outer=before):
                 if record.intercepts:

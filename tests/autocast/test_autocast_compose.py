@@ -833,11 +833,10 @@ def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
 
 def test_torch_compile_model_inside_a_call_with_overrides_only_gives_eager_bits() -> None:
     # Without module rules famp's mode takes a shorter path per op eagerly; Dynamo traces the
-    # compiled model with the mode active, and takes the full one. torch traces the backward of a
-    # region compiled inside autocast under that autocast unless told not to (its own eager
-    # semantics, and famp's: the overrides' float32 ops get float32 gradients).
-    import torch._functorch.config as functorch_config
-
+    # compiled model with the mode active, and takes the full one. torch would trace the backward
+    # of a region compiled inside autocast under that autocast; famp has it traced without, as
+    # eager backward runs (the overrides' float32 ops get float32 gradients), with torch's
+    # setting as it was (tests/autocast/test_compiled_backward.py).
     model, x = _mlp(), torch.randn(5, 8)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
 
@@ -852,8 +851,7 @@ def test_torch_compile_model_inside_a_call_with_overrides_only_gives_eager_bits(
     with warnings.catch_warnings():
         # torch warns that famp's global module hook also fires for the compile wrapper.
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
-        with functorch_config.patch(backward_pass_autocast="off"):
-            actual = run(compiled)
+        actual = run(compiled)
     for a, e in zip(actual, expected, strict=True):
         assert_bitwise_equal(a, e)
 
