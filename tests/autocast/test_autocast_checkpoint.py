@@ -11,7 +11,7 @@ that recompute nothing (activation offloading).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -236,16 +236,7 @@ def test_checkpoint_mode_of_a_famp_call(mode: str) -> None:
 # --- FSDP2 ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_rank_mesh() -> Iterator[Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+# `one_rank_mesh`: tests/autocast/conftest.py.
 
 
 @pytest.mark.parametrize("mode", list(MODES))

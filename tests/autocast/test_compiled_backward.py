@@ -196,3 +196,24 @@ def test_after_a_compiler_reset_the_next_call_keeps_eager_gradients() -> None:
     model.zero_grad()
     compiled = torch.compile(f, backend="aot_eager")
     _assert_all_equal(_output_and_grads(compiled, model), _by_hand())
+
+
+def test_fsdp2_graph_breaks_inside_a_compiled_call_keep_eager_gradients(one_rank_mesh: Any) -> None:
+    # FSDP2's hooks break Dynamo's graphs: each sharded module's forward is a resumed frame.
+    from torch.distributed.fsdp import fully_shard
+
+    results = []
+    for compiled in (False, True):
+        torch.compiler.reset()
+        model = _model()
+        fully_shard(model[2], mesh=one_rank_mesh)
+        fully_shard(model, mesh=one_rank_mesh)
+        f = famp.autocast(model, "c=bf16,o=f32", module_rules={"2": "c=f32"})
+        if compiled:
+            f = torch.compile(f, backend="aot_eager")
+        y = f(_x())
+        y.float().pow(2).sum().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr]
+        results.append([y.detach(), *grads])
+    _assert_all_equal(results[1], results[0])
+    _assert_all_equal(results[0], _by_hand())
