@@ -33,8 +33,7 @@ saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
-# `famp.autocast`'s own compile (`_autocast/compiled.py`) relaxes `mark_dynamic` marks that a
-# caller set for a compile of theirs; no public API reads marks, relaxes them or names the error.
+# famp's own compile relaxes callers' `mark_dynamic` marks: no public API reads or relaxes them.
 def dynamic_marks(tensor: torch.Tensor) -> bool:
     """Whether `torch._dynamo.mark_dynamic` marked a size of `tensor` (a private attribute)."""
     return hasattr(tensor, "_dynamo_dynamic_indices")
@@ -51,8 +50,7 @@ def refused_marks(error: BaseException) -> bool:
     return shapes is not None and isinstance(error, shapes.ConstraintViolationError)
 
 
-# The types of `torch.ops.aten.<op>` (a packet) and `torch.ops.aten.<op>.<overload>`: famp's mode
-# receives them as the functions of op calls and names the aten op from them. Not public types.
+# Types (not public) of `torch.ops.aten.<op>` and `<op>.<overload>`: famp's mode names ops by them.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
@@ -76,9 +74,8 @@ _TRACED_HOOK_KEY = -0xFA4D  # negative: never meets a handle id (those count up 
 
 
 def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any] | None) -> None:
-    """Set famp's global forward pre-hook `pre` and always-called hook `post` (unless None: eager
-    code registered it) while Dynamo traces, which cannot trace their handles' creation, into
-    torch's dicts; with both None remove them."""
+    """Set famp's global forward pre-hook and always-called hook (unless None: registered eagerly)
+    in torch's dicts while Dynamo traces (it cannot trace handles' creation); None, None removes."""
     import torch.nn.modules.module as torch_module
 
     tables: tuple[dict[int, Any], ...] = (
@@ -93,10 +90,9 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
             table[_TRACED_HOOK_KEY] = value
 
 
-# AOTAutograd traces compiled code's backward under the autocast state its forward began in
-# (torch's default, "same_as_forward"); eager backward runs without it (pytorch/pytorch#179804).
-# famp sets this private config "off" around compiles inside its calls (`_autocast/compiled.py`),
-# run from Dynamo's private compile callbacks: no public hook runs when a compile starts.
+# AOTAutograd traces compiled code's backward under the autocast its forward began in (torch's
+# default "same_as_forward"; eager backward runs without, pytorch/pytorch#179804): famp sets this
+# private config "off" for compiles inside its calls, from Dynamo's private compile callbacks.
 BACKWARD_AUTOCAST = ("torch._functorch.config", "backward_pass_autocast")
 
 
@@ -110,8 +106,8 @@ def tree_leaves(tree: object) -> list[object]:
 
 
 def in_backward() -> bool:
-    """Whether a backward pass runs on this thread (no public query): checkpoint hooks leave in a
-    node's post-hook, which never runs if it raises; a later call outside backward cleans up."""
+    """Whether a backward runs on this thread (no public query): after a raise in a checkpoint
+    node (its post-hook, where famp leaves, never ran), a call outside backward cleans up."""
     return bool(torch._C._current_graph_task_id() != -1)
 
 
@@ -119,9 +115,8 @@ def in_backward() -> bool:
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
-# What `torch.compiler.assume_constant_result(fn)` does (torch 2.13-2.15), without its import of
-# `torch._dynamo` (~850 modules, about a second) when famp marks its functions at import.
-# tests/test_import_cost.py checks that torch's function sets exactly this attribute.
+# `torch.compiler.assume_constant_result(fn)` (torch 2.13-2.15) without its import of Dynamo (~1 s)
+# at famp's import; tests/test_import_cost.py checks that torch's sets exactly this attribute.
 _DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
 
 
@@ -306,5 +301,10 @@ def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
     return getattr(tensor, "_post_accumulate_grad_hooks", True) is not None
 
 
-def forward_hooked(module: torch.nn.Module) -> bool:  # a module's own forward hooks: a private dict
-    return bool(module._forward_hooks)
+def forward_hooks(module: torch.nn.Module, hooks: Any = None) -> Any:
+    """A module's own forward hooks (a private dict), replaced by `hooks` if given: while Dynamo
+    traces (no hook handle can be made there) famp leaves a rule's scope after them."""
+    own = module._forward_hooks
+    if hooks is not None:
+        module._forward_hooks = hooks
+    return own

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -28,12 +29,13 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
-    forward_hooked,
+    forward_hooks,
     is_compiled_module,
     no_torch_function,
     torch_function_modes,
 )
 
+LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
 _FAST_PATH_MODULES = (
     torch.nn.MultiheadAttention,
     torch.nn.TransformerEncoderLayer,
@@ -157,7 +159,7 @@ class CallRecord:
         if module.__dict__.get("inplace") is not True:
             args = policy.cast_to_compute(args)
         self.declined.append(self._decline(module, args, inner))
-        if forward_hooked(module):  # the module's own forward hooks run in its scope: leave last
+        if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
         return args
 
@@ -167,11 +169,18 @@ class CallRecord:
         `famp.autocast` call of the module would (its output cast then casts the hooks' output).
         """
         if torch.compiler.is_compiling():
-            raise ValueError(
-                f"famp.autocast: the module rule for {type(module).__name__} cannot apply to its "
-                "own forward hooks in a compiled function (torch runs them after famp leaves the "
-                "module); call it as a nested famp.autocast instead, or run it eagerly"
-            )
+            # No hook handle can be made while Dynamo traces: the module's hooks are replaced by
+            # a copy with famp's last, which puts them back (the two cancel out in the graph).
+            own = forward_hooks(module)
+
+            def leave_traced(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+                forward_hooks(left, own)
+                self.late.pop()
+                return self.exit_module(left, output, last=True)
+
+            forward_hooks(module, OrderedDict([*own.items(), (LEAVE_KEY, leave_traced)]))
+            self.late.append(module)
+            return
         thread = threading.get_ident()
 
         def leave(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
