@@ -23,7 +23,7 @@ from famp._autocast.casts import AS_TORCH, apply_rule
 from famp._autocast.mode import FampMode, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
-from famp._autocast.patterns import AutocastWarning, match, warn_unmatched
+from famp._autocast.patterns import AutocastWarning, match, module_paths, warn_unmatched
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
@@ -83,8 +83,10 @@ class CallRecord:
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         # The policy of each module of the root entered last (by its path there), and per root.
-        self.module_policy: dict[torch.nn.Module, Policy | None] = {}
-        self.roots: dict[torch.nn.Module, dict[torch.nn.Module, Policy | None]] = {}
+        # By id: Dynamo fails on dicts keyed by the modules it traces. `held` keeps the ids alive.
+        self.module_policy: dict[int, Policy | None] = {}
+        self.roots: dict[int, dict[int, Policy | None]] = {}
+        self.held: list[torch.nn.Module] = []
         self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None.
@@ -105,7 +107,7 @@ class CallRecord:
     def replayed(
         transform: Any,
         device_type: str,
-        module_policy: dict[torch.nn.Module, Policy | None],
+        module_policy: dict[int, Policy | None],
         scopes: tuple[tuple[bool, torch.dtype] | None, ...],
     ) -> CallRecord:
         record = CallRecord(transform, device_type)
@@ -137,16 +139,18 @@ class CallRecord:
         if self.track and not torch.compiler.is_compiling():
             observe(self, args)
         if not self.scopes:  # `module` is a root: its paths start here, each time it is one
-            policies = self.roots.get(module)
+            policies = self.roots.get(id(module))
             if policies is None:
-                policies = self.roots[module] = {}
-                for path, sub in module.named_modules():
+                policies = self.roots[id(module)] = {}
+                self.held.append(module)
+                paths = module_paths(module)
+                for path, sub in paths:
                     i = match(self.patterns, path)
-                    policies[sub] = self.policies[i] if i >= 0 else None
+                    policies[id(sub)] = self.policies[i] if i >= 0 else None
                 if self.track:  # eagerly: which patterns match, for the warning on the others
-                    self.paths.extend(path for path, _ in module.named_modules())
+                    self.paths.extend(path for path, _ in paths)
             self.module_policy = policies
-        policy = self.module_policy.get(module)
+        policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
         if policy is None:
             self.scopes.append(outer)
@@ -202,7 +206,7 @@ class CallRecord:
         declined = self.declined.pop() if self.declined else None
         if declined is not None:
             declined.close()
-        policy = self.module_policy.get(module)
+        policy = self.module_policy.get(id(module))
         if policy is None:
             return None
         outer = self.scopes[-1] if self.scopes else None

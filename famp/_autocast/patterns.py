@@ -8,7 +8,9 @@ import fnmatch
 import warnings
 from collections.abc import Callable
 
-from famp._compat import assume_constant_result
+import torch
+
+from famp._compat import assume_constant_result, is_compiled_module
 
 
 class AutocastWarning(UserWarning):
@@ -34,6 +36,23 @@ def _first_match(patterns: tuple[str, ...], path: str) -> int:
 match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
 
 
+def module_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """`root.named_modules()` with `torch.compile(module)`'s wrappers see-through: the modules of
+    a compiled submodule `2` are `2`, `2.0`, ..., not `2._orig_mod`, `2._orig_mod.0` (as a compiled
+    root's paths are the model's own); the wrapper, which famp passes over, keeps `2`."""
+    named = list(root.named_modules())
+    wrappers = sorted((p for p, m in named if is_compiled_module(m)), key=len, reverse=True)
+    found = []
+    for path, module in named:
+        for wrapper in wrappers:  # the innermost first
+            inner = f"{wrapper}._orig_mod" if wrapper else "_orig_mod"
+            if path == inner or path.startswith(inner + "."):
+                rest = path[len(inner) :]
+                path = wrapper + rest if wrapper else rest[1:]
+        found.append((path, module))
+    return found
+
+
 def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
     """Warn about the module rules that matched none of a call's module `paths`, naming the
     nearest paths; whether it warned."""
@@ -54,7 +73,7 @@ def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
         + "; ".join(lines)
         + ". Paths are relative to the outermost module called; a wrapper adds a prefix "
         "(DistributedDataParallel 'module.', FSDP1 '_fsdp_wrapped_module.'; not "
-        "torch.compile(model), whose paths are the model's): write the pattern for the "
+        "torch.compile(module), whose paths are the module's): write the pattern for the "
         "wrapped model ('module.head') or with a leading '*' ('*head').",
         AutocastWarning,
         stacklevel=4,

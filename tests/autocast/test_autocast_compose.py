@@ -831,6 +831,39 @@ def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
     assert_bitwise_equal(actual, expected)
 
 
+def _block_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), block, nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("rule", ["2", "2.2"])  # the compiled submodule, a module inside it
+def test_a_compiled_submodule_keeps_its_own_paths_for_module_rules(rule: str) -> None:
+    # `torch.compile(model[2])` inside a model: its modules' paths are `2`, `2.2`, as a compiled
+    # root's are the model's own (not `2._orig_mod.2`). Before, the rule `2` silently matched the
+    # wrapper, which famp passes over, and Dynamo failed on `2._orig_mod`'s lookup.
+    x = torch.randn(5, 8)
+    model, reference = _block_model(), _block_model()
+    model[2] = torch.compile(model[2], backend="aot_eager")
+
+    def loss_and_grads(m: nn.Module, rules: dict[str, str]) -> list[torch.Tensor]:
+        loss = famp.autocast(m, "c=bf16,o=f32", module_rules=rules)(x).pow(2).sum()
+        loss.backward()
+        return [loss, *(p.grad for p in m.parameters())]  # type: ignore[misc]
+
+    expected = loss_and_grads(reference, {rule: "c=f32"})
+    assert not torch.equal(expected[0], loss_and_grads(_block_model(), {})[0])  # the rule acts
+    with warnings.catch_warnings():  # torch's: famp's global hooks fire for the wrapper too;
+        # Dynamo reads `.grad` of the (non-leaf) input the compiled submodule receives
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        warnings.filterwarnings("ignore", message=r"The .grad attribute of a Tensor that is not")
+        actual = loss_and_grads(model, {rule: "c=f32"})
+        with pytest.warns(famp.AutocastWarning, match=r"'2\._orig_mod' \(nearest module paths: "):
+            famp.autocast(model, "c=bf16", module_rules={"2._orig_mod": "f32"})(x)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
 def test_torch_compile_model_inside_a_call_with_overrides_only_gives_eager_bits() -> None:
     # Without module rules famp's mode takes a shorter path per op eagerly; Dynamo traces the
     # compiled model with the mode active, and takes the full one. torch would trace the backward
