@@ -13,13 +13,10 @@ tensor choice cannot restore (state created lazily on a first step, Python numbe
 `SparseAdam`'s count or a group's `group['step'] += 1`, keys added or removed, lists grown) is
 restored after one host read of `skip`, on the steps that changed it only.
 
-Optimizers also keep state outside their parameters' entries, which is undone alike: entries of
-`optimizer.state` not keyed by a parameter (MADGRAD's step count, `state['k']`, a tensor written
-in place) and the optimizer's own attributes (Ranger21's iteration count, an EMA of the gradient
-norm kept in a tensor attribute). torch's own attributes (hooks, `defaults`, an LR scheduler's
-flag that `step()` was called) are not training state and are left as the step set them. Random
-generators are put back too, torch's default ones (the CPU's, the parameters' devices') and those
-among the attributes: a step that draws (noise, stochastic rounding) advances them.
+State outside the parameters' entries is undone alike: `optimizer.state` keys that are no
+parameter (MADGRAD's `state['k']`), the optimizer's own attributes (Ranger21's iteration count;
+torch's own, hooks and flags, are left as the step set them), and the random generators a step
+draws from (torch's default ones, the CPU's and the parameters' devices', and the attributes').
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ from famp._typing import Tensor
 _PLAIN = (bool, int, float, complex, str)
 _NONE: frozenset[int] = frozenset()
 
-# Dicts flatten in insertion order in famp's own optree namespace, so their keys need not sort
-# (an attribute keyed by parameters, as `ZeroRedundancyOptimizer` keeps). Set once for good: the
-# setting is global to the namespace, and no thread should see it change (the context is held
-# here: collected, it would set the namespace back).
+# Dicts flatten in insertion order in famp's optree namespace: keys need not sort (ZeRO's keyed by
+# parameters). Set for good (held: collected, the context would set it back) for every thread.
 _NAMESPACE = "famp.undo"
 _INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=_NAMESPACE)
 _INSERTION_ORDERED.__enter__()
@@ -172,9 +167,8 @@ class _Entries:
 
 @functools.cache
 def _torch_attributes() -> frozenset[str]:
-    """The attributes torch itself keeps on an optimizer, read from the installed torch: its
-    state, param groups, defaults, hooks and flags, and what an LR scheduler adds (a wrapped
-    `step`, a flag that it was called)."""
+    """The attributes torch keeps on an optimizer, read from the installed torch: state, groups,
+    defaults, hooks, flags, an LR scheduler's (a wrapped `step`, a flag that it was called)."""
     p = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.SGD([p], lr=0.0)
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -195,17 +189,33 @@ def _unkeyed(state: dict[Any, Any]) -> dict[Any, Any]:
     return {k: v for k, v in state.items() if not isinstance(k, torch.Tensor)}
 
 
-def _default_generators(params: list[torch.nn.Parameter]) -> dict[str, torch.Generator]:
+def _default_generators(params: list[torch.nn.Parameter]) -> list[torch.Generator]:
     """torch's default random generators, the CPU's and those of the parameters' devices: a step
     that draws random numbers (noise, stochastic rounding) advances them, a skipped step must
     not, or every later draw (dropout's masks too) differs from a `GradScaler` loop's."""
-    found = {"cpu": torch.default_generator}
-    for p in params:
-        if p.device.type != "cpu" and str(p.device) not in found:
-            defaults = getattr(getattr(torch, p.device.type, None), "default_generators", ())
-            if p.device.index is not None and p.device.index < len(defaults):
-                found[str(p.device)] = defaults[p.device.index]
+    found = [torch.default_generator]
+    for device in {p.device for p in params if not p.is_cpu}:
+        defaults = getattr(getattr(torch, device.type, None), "default_generators", ())
+        if device.index is not None and device.index < len(defaults):
+            found.append(defaults[device.index])
     return found
+
+
+def _entries(entries: dict[Any, Any], held: frozenset[int], generators: bool) -> _Entries | None:
+    return _Entries(entries, held=held, generators=generators) if entries else None
+
+
+def _changed(old: _Entries | None, entries: dict[Any, Any], on: Any, held: frozenset[int]) -> bool:
+    """`old.select(...)`; for entries that were none, whether any appeared."""
+    return bool(entries) if old is None else old.select(entries, on, held)
+
+
+def _restore(old: _Entries | None, now: dict[Any, Any], into: dict[Any, Any]) -> None:
+    """Entries `now` of `into` (an optimizer's state, its `vars`) back as `old` holds them."""
+    before = {} if old is None else old.restored()
+    for k in [k for k in now if k not in before]:
+        del into[k]
+    into.update(before)
 
 
 def _group_entries(group: dict[str, Any]) -> dict[str, Any]:
@@ -243,9 +253,9 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     with torch.no_grad():
         groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in all_groups]
         before = [[_Entries(s[p]) if p in s else None for p in params] for s in states]
-        unkeyed = [_Entries(_unkeyed(s), held=held) for s in states]
-        attributes = [_Entries(_attributes(o), held=held, generators=True) for o in optimizers]
-        generators = _Entries(_default_generators(params), generators=True)
+        unkeyed = [_entries(_unkeyed(s), held, generators=False) for s in states]
+        attributes = [_entries(_attributes(o), held, generators=True) for o in optimizers]
+        generators = [(g, _generator_state(g)) for g in _default_generators(params)]
         before_params = [p.detach().clone() for p in params]
         # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
         # a skipped GradScaler step leaves the unscaled gradients as they were.
@@ -263,10 +273,10 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         for group, old_group in zip(all_groups, groups, strict=True):
             untensorlike |= old_group.select(_group_entries(group), on)
         for s, old_unkeyed in zip(states, unkeyed, strict=True):
-            untensorlike |= old_unkeyed.select(_unkeyed(s), on, held)
+            untensorlike |= _changed(old_unkeyed, _unkeyed(s), on, held)
         for o, old_attributes in zip(optimizers, attributes, strict=True):
-            untensorlike |= old_attributes.select(_attributes(o), on, held)
-        untensorlike |= generators.select(_default_generators(params), on)
+            untensorlike |= _changed(old_attributes, _attributes(o), on, held)
+        untensorlike |= any(not torch.equal(_generator_state(g), v) for g, v in generators)
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
             torch.where(on(new.device), old, new, out=new)
@@ -293,13 +303,8 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                     else:
                         s[p] = old_state.restored()
             for s, old_unkeyed in zip(states, unkeyed, strict=True):
-                entries = old_unkeyed.restored()
-                for k in [k for k in _unkeyed(s) if k not in entries]:
-                    del s[k]
-                s.update(entries)
+                _restore(old_unkeyed, _unkeyed(s), s)
             for o, old_attributes in zip(optimizers, attributes, strict=True):
-                entries = old_attributes.restored()
-                for k in [k for k in _attributes(o) if k not in entries]:
-                    del vars(o)[k]
-                vars(o).update(entries)
-            generators.restored()
+                _restore(old_attributes, _attributes(o), vars(o))
+            for g, v in generators:
+                g.set_state(v.view(torch.uint8))
