@@ -36,11 +36,12 @@ def _first_match(patterns: tuple[str, ...], path: str) -> int:
 match: Callable[[tuple[str, ...], str], int] = assume_constant_result(_first_match)
 
 
-def module_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def module_paths(root: torch.nn.Module, unique: bool = True) -> list[tuple[str, torch.nn.Module]]:
     """`root.named_modules()` with `torch.compile(module)`'s wrappers see-through: the modules of
     a compiled submodule `2` are `2`, `2.0`, ..., not `2._orig_mod`, `2._orig_mod.0` (as a compiled
-    root's paths are the model's own); the wrapper, which famp passes over, keeps `2`."""
-    named = list(root.named_modules())
+    root's paths are the model's own); the wrapper, which famp passes over, keeps `2`. `unique`:
+    a module held twice once, as `named_modules`'s `remove_duplicate`."""
+    named = list(root.named_modules(remove_duplicate=unique))
     wrappers = sorted((p for p, m in named if is_compiled_module(m)), key=len, reverse=True)
     found = []
     for path, module in named:

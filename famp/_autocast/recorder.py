@@ -24,6 +24,7 @@ import torch
 
 from famp._autocast.defaults import default_rules
 from famp._autocast.ops import overloads
+from famp._autocast.patterns import module_paths
 from famp._autocast.recompute import calls
 from famp._autocast.rules import OpRules
 from famp._autocast.trace import OpRecord
@@ -130,7 +131,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.paths = self.roots.setdefault(module, {})
         if module not in self.paths:  # the root, or a module outside its tree called inside it
             parent = self.modules[-1] if self.modules else ""
-            for path, sub in module.named_modules(remove_duplicate=False):
+            for path, sub in module_paths(module, unique=False):
                 self.paths.setdefault(sub, ".".join(p for p in (parent, path) if p))
         self.modules.append(self.paths[module])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -168,6 +169,20 @@ def test_module_paths_and_outside_ops() -> None:
         ("aten.sum.default", "", "sum"),
         ("aten.mul.Tensor", "", ""),
     ]
+
+
+def test_a_compiled_submodule_is_named_by_the_paths_module_rules_use() -> None:
+    # `torch.compile(block)` inside a model: `mlp`, `mlp.0`, as a rule names them, not
+    # `mlp._orig_mod.0`; the rule on `mlp` applies there.
+    model, x = _block()
+    model.mlp = torch.compile(model.mlp, backend="aot_eager")  # type: ignore[assignment]
+    with warnings.catch_warnings():  # torch's: famp's global hooks also fire for the wrapper
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        _, trace = famp.explain(model, "c=bf16,o=f32", module_rules={"mlp": "c=f32"})(x)
+    assert {r.module for r in trace} == {"", "attn", "norm", "mlp.0", "mlp.1", "mlp.2"}
+    mlp = [r for r in trace if r.module.startswith("mlp.") and r.op == "aten.addmm.default"]
+    assert len(mlp) == 2
+    assert all(r.source == "module" and r.out_dtypes == (torch.float32,) for r in mlp)
 
 
 def test_table_and_summary_name_every_op() -> None:
