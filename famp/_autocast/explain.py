@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -78,8 +79,9 @@ def explain(
     `torch.autocast` (the casts autocast inserts are `aten._to_copy` ops; composite ops
     appear as their pieces). An op's rule is that of the torch function called from Python that
     encloses it (the `addmm` inside `F.linear` runs under `linear`'s rule); the module
-    docstring of `famp._autocast.explain` spells out the cases. Explain always runs eagerly: a
-    compiled graph has no per-op dispatch to watch.
+    docstring of `famp._autocast.explain` spells out the cases. Explain always runs eagerly, code
+    compiled with `torch.compile` inside `fn` too (torch's `"force_eager"` stance): a compiled
+    graph has no per-op dispatch to watch.
 
     Args:
         fn: The function (or module) to run.
@@ -122,8 +124,10 @@ def explain(
         pre = register_module_forward_pre_hook(recorder.pre_hook)
         post = register_module_forward_hook(recorder.post_hook, always_call=True)
         previous = sys.getprofile()
+        # Compiled code inside `fn` runs eagerly too (Dynamo is loaded if anything was compiled).
+        eager = "torch._dynamo" in sys.modules
         try:
-            with recorder:
+            with recorder, torch.compiler.set_stance("force_eager") if eager else nullcontext():
                 sys.setprofile(recorder.profile)
                 try:
                     out = transformed(*args, **kwargs)
