@@ -100,7 +100,7 @@ class CallRecord:
 
     def frozen(self) -> Callable[[], CallRecord]:
         """A factory of this call's record as it is now, with a fresh cast cache."""
-        args = (self.transform, self.device_type, self.module_policy, tuple(self.scopes))
+        args = (self.transform, self.device_type, self.module_policy, tuple(self.scopes), self.held)
         return partial(CallRecord.replayed, *args)
 
     @staticmethod
@@ -109,10 +109,11 @@ class CallRecord:
         device_type: str,
         module_policy: dict[int, Policy | None],
         scopes: tuple[tuple[bool, torch.dtype] | None, ...],
+        held: list[torch.nn.Module],
     ) -> CallRecord:
         record = CallRecord(transform, device_type)
         record.track = True  # a recomputation runs eagerly, in backward
-        record.module_policy = module_policy
+        record.module_policy, record.held = module_policy, held  # the ids' modules kept alive
         record.scopes = list(scopes)
         record.hooked = bool(record.patterns) or record.intercepts
         return record
@@ -173,16 +174,14 @@ class CallRecord:
         `famp.autocast` call of the module would (its output cast then casts the hooks' output).
         """
         if torch.compiler.is_compiling():
-            # No hook handle can be made while Dynamo traces: the module's hooks are replaced by
-            # a copy with famp's last, which puts them back (the two cancel out in the graph).
-            own = forward_hooks(module)
+            own = forward_hooks(module)  # no handle while tracing: a copy of them, famp's last
 
             def leave_traced(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
                 forward_hooks(left, own)
                 self.late.pop()
                 return self.exit_module(left, output, last=True)
 
-            forward_hooks(module, OrderedDict([*own.items(), (LEAVE_KEY, leave_traced)]))
+            forward_hooks(module, OrderedDict([*own.items(), (LEAVE_KEY, leave_traced)]))  # undone
             self.late.append(module)
             return
         thread = threading.get_ident()
