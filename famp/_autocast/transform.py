@@ -141,11 +141,11 @@ class Transform:
             args = self.policy.cast_to_compute(args)
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
+        watch_compiles()  # before any state of the call is set: nothing to undo if it raises
         for outer in stack:
             outer.suspended += 1
         stack.append(record)
         record.use_hooks(+1)
-        watch_compiles()
         try:
             with region(device_type, *record.base, call=True, outer=before):
                 if record.intercepts:
