@@ -56,21 +56,24 @@ def _model(break_at: int | None = None) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _x() -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+def _x(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch))
 
 
-def _output_and_grads(f: Callable[[torch.Tensor], torch.Tensor], model: nn.Module) -> list[Any]:
-    y = f(_x())
+def _output_and_grads(
+    f: Callable[[torch.Tensor], torch.Tensor], model: nn.Module, batch: int = 4
+) -> list[Any]:
+    model.zero_grad()
+    y = f(_x(batch))
     y.float().pow(2).sum().backward()
     return [y.detach(), *(p.grad for p in model.parameters())]
 
 
-def _by_hand(block_in_float32: bool = True) -> list[Any]:
+def _by_hand(block_in_float32: bool = True, batch: int = 4) -> list[Any]:
     """torch.autocast(bfloat16), off inside the block: what each case below computes."""
     model = _model()
     with torch.autocast("cpu", dtype=BF16):
-        h = model[1](model[0](_x()))
+        h = model[1](model[0](_x(batch)))
         if block_in_float32:
             with torch.autocast("cpu", enabled=False):
                 h = model[2](h.float())
@@ -186,16 +189,17 @@ def test_a_setting_of_the_users_own_is_left_as_it_is() -> None:
         assert _config().backward_pass_autocast == setting
 
 
-def test_after_a_compiler_reset_the_next_call_keeps_eager_gradients() -> None:
-    # torch.compiler.reset() drops Dynamo's compile callbacks, famp's among them.
+def test_after_a_compiler_reset_and_a_recompile_calls_keep_eager_gradients() -> None:
+    # torch.compiler.reset() drops Dynamo's compile callbacks, famp's among them; a new batch
+    # size then recompiles the frames (with dynamic sizes, as Dynamo does on a second shape).
     torch.compiler.reset()
     model = _model(break_at=4)
     f = famp.autocast(model, "c=bf16,o=f32", module_rules=_block_rule(model))
     torch.compile(f, backend="aot_eager")(_x())
     torch.compiler.reset()
-    model.zero_grad()
     compiled = torch.compile(f, backend="aot_eager")
-    _assert_all_equal(_output_and_grads(compiled, model), _by_hand())
+    for batch in (4, 6, 5):
+        _assert_all_equal(_output_and_grads(compiled, model, batch), _by_hand(batch=batch))
 
 
 def test_fsdp2_graph_breaks_inside_a_compiled_call_keep_eager_gradients(one_rank_mesh: Any) -> None:
