@@ -17,7 +17,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from famp._autocast.recompute import calls
+import torch
+
+from famp._autocast.recompute import calls, observe_eagerly, untraced
 from famp._compat import (
     BACKWARD_AUTOCAST,
     assume_constant_result,
@@ -50,8 +52,11 @@ def watch_compiles() -> bool:
     module inside the call, a frame resumed after a graph break, a nested call's own compile)
     trace its backward without autocast, as eager backward runs after the call: torch traces it
     under the autocast state the frame began in, famp's, in which famp's rules were not (see
-    `famp._compat`). Nothing to do before Dynamo is loaded: nothing compiles without it."""
+    `famp._compat`); and have `recompute.observe` run untraced where Dynamo resumes an eager
+    call's frame. Nothing to do before Dynamo is loaded: nothing compiles without it."""
     if "torch._dynamo" in sys.modules:
+        if not untraced:
+            untraced.append(torch.compiler.disable(observe_eagerly))
         handler = compile_callbacks()
         if _compile_starts not in handler.start_callbacks:  # torch.compiler.reset() drops them
             handler.register_start_callback(_compile_starts)

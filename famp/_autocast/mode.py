@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.op_calls import call, inplace_target, renorms
 from famp._autocast.overrides import plain
-from famp._autocast.recompute import bracket_outputs, observe
+from famp._autocast.recompute import bracket_outputs, observe_eagerly
 from famp._compat import saved_tensors_hooks_top
 
 
@@ -92,7 +92,7 @@ class FampMode(TorchFunctionMode):
             return self._op(owner, func, args, kwargs, False)
         if owner.recompute_only and saved_tensors_hooks_top() is None:
             return call(func, args, kwargs)  # a custom backward, not the recomputation
-        block = observe(owner, args)  # eagerly: is this op inside a checkpointed block?
+        block = observe_eagerly(owner, args)  # is this op inside a checkpointed block?
         out = self._op(owner, func, args, kwargs, True)
         if block is not None:
             bracket_outputs(out, block)

@@ -58,7 +58,21 @@ def _snapshot() -> Snapshot:
     return tuple(record.frozen() for record in calls())
 
 
+# `observe_eagerly` with Dynamo off inside, made once Dynamo is loaded (`compiled.watch_compiles`).
+untraced: list[Callable[[Any, Any], Snapshot | None]] = []
+
+
 def observe(record: Any, values: Any) -> Snapshot | None:
+    """`observe_eagerly`, also where Dynamo traces an eager call's frame that it resumed after a
+    graph break (the call's record tracks): there it runs behind a graph break, where torch's
+    query of the saved-tensor hooks, which Dynamo cannot trace, would have broken the graph too,
+    with a warning."""
+    if torch.compiler.is_compiling():
+        return (untraced[0] if untraced else observe_eagerly)(record, values)
+    return observe_eagerly(record, values)
+
+
+def observe_eagerly(record: Any, values: Any) -> Snapshot | None:
     """Called eagerly before each famp event; returns the block's snapshot inside a checkpoint.
 
     Inside saved-tensor hooks (a non-reentrant checkpoint) the first event of the block records

@@ -128,6 +128,7 @@ class Transform:
         return call_compiled(self.compiled, marked, device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
+        watch_compiles()  # first: nothing of the call to undo if it raises
         record = CallRecord(self, device_type)
         if record.track:
             drop_abandoned_replays()
@@ -141,7 +142,6 @@ class Transform:
             args = self.policy.cast_to_compute(args)
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
-        watch_compiles()  # before any state of the call is set: nothing to undo if it raises
         for outer in stack:
             outer.suspended += 1
         stack.append(record)

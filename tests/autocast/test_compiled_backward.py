@@ -26,11 +26,9 @@ BF16 = torch.bfloat16
 
 # torch's own warnings: Dynamo reads `.grad` of the non-leaf tensors a resumed frame receives; a
 # `torch.compile(module)` wrapper called while famp's global module hooks are on fires them twice
-# (famp's hooks pass over the wrapper: `famp._compat.is_compiled_module`); torch 2.15 announces the
-# graph break at the private query famp's eager bookkeeping makes (which then runs eagerly).
+# (famp's hooks pass over the wrapper: `famp._compat.is_compiled_module`).
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
-    pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin"),
     pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global"),
 ]
 
