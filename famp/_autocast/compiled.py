@@ -56,7 +56,7 @@ def watch_compiles() -> bool:
     call's frame. Nothing to do before Dynamo is loaded: nothing compiles without it."""
     if "torch._dynamo" in sys.modules:
         if not untraced:
-            untraced.append(torch.compiler.disable(observe_eagerly))
+            untraced.append(torch.compiler.disable(observe_eagerly))  # type: ignore[no-untyped-call]
         handler = compile_callbacks()
         if _compile_starts not in handler.start_callbacks:  # torch.compiler.reset() drops them
             handler.register_start_callback(_compile_starts)
