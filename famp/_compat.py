@@ -94,6 +94,9 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
 # default "same_as_forward"; eager backward runs without, pytorch/pytorch#179804): famp sets this
 # private config "off" for compiles inside its calls, from Dynamo's private compile callbacks.
 BACKWARD_AUTOCAST = ("torch._functorch.config", "backward_pass_autocast")
+# Dynamo refuses a checkpointed block's changes outside it (famp's module scopes: left within the
+# block, nothing to replay) unless this private config is on: set while famp traces module rules.
+CHECKPOINT_EFFECTS = ("torch._dynamo.config", "skip_fwd_side_effects_in_bwd_under_checkpoint")
 
 
 def compile_callbacks() -> Any:
@@ -177,8 +180,7 @@ def real_tensors() -> Any:
 
 
 def kernel_registrations(dispatch_key: str) -> list[str]:
-    """The ops with a kernel registered for `dispatch_key` (`"AutocastCPU"`), as
-    `"aten::mm"` names: the autocast ops are read off torch's dispatcher; no public API."""
+    """Ops with a kernel for `dispatch_key` (`"AutocastCPU"`), as `"aten::mm"`: no public API."""
     return list(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
 
 
@@ -194,8 +196,7 @@ torch_pytree = torch_pytree_module
 # The functional form of GradScaler's update kernel; famp's update is bit-exact with it because it
 # calls it (there is no public functional name for it).
 amp_update_scale = torch.ops.aten._amp_update_scale
-# Its in-place form (`GradScaler.update`'s binding): eagerly `update_scale` runs it on copies of the
-# scale and tracker, as the operator above does (4.4 µs a call; the binding 1.2, each copy 1.2).
+# Its in-place binding (`GradScaler.update`'s): eager `update_scale` runs it on copies (faster).
 amp_update_scale_ = torch._amp_update_scale_
 
 
@@ -234,8 +235,7 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
 
 # `GradScaler`'s fused check-and-unscale kernel, which has no public name (the builtin itself).
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
-# The functional (out-of-place) form of the same kernel, for tensors whose in-place update is not
-# allowed (under torch.func, on other devices); no public name either.
+# Its functional form, where in-place updates are not allowed (torch.func, other devices).
 amp_foreach_non_finite_check_and_unscale = torch.ops.aten._amp_foreach_non_finite_check_and_unscale
 
 

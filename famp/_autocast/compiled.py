@@ -22,6 +22,7 @@ import torch
 from famp._autocast.recompute import calls, observe_eagerly, untraced
 from famp._compat import (
     BACKWARD_AUTOCAST,
+    CHECKPOINT_EFFECTS,
     assume_constant_result,
     compile_callbacks,
     refused_marks,
@@ -44,6 +45,29 @@ def _compile_ends(_: object) -> None:
     if _switched:
         module, name = BACKWARD_AUTOCAST
         setattr(sys.modules[module], name, _switched.pop())
+    if _scoping:  # a trace that raised inside a call with module rules
+        _scoping.clear()
+        module, name = CHECKPOINT_EFFECTS
+        setattr(sys.modules[module], name, False)
+
+
+_scoping: list[bool] = []  # calls with module rules being traced, while famp set the config on
+
+
+@assume_constant_result  # runs as Dynamo traces the call: before its checkpoints, and after
+def scopes_in_checkpoints(enter: bool) -> bool:
+    """Let Dynamo trace checkpointed blocks inside a call with module rules (entering and leaving
+    a module's scope changes the call's record, outside the block) from `enter=True` to
+    `enter=False` or the compile's end (see `famp._compat`); a setting of the user's own stays."""
+    module, name = CHECKPOINT_EFFECTS
+    if enter and (_scoping or not getattr(sys.modules[module], name)):
+        setattr(sys.modules[module], name, True)
+        _scoping.append(True)
+    elif not enter and _scoping:
+        _scoping.pop()
+        if not _scoping:
+            setattr(sys.modules[module], name, False)
+    return True
 
 
 @assume_constant_result  # traced, it runs as Dynamo traces (before a graph break resumes)

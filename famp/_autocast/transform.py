@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from famp._autocast.call import CallRecord, current_state
-from famp._autocast.compiled import call_compiled, own_code, watch_compiles
+from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.mode import FampMode
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
@@ -146,6 +146,8 @@ class Transform:
             outer.suspended += 1
         stack.append(record)
         record.use_hooks(+1)
+        if traced_scopes := bool(self.patterns) and not record.track:  # module rules, compiled
+            scopes_in_checkpoints(True)
         try:
             with region(device_type, *record.base, call=True, outer=before):
                 if record.intercepts:
@@ -164,6 +166,8 @@ class Transform:
             for outer in stack:
                 outer.suspended -= 1
             record.use_hooks(-1)
+            if traced_scopes:
+                scopes_in_checkpoints(False)
             if not stack and record.track:
                 end_of_outermost_call()
         if self.patterns and record.track:

@@ -272,8 +272,8 @@ def _compiled_run(mode: str | None, kind: str) -> Any:
     return loss, list(torch.autograd.grad(loss, params))
 
 
-@pytest.mark.parametrize("mode", ["nonreentrant", "selective"])
-@pytest.mark.parametrize("kind", ["overrides", "default"])
+@pytest.mark.parametrize("mode", list(MODES))  # Dynamo traces reentrant blocks as the others
+@pytest.mark.parametrize("kind", ["overrides", "default", "module_rules"])
 def test_checkpoint_mode_compiled(mode: str, kind: str) -> None:
     _assert_same(_compiled_run(mode, kind), _compiled_run(None, kind))
 
@@ -287,15 +287,107 @@ def test_checkpoint_compiled_overrides_reach_the_block() -> None:
     assert_bitwise_equal(overridden[0], _run(Net(None), _rules("overrides"), x)[0])
 
 
-def test_checkpoint_compiled_module_rules_raise_not_wrong_numbers() -> None:
-    # Dynamo traces a checkpointed block as a subgraph that may not change state outside it; the
-    # module scopes do, so tracing fails loudly (run the block eagerly or without module rules).
-    net = Net(MODES["nonreentrant"])
-    f: Callable[[torch.Tensor], torch.Tensor] = famp.autocast(
-        lambda x: net(x).float().sum(), "c=bf16", **_rules("module_rules")
+def _by_hand(net: Net, x: torch.Tensor, mode: dict[str, Any] | None) -> torch.Tensor:
+    """`Net` under `_rules("module_rules")`, written with `torch.autocast` and casts by hand."""
+    block = net.block
+
+    def out(t: torch.Tensor) -> torch.Tensor:  # "block.out": "c=f16,o=f16"
+        with torch.autocast("cpu", dtype=F16):
+            return block.out(t.to(F16)).to(F16)
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        a = block.act(block.inp(h))
+        with torch.autocast("cpu", enabled=False):  # "block.norm": "f32"
+            a = block.norm(a.float()).float()
+        return out(torch.tanh(out(a)))
+
+    with torch.autocast("cpu", dtype=BF16):
+        h = net.pre(x)
+        h = body(h) if mode is None else checkpoint(body, h, **mode)
+        with torch.autocast("cpu", enabled=False):  # "head": "f32"
+            y = net.head(h.float()).float()
+    return y.pow(2).sum()
+
+
+def _x_of(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch)).requires_grad_()
+
+
+def _grads_of(
+    f: Callable[[torch.Tensor], torch.Tensor], net: Net, x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    loss = f(x)
+    return loss, list(torch.autograd.grad(loss, [x, *net.parameters()]))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_checkpoint_compiled_module_rules_as_torch_autocast_by_hand(mode: str) -> None:
+    # Dynamo traces a checkpointed block as a subgraph that may not change state outside it, as
+    # module scopes do (entered and left inside the block): famp lets it while it traces the call.
+    actual = _compiled_run(mode, "module_rules")
+    net = Net(None)
+    compiled = torch.compile(
+        lambda x: _by_hand(net, x, MODES[mode]), fullgraph=True, backend="aot_eager"
     )
+    _assert_same(actual, _grads_of(compiled, net, _x()))
+    assert not torch.equal(actual[0], _compiled_run(mode, "default")[0])  # the rules reach it
+
+
+@pytest.mark.parametrize("dynamic", [True, None])  # None: static, then a recompile (batch 6)
+def test_checkpoint_compiled_module_rules_dynamic_shapes_and_a_recompile(dynamic: bool) -> None:
+    net, reference = Net(MODES["nonreentrant"]), Net(None)
+    f = famp.autocast(
+        lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules("module_rules")
+    )
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    by_hand = torch.compile(
+        lambda x: _by_hand(reference, x, MODES["nonreentrant"]),
+        fullgraph=True,
+        backend="aot_eager",
+        dynamic=dynamic,
+    )
+    for batch in (4, 6, 5):
+        x = _x_of(batch)
+        _assert_same(_grads_of(compiled, net, x), _grads_of(by_hand, reference, x))
+
+
+def _side_effects_setting() -> bool:
+    return bool(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
+
+
+def test_checkpoint_side_effects_stay_refused_outside_famps_traces() -> None:
+    net = Net(MODES["nonreentrant"])
+    rules = _rules("module_rules")
+    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **rules)
+    torch.compile(f, fullgraph=True, backend="aot_eager")(_x())
+    assert _side_effects_setting() is False
+
+    def broken(x: torch.Tensor) -> torch.Tensor:  # a trace that raises inside the call
+        torch._dynamo.graph_break()
+        return net(x).float().sum()
+
+    with pytest.raises(Exception, match="graph_break"):
+        torch.compile(famp.autocast(broken, "c=bf16", **rules), fullgraph=True)(_x())
+    assert _side_effects_setting() is False
+    seen: list[int] = []
+
+    def block(h: torch.Tensor) -> torch.Tensor:  # a side effect of the user's own, outside famp
+        seen.append(1)
+        return h * 2
+
     with pytest.raises(Exception, match="side effect"):
+        torch.compile(
+            lambda x: checkpoint(block, x, use_reentrant=False), fullgraph=True, backend="aot_eager"
+        )(_x())
+
+
+def test_checkpoint_side_effects_setting_of_the_users_own_is_left_as_it_is() -> None:
+    net = Net(MODES["nonreentrant"])
+    f = famp.autocast(lambda x: net(x).float().sum(), "c=bf16", **_rules("module_rules"))
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         torch.compile(f, fullgraph=True, backend="aot_eager")(_x())
+        assert _side_effects_setting() is True
+    assert _side_effects_setting() is False
 
 
 # --- a block that ends in a custom autograd Function --------------------------------------------
