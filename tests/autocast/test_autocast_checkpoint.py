@@ -351,6 +351,34 @@ def test_checkpoint_compiled_module_rules_dynamic_shapes_and_a_recompile(dynamic
         _assert_same(_grads_of(compiled, net, x), _grads_of(by_hand, reference, x))
 
 
+def test_checkpoint_compiled_module_rules_still_recompute() -> None:
+    # With side effects allowed, Dynamo returns the block's intermediates from its subgraph; the
+    # block must still be recomputed in backward, not saved (no silent loss of the memory saving).
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def saved(mode: str | None) -> tuple[int, int]:
+        seen: dict[str, int] = {}
+
+        def forward(gm: torch.fx.GraphModule, _: Any) -> Any:
+            seen["saved"] = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+            return make_boxed_func(gm.forward)
+
+        def backward(gm: torch.fx.GraphModule, _: Any) -> Any:
+            seen["ops"] = sum(n.op == "call_function" for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+
+        net = Net(None if mode is None else MODES[mode])
+        f = famp.autocast(lambda x: net(x).float().sum(), "c=bf16", **_rules("module_rules"))
+        backend = aot_autograd(fw_compiler=forward, bw_compiler=backward)
+        torch.compile(f, fullgraph=True, backend=backend)(_x()).backward()
+        return seen["saved"], seen["ops"]
+
+    checkpointed, plain = saved("nonreentrant"), saved(None)
+    assert checkpointed[0] < plain[0]  # fewer tensors saved for backward
+    assert checkpointed[1] > plain[1]  # more ops in backward: the recomputation
+
+
 def _side_effects_setting() -> bool:
     return bool(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
 
