@@ -94,8 +94,8 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
 # default "same_as_forward"; eager backward runs without, pytorch/pytorch#179804): famp sets this
 # private config "off" for compiles inside its calls, from Dynamo's private compile callbacks.
 BACKWARD_AUTOCAST = ("torch._functorch.config", "backward_pass_autocast")
-# Dynamo refuses a checkpointed block's changes outside it (famp's module scopes: left within the
-# block, nothing to replay) unless this private config is on: set while famp traces module rules.
+# Dynamo refuses a checkpointed block's changes outside it (famp's module scopes, its mode pushed
+# again: undone within the block) unless this private config is on: famp sets it while it traces.
 CHECKPOINT_EFFECTS = ("torch._dynamo.config", "skip_fwd_side_effects_in_bwd_under_checkpoint")
 
 

@@ -35,30 +35,35 @@ _switched: list[object] = []  # torch's setting while famp set it "off" for this
 def _compile_starts(_: object) -> None:
     # A famp call runs on this thread: its autocast state is the one Dynamo sees at the frame's
     # start, but eager backward runs without it (famp's rules may compute in float32 inside).
+    running = calls()
     module, name = BACKWARD_AUTOCAST
-    if calls() and getattr(sys.modules[module], name) == "same_as_forward":
+    if running and getattr(sys.modules[module], name) == "same_as_forward":
         _switched.append("same_as_forward")
         setattr(sys.modules[module], name, "off")
+    if any(record.intercepts for record in running):
+        # Its mode is pushed again inside each checkpointed block Dynamo traces (`mode._under`).
+        scopes_in_checkpoints(True)
 
 
 def _compile_ends(_: object) -> None:
     if _switched:
         module, name = BACKWARD_AUTOCAST
         setattr(sys.modules[module], name, _switched.pop())
-    if _scoping:  # a trace that raised inside a call with module rules
+    if _scoping:  # a compile inside an intercepting call, or a trace that raised in one
         _scoping.clear()
         module, name = CHECKPOINT_EFFECTS
         setattr(sys.modules[module], name, False)
 
 
-_scoping: list[bool] = []  # calls with module rules being traced, while famp set the config on
+_scoping: list[bool] = []  # famp's reasons for the config being on (it set it), innermost last
 
 
 @assume_constant_result  # runs as Dynamo traces the call: before its checkpoints, and after
 def scopes_in_checkpoints(enter: bool) -> bool:
     """Let Dynamo trace checkpointed blocks inside a call with module rules (entering and leaving
-    a module's scope changes the call's record, outside the block) from `enter=True` to
-    `enter=False` or the compile's end (see `famp._compat`); a setting of the user's own stays."""
+    a module's scope changes the call's record, outside the block) or inside an eager call with
+    a mode (pushed again inside the block) from `enter=True` to `enter=False` or the compile's
+    end (see `famp._compat`); a setting of the user's own stays."""
     module, name = CHECKPOINT_EFFECTS
     if enter and (_scoping or not getattr(sys.modules[module], name)):
         setattr(sys.modules[module], name, True)

@@ -379,6 +379,42 @@ def test_checkpoint_compiled_module_rules_still_recompute() -> None:
     assert checkpointed[1] > plain[1]  # more ops in backward: the recomputation
 
 
+class _Checkpointed(nn.Module):
+    """`block` checkpointed inside its own forward, as `checkpoint_wrapper` makes it."""
+
+    def __init__(self, block: nn.Module, mode: dict[str, Any]) -> None:
+        super().__init__()
+        self.block = block
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, **self.mode)
+
+
+# torch's own: Dynamo reads `.grad` of the non-leaf tensors a compiled block receives.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("mode", ["nonreentrant", "selective"])
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpointed_blocks_compiled_inside_an_eager_call(mode: str, kind: str) -> None:
+    # torchtitan's recipe: each block checkpointed, then compiled with fullgraph=True, the famp
+    # call eager: famp's mode is pushed again inside the block Dynamo traces (a change outside it).
+    rules = _rules(kind)
+    if kind == "module_rules":  # the same modules, also under the checkpointing wrapper
+        rules = {"module_rules": {"*norm": "f32", "*out": "c=f16,o=f16", "head": "f32"}}
+
+    def run(mode: str | None) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        net = Net(None)
+        if mode is not None:
+            net.block = _Checkpointed(net.block, MODES[mode])
+        net.block.compile(fullgraph=True, backend="aot_eager")
+        f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **rules)
+        return [_grads_of(f, net, _x_of(batch)) for batch in (4, 6)]  # 6: a recompile
+
+    for actual, expected in zip(run(mode), run(None), strict=True):
+        _assert_same(actual, expected)
+    assert _side_effects_setting() is False
+
+
 def _side_effects_setting() -> bool:
     return bool(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
 
