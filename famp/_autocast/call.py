@@ -121,9 +121,9 @@ class CallRecord:
     def new_mode(self) -> FampMode:
         return FampMode(self)
 
-    def use_hooks(self, change: int) -> None:
+    def use_hooks(self, change: int, eager: bool = False) -> None:
         if self.hooked:
-            hooks.use(change, post=bool(self.patterns))
+            hooks.use(change, post=bool(self.patterns), eager=eager)
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 

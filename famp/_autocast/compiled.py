@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from famp._autocast.recompute import calls, observe_eagerly, untraced
+from famp._autocast.recompute import (
+    calls,
+    drop_abandoned_replays,
+    in_block,
+    observe_eagerly,
+    untraced,
+)
 from famp._compat import (
     BACKWARD_AUTOCAST,
     CHECKPOINT_EFFECTS,
@@ -33,6 +39,9 @@ _switched: list[object] = []  # torch's setting while famp set it "off" for this
 
 
 def _compile_starts(_: object) -> None:
+    # After a backward that raised inside a recomputation, what it entered is left (eagerly, at
+    # the next famp call): a trace would find it, and fail on the module hooks it holds.
+    drop_abandoned_replays()
     # A famp call runs on this thread: its autocast state is the one Dynamo sees at the frame's
     # start, but eager backward runs without it (famp's rules may compute in float32 inside).
     running = calls()
@@ -81,11 +90,14 @@ def watch_compiles() -> bool:
     module inside the call, a frame resumed after a graph break, a nested call's own compile)
     trace its backward without autocast, as eager backward runs after the call: torch traces it
     under the autocast state the frame began in, famp's, in which famp's rules were not (see
-    `famp._compat`); and have `recompute.observe` run untraced where Dynamo resumes an eager
-    call's frame. Nothing to do before Dynamo is loaded: nothing compiles without it."""
+    `famp._compat`); and have `recompute.observe` and `in_block` run untraced where Dynamo
+    traces an eager call's bookkeeping. Nothing to do before Dynamo is loaded: nothing compiles
+    without it."""
+    drop_abandoned_replays()  # traced: as the trace starts (eagerly: `Transform.run` does)
     if "torch._dynamo" in sys.modules:
         if not untraced:
-            untraced.append(torch.compiler.disable(observe_eagerly))  # type: ignore[no-untyped-call]
+            disable = torch.compiler.disable
+            untraced.extend([disable(observe_eagerly), disable(in_block)])  # type: ignore[no-untyped-call]
         handler = compile_callbacks()
         if _compile_starts not in handler.start_callbacks:  # torch.compiler.reset() drops them
             handler.register_start_callback(_compile_starts)

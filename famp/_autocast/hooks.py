@@ -19,8 +19,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from famp._autocast.recompute import calls
-from famp._compat import saved_tensors_hooks_top, traced_module_hooks
+from famp._autocast.recompute import calls, drop_abandoned_replays, in_block
+from famp._compat import traced_module_hooks
 
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
@@ -28,10 +28,11 @@ _handles: dict[str, RemovableHandle] = {}
 
 
 def _acts(record: Any) -> bool:
-    return not record.recompute_only or saved_tensors_hooks_top() is not None
+    return not record.recompute_only or in_block()
 
 
 def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    drop_abandoned_replays()  # a backward raised in one: its calls are over, modules outside
     stack = calls()
     if stack and stack[-1].hooked and _acts(stack[-1]):
         return stack[-1].enter_module(module, args)
@@ -62,8 +63,8 @@ def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> None:
     handle = register_module_forward_hook(hook, always_call=True)
 
 
-def _count(change: int, post: bool) -> None:
-    if torch.compiler.is_compiling():  # only calls with module rules are hooked while tracing
+def _count(change: int, post: bool, eager: bool) -> None:
+    if torch.compiler.is_compiling() and not eager:  # only module rules are hooked while tracing
         _users["traced"] += change
         if change > 0 and _users["traced"] == 1:  # those an eager call has not registered
             traced_module_hooks(
@@ -86,11 +87,12 @@ def _count(change: int, post: bool) -> None:
             _handles.pop(kind).remove()
 
 
-def use(change: int, post: bool) -> None:
+def use(change: int, post: bool, eager: bool = False) -> None:
     """Count a call that needs the hooks in (+1) or out (-1): the first registers them, the last
-    removes them. `post`: the call needs the forward hook too (it has module rules)."""
-    if torch.compiler.is_compiling():  # traced: the additions and removals cancel out in a graph
-        _count(change, post)
+    removes them. `post`: the call needs the forward hook too (it has module rules). `eager`:
+    for a replay left as a trace starts (`torch.compiler.is_compiling()` holds there too)."""
+    if torch.compiler.is_compiling() and not eager:  # traced: net nothing in a graph
+        _count(change, post, eager)
     else:
         with _HOOK_LOCK:
-            _count(change, post)
+            _count(change, post, eager)

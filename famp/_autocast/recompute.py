@@ -58,8 +58,9 @@ def _snapshot() -> Snapshot:
     return tuple(record.frozen() for record in calls())
 
 
-# `observe_eagerly` with Dynamo off inside, made once Dynamo is loaded (`compiled.watch_compiles`).
-untraced: list[Callable[[Any, Any], Snapshot | None]] = []
+# `observe_eagerly` and `in_block` with Dynamo off inside, made once Dynamo is loaded
+# (`compiled.watch_compiles`).
+untraced: list[Callable[..., Any]] = []
 
 
 def observe(record: Any, values: Any) -> Snapshot | None:
@@ -70,6 +71,14 @@ def observe(record: Any, values: Any) -> Snapshot | None:
     if torch.compiler.is_compiling():
         return (untraced[0] if untraced else observe_eagerly)(record, values)
     return observe_eagerly(record, values)
+
+
+def in_block() -> bool:
+    """Whether saved-tensor hooks are active (a checkpointed block runs or is recomputed); where
+    Dynamo traces an eager record's module hooks, behind a graph break as `observe`."""
+    if torch.compiler.is_compiling() and untraced:
+        return bool(untraced[1]())
+    return saved_tensors_hooks_top() is not None
 
 
 def observe_eagerly(record: Any, values: Any) -> Snapshot | None:
@@ -211,7 +220,7 @@ class _Replay:
         if _LOCAL.replays and _LOCAL.replays[-1] is self:
             _LOCAL.replays.pop()
         for record in records:
-            record.use_hooks(-1)
+            record.use_hooks(-1, eager=True)  # also when a trace starts (`drop_abandoned_replays`)
         stack = calls()
         del stack[depth:]
         for outer in stack:
