@@ -92,8 +92,8 @@ def watch_compiles() -> bool:
     under the autocast state the frame began in, famp's, in which famp's rules were not (see
     `famp._compat`); and have `recompute.observe` and `in_block` run untraced where Dynamo
     traces an eager call's bookkeeping. Nothing to do before Dynamo is loaded: nothing compiles
-    without it."""
-    drop_abandoned_replays()  # traced: as the trace starts (eagerly: `Transform.run` does)
+    without it. First, the state a backward that raised in a recomputation left is dropped."""
+    drop_abandoned_replays()  # each call's first step; traced, as the trace starts
     if "torch._dynamo" in sys.modules:
         if not untraced:
             disable = torch.compiler.disable

@@ -23,7 +23,7 @@ from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoin
 from famp._autocast.mode import FampMode
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
-from famp._autocast.recompute import calls, drop_abandoned_replays, end_of_outermost_call, observe
+from famp._autocast.recompute import calls, end_of_outermost_call, observe
 from famp._autocast.region import region
 from famp._autocast.rules import OpRules
 from famp._compat import dynamic_marks, functorch_transforms_active, tree_leaves
@@ -128,10 +128,8 @@ class Transform:
         return call_compiled(self.compiled, marked, device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
-        watch_compiles()  # first: nothing of the call to undo if it raises
+        watch_compiles()  # first (it leaves replays a raising backward left): nothing to undo
         record = CallRecord(self, device_type)
-        if record.track:
-            drop_abandoned_replays()
         stack = calls()
         if record.track:
             # A checkpointed block may begin with this call: the event is the outer call's.
