@@ -30,7 +30,7 @@ def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     # that is neither a list nor a tuple (a set, a deque, a generator) becomes a generator of its
     # cast elements; strings and numpy arrays pass.
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if eligible(value, device_type) else value
+        return value.to(dtype=dtype) if eligible(value, device_type) else value
     if isinstance(value, (str, bytes)) or _ndarray(value):
         return value
     if isinstance(value, collections.abc.Mapping):
