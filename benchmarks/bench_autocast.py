@@ -5,6 +5,9 @@ alternate, and the ratio of the median step times is reported, eagerly (tiny and
 compiled with inductor (small size; not the GRU, which Dynamo does not trace with fullgraph=True).
 The override columns use op overrides that change no dtype in these models (`softmax` and
 `rms_norm` to "lower"): they measure famp's op interception itself, eagerly and once compiled.
+The module-rule column puts each model's linear and convolution layers under a rule of the call's
+own policy ("bf16"): their inputs are cast to bfloat16, as autocast casts them inside those ops,
+and no dtype changes; it measures famp's module scopes (global module hooks, scoped ops, casts).
 
 Run: `python benchmarks/bench_autocast.py` (2–3 minutes on 2 CPU cores). `--quick` runs fewer
 steps and skips compilation.
@@ -94,6 +97,19 @@ def zoo(size: str) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     }
 
 
+# Per model: the paths of its linear and convolution layers, for the module-rule column.
+MATMUL_LAYERS = {
+    CNN: ("body.0", "body.4", "body.9"),
+    Encoder: ("layer.linear*",),
+    Recurrent: ("head",),
+    EmbeddingLM: ("qkv",),
+}
+
+
+def module_rules(model: nn.Module) -> dict[str, str]:
+    return dict.fromkeys(MATMUL_LAYERS[type(model)], "bf16")
+
+
 def torch_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def loss(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=DTYPE):
@@ -138,15 +154,22 @@ def main() -> None:
     print(f"bf16 on CPU; ratio = median famp step / median torch step; steps each: {steps}\n")
     # An override that changes no dtype in these models: it measures the interception alone.
     override = famp.default_rules("cpu").override({"rms_norm": "lower", "softmax": "lower"})
-    print("| model | size | torch step | eager famp ÷ torch | eager famp + override ÷ torch |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | size | torch step | eager famp ÷ torch | eager famp + override ÷ torch "
+        "| eager famp + module rules ÷ torch |"
+    )
+    print("|---|---|---|---|---|---|")
     for size in ("tiny", "small"):
         for name, (model, x) in zoo(size).items():
             r, ms = ratio(torch_step(model), famp_step(model), x, steps[size])
             r_override, _ = ratio(
                 torch_step(model), famp_step(model, rules=override), x, steps[size]
             )
-            print(f"| {name} | {size} | {ms:.2f} ms | {r:.3f} | {r_override:.3f} |")
+            rules = module_rules(model)
+            r_rules, _ = ratio(
+                torch_step(model), famp_step(model, module_rules=rules), x, steps[size]
+            )
+            print(f"| {name} | {size} | {ms:.2f} ms | {r:.3f} | {r_override:.3f} | {r_rules:.3f} |")
     if args.quick:
         return
     print("\n| model (small) | compiled torch step | compiled famp ÷ torch | + override ÷ famp |")

@@ -20,7 +20,7 @@ import torch
 
 from famp._autocast import hooks
 from famp._autocast.casts import AS_TORCH, apply_rule
-from famp._autocast.mode import FampMode, run_plain
+from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
 from famp._autocast.patterns import AutocastWarning, match, module_paths, warn_unmatched
@@ -41,22 +41,6 @@ _FAST_PATH_MODULES = (
     torch.nn.TransformerEncoderLayer,
     torch.nn.TransformerEncoder,
 )
-
-
-def current_state(device_type: str) -> tuple[bool, torch.dtype]:
-    """(enabled, dtype) of autocast for the device here, famp's module rules included.
-
-    Inside a module that a famp module rule matches, famp sets the rule's state around each op
-    only, so torch's own state between ops is the transform's; this reports the module's.
-    """
-    state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    stack = calls()
-    if stack:
-        record: CallRecord = stack[-1]
-        scope = record.scopes[-1] if record.scopes else None
-        if scope is not None and record.device_type == device_type and state == record.base:
-            return scope
-    return state
 
 
 class CallRecord:
@@ -93,8 +77,9 @@ class CallRecord:
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (self.intercepts and self.track)
-        # Eagerly, no module rules: op function -> overrides.plain(...), for FampMode's fast path.
-        self.plain_ops = transform.plain_ops if self.track and not self.patterns else None
+        # Eagerly: op function -> overrides.plain(...), for FampMode's fast path (taken outside
+        # the scopes of module rules only).
+        self.plain_ops = transform.plain_ops if self.track else None
 
     # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
 
@@ -162,7 +147,7 @@ class CallRecord:
         self._switch(outer or self.base, inner)
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
-            args = policy.cast_to_compute(args)
+            args = own_cast(policy.cast_to_compute, args)
         self.declined.append(self._decline(module, args, inner))
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
@@ -210,7 +195,7 @@ class CallRecord:
             return None
         outer = self.scopes[-1] if self.scopes else None
         self._switch(inner or self.base, outer or self.base)
-        return policy.cast_to_output(output)
+        return own_cast(policy.cast_to_output, output)
 
     def _decline(
         self, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, torch.dtype] | None
@@ -274,10 +259,15 @@ class CallRecord:
     ) -> Any:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
         # Eagerly, most op calls: torch's kernels do it all (no module rule: no scope to enter).
-        if self.plain_ops is not None and track and plain(func, self.overrides, self.plain_ops):
+        scope = self.scopes[-1] if self.scopes else None
+        if (
+            scope is None
+            and self.plain_ops is not None
+            and track
+            and plain(func, self.overrides, self.plain_ops)
+        ):
             return run_plain(self, func, args, kwargs)
         dev = self.device_type
-        scope = self.scopes[-1] if self.scopes else None
         state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         if state != self.base:
             scope = None  # the function entered its own torch.autocast: it governs its body

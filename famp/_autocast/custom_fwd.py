@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import torch
 from torch.autograd.function import FunctionCtx
 
-from famp._autocast.call import current_state
 from famp._autocast.casts import eligible, promote_dtype
-from famp._autocast.region import region
+from famp._autocast.region import current_state, region
 
 F = TypeVar("F", bound=Callable[..., Any])
 _RULES = ("keep", "lower", "float32", "promote")

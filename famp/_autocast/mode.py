@@ -30,8 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.op_calls import call, inplace_target, renorms
 from famp._autocast.overrides import plain
-from famp._autocast.recompute import bracket_outputs, observe_eagerly
-from famp._compat import saved_tensors_hooks_top
+from famp._autocast.policy import FLAT_LEAVES
+from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly
+from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
 
 
 def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -55,6 +56,34 @@ def run_plain(owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwarg
     return out
 
 
+def own_cast(cast: Callable[[Any], Any], tree: Any) -> Any:
+    """`cast(tree)`, famp's own cast of the values a matched module or a nested call takes or
+    returns, past famp's modes where they would only call `Tensor.to` on plain tensors.
+
+    Eagerly, outside checkpointed blocks, with grad on and no torch function mode but famp's,
+    each `FampMode` hands a `Tensor.to` straight to torch (`run_plain`): it writes nothing and
+    reads no weight cast, so there is nothing to watch. Going round the modes saves their Python
+    dispatch (several microseconds a cast); tensor subclasses, other modes and the cases above
+    keep the modes' way.
+    """
+    stack = calls()
+    if (
+        stack
+        and not torch.compiler.is_compiling()
+        and torch.is_grad_enabled()
+        and saved_tensors_hooks_top() is None
+        and all(r.track and not r.recompute_only and not r.grad_free for r in stack)
+        and torch_function_modes() == sum(1 for r in stack if r.intercepts)
+        and (
+            type(tree) in FLAT_LEAVES
+            or (type(tree) in (tuple, list) and all(type(x) in FLAT_LEAVES for x in tree))
+        )
+    ):
+        with no_torch_function():
+            return cast(tree)
+    return cast(tree)
+
+
 class FampMode(TorchFunctionMode):
     """Applies one `famp.autocast` call's overrides and module scopes; see the module docstring."""
 
@@ -73,9 +102,11 @@ class FampMode(TorchFunctionMode):
         owner = self.owner
         if (
             # Eagerly, most calls: an op that is not overridden and writes into no argument, run
-            # outside any checkpointed block with the call's own autocast dtype and nothing
-            # suspended, goes straight to `run_plain`, where the general path below ends too.
+            # outside any checkpointed block and any module rule's scope with the call's own
+            # autocast dtype and nothing suspended, goes straight to `run_plain`, where the
+            # general path below ends too.
             owner.plain_ops is not None
+            and (not owner.scopes or owner.scopes[-1] is None)
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
             and not owner.suspended
             and not owner.grad_free

@@ -81,7 +81,7 @@ def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
         return cast_leaf(tree, dtype)  # type: ignore[no-any-return]
     if type(tree) in (tuple, list):
         items: tuple[Any, ...] | list[Any] = tree  # type: ignore[assignment]
-        if all(type(x) in _FLAT_LEAVES for x in items):  # the common case, without recursion
+        if all(type(x) in FLAT_LEAVES for x in items):  # the common case, without recursion
             return type(items)(cast_leaf(x, dtype) for x in items)  # type: ignore[return-value]
     out = _cast_plain(tree, dtype, _MAX_DEPTH)
     if out is not _NOT_PLAIN:
@@ -91,9 +91,9 @@ def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
 
 def _cast_plain(tree: Any, dtype: torch.dtype, depth: int) -> Any:
     """`tree` cast leaf by leaf if it is plain tuples, lists and dicts (as many levels as
-    `depth`) over `_FLAT_LEAVES`, else `_NOT_PLAIN`; a module function, so no cycle."""
+    `depth`) over `FLAT_LEAVES`, else `_NOT_PLAIN`; a module function, so no cycle."""
     kind = type(tree)
-    if kind in _FLAT_LEAVES:
+    if kind in FLAT_LEAVES:
         return cast_leaf(tree, dtype)
     if depth == 0 or kind not in (tuple, list, dict):
         return _NOT_PLAIN
@@ -105,7 +105,7 @@ def _cast_plain(tree: Any, dtype: torch.dtype, depth: int) -> Any:
 
 
 # Leaves of every pytree: a tuple or list of only these is one level deep.
-_FLAT_LEAVES = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
+FLAT_LEAVES = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
 _NOT_PLAIN = object()
 _MAX_DEPTH = 8  # deeper trees go through tree_map
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from famp._autocast.policy import Policy
+from famp._autocast.recompute import calls
 
 # --- autocast regions -----------------------------------------------------------------------------
 
@@ -109,3 +110,19 @@ def region(
         # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
     return _EagerRegion(device_type, enabled, dtype, call, outer)
+
+
+def current_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for the device here, famp's module rules included.
+
+    Inside a module that a famp module rule matches, famp sets the rule's state around each op
+    only, so torch's own state between ops is the transform's; this reports the module's.
+    """
+    state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    stack = calls()
+    if stack:
+        record = stack[-1]  # famp._autocast.call.CallRecord
+        scope = record.scopes[-1] if record.scopes else None
+        if scope is not None and record.device_type == device_type and state == record.base:
+            return scope
+    return state

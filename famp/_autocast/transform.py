@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from famp._autocast.call import CallRecord, current_state
+from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
-from famp._autocast.mode import FampMode
+from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
-from famp._autocast.region import region
+from famp._autocast.region import current_state, region
 from famp._autocast.rules import OpRules
 from famp._compat import dynamic_marks, functorch_transforms_active, tree_leaves
 
@@ -137,7 +137,7 @@ class Transform:
         if stack:
             # Nested in another call, the transform is a module rule spelled as a function: its
             # positional inputs are cast to its compute dtype as a matched module's are.
-            args = self.policy.cast_to_compute(args)
+            args = own_cast(self.policy.cast_to_compute, args)
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
         for outer in stack:
@@ -170,7 +170,7 @@ class Transform:
                 end_of_outermost_call()
         if self.patterns and record.track:
             record.warn_unmatched()
-        return self.policy.cast_to_output(out)
+        return own_cast(self.policy.cast_to_output, out)
 
 
 def autocast(
