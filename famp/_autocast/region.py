@@ -122,7 +122,7 @@ def current_state(device_type: str) -> tuple[bool, torch.dtype]:
     stack = calls()
     if stack:
         record = stack[-1]  # famp._autocast.call.CallRecord
-        scope = record.scopes[-1] if record.scopes else None
+        scope: tuple[bool, torch.dtype] | None = record.scopes[-1] if record.scopes else None
         if scope is not None and record.device_type == device_type and state == record.base:
             return scope
     return state
