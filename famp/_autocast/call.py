@@ -43,6 +43,15 @@ _FAST_PATH_MODULES = (
 )
 
 
+def _may_reach_fast_paths(fn: Any) -> bool:
+    """Whether a call of `fn` may enter a module with an inference fast path (`_decline`): yes
+    unless `fn` is a module and none is in its tree. Walking the tree costs under a microsecond
+    a module; a global hook costs torch's hook path several at every module call."""
+    if not isinstance(fn, torch.nn.Module):
+        return True
+    return any(isinstance(m, _FAST_PATH_MODULES) for m in fn.modules())
+
+
 class CallRecord:
     """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
 
@@ -76,7 +85,9 @@ class CallRecord:
         # Per module entered: the context that leaves it to torch's fast path, or None.
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
-        self.hooked = bool(self.patterns) or (self.intercepts and self.track)
+        self.hooked = bool(self.patterns) or (
+            self.intercepts and self.track and _may_reach_fast_paths(transform.fn)
+        )
         # Eagerly: op function -> overrides.plain(...), for FampMode's fast path (taken outside
         # the scopes of module rules only).
         self.plain_ops = transform.plain_ops if self.track else None

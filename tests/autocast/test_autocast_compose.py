@@ -323,6 +323,55 @@ def test_inference_fast_path_gives_torch_autocast_bits(
     assert_bitwise_equal(actual, expected)
 
 
+class _Holder(nn.Module):
+    """A model that holds the encoder two levels down, beside a layer of its own."""
+
+    def __init__(self, enc: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList([nn.Sequential(enc)])
+        self.head = nn.Linear(16, 4).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[0](x))
+
+
+@pytest.mark.parametrize("kind", ["track_casts", "override"])
+def test_inference_fast_path_deep_in_the_module_called_gives_torch_autocast_bits(
+    kind: str,
+) -> None:
+    # famp hooks module calls only where a fast-path module may be entered: a module called
+    # directly holds one deep in its tree here, so the hook is there and declines it.
+    import torch.nn.modules.module as torch_module
+
+    model, x = _Holder(_encoder(nested=False)), torch.randn(3, 5, 16)
+    options: dict[str, Any] = (
+        {"track_casts": True}
+        if kind == "track_casts"
+        else {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})}  # no op here
+    )
+    hooked: list[bool] = []
+    model.head.register_forward_pre_hook(
+        lambda m, args: hooked.append(bool(torch_module._global_forward_pre_hooks))
+    )
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=BF16):
+            expected = model(x)
+        f = famp.autocast(model, "c=bf16,o=bf16", **options)
+        if kind == "override":
+            with pytest.warns(famp.AutocastWarning, match="do not apply inside TransformerEncoder"):
+                actual = f(x)
+        else:
+            actual = f(x)
+        assert hooked == [False, True]
+        assert_bitwise_equal(actual, expected)
+        # Without it in the tree, famp registers no global module hook for the call at all.
+        alone = famp.autocast(model.head, "c=bf16,o=bf16", **options)(x)
+        assert hooked[-1] is False
+        with torch.autocast("cpu", dtype=BF16):
+            assert_bitwise_equal(alone, model.head(x))
+
+
 def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there() -> None:
     x, mask = torch.randn(3, 5, 16), _padding_mask()
     enc = _encoder(nested=False)
