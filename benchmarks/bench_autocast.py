@@ -147,9 +147,11 @@ def main() -> None:
     torch.set_num_threads(1)
     # Compiled steps differ by a few percent at most: 15 steps each gave ratios from 1.00 to 1.06
     # for one model in successive runs, 100 steps 0.99-1.01 (an Intel Xeon, one thread), 60 steps
-    # 0.99-1.02 (an AMD EPYC). 50 keep the script under 3 minutes with empty inductor caches
-    # (100 took 3 min 38 s there).
-    steps = {"tiny": 30, "small": 5} if args.quick else {"tiny": 300, "small": 15, "compiled": 50}
+    # 0.99-1.02 (an AMD EPYC). 50 kept the script under 3 minutes with empty inductor caches
+    # (100 took 3 min 38 s there). Later, on an AMD EPYC with empty caches, the script took
+    # 3 min 34 s with 50 (before the module-rule column), compiling for about 110 s of it: 25
+    # compiled steps and 10 small ones keep it near 3 minutes there.
+    steps = {"tiny": 30, "small": 5} if args.quick else {"tiny": 300, "small": 10, "compiled": 25}
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
     print(f"bf16 on CPU; ratio = median famp step / median torch step; steps each: {steps}\n")
     # An override that changes no dtype in these models: it measures the interception alone.
