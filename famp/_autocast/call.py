@@ -269,7 +269,7 @@ class CallRecord:
         track: bool,
     ) -> Any:
         """One op call by its rule; `track`: this call tracks and nothing is being compiled."""
-        # Eagerly, most op calls: torch's kernels do it all (no module rule: no scope to enter).
+        # Eagerly, most op calls: torch's kernels do it all (outside module rules' scopes).
         scope = self.scopes[-1] if self.scopes else None
         if (
             scope is None

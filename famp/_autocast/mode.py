@@ -106,8 +106,8 @@ class FampMode(TorchFunctionMode):
             # autocast dtype and nothing suspended, goes straight to `run_plain`, where the
             # general path below ends too.
             owner.plain_ops is not None
-            and (not owner.scopes or owner.scopes[-1] is None)
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
+            and (not owner.scopes or owner.scopes[-1] is None)
             and not owner.suspended
             and not owner.grad_free
             and not owner.recompute_only
