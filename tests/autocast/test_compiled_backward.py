@@ -188,12 +188,13 @@ def test_a_setting_of_the_users_own_is_left_as_it_is() -> None:
 
 
 def test_after_a_compiler_reset_and_a_recompile_calls_keep_eager_gradients() -> None:
-    # torch.compiler.reset() drops Dynamo's compile callbacks, famp's among them; a new batch
-    # size then recompiles the frames (with dynamic sizes, as Dynamo does on a second shape).
+    # torch.compiler.reset() drops Dynamo's compile callbacks, famp's among them (registered by
+    # any call once Dynamo is loaded, the eager one here); a new batch size then recompiles the
+    # frames (with dynamic sizes, as Dynamo does on a second shape).
     torch.compiler.reset()
     model = _model(break_at=4)
     f = famp.autocast(model, "c=bf16,o=f32", module_rules=_block_rule(model))
-    torch.compile(f, backend="aot_eager")(_x())
+    f(_x())
     torch.compiler.reset()
     compiled = torch.compile(f, backend="aot_eager")
     for batch in (4, 6, 5):
