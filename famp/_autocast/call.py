@@ -23,7 +23,14 @@ from famp._autocast.casts import AS_TORCH, apply_rule
 from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
-from famp._autocast.patterns import AutocastWarning, match, module_paths, warn_unmatched
+from famp._autocast.patterns import (
+    AutocastWarning,
+    match,
+    module_path,
+    module_paths,
+    warn_uncast_keywords,
+    warn_unmatched,
+)
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region
@@ -36,20 +43,6 @@ from famp._compat import (
 )
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
-_FAST_PATH_MODULES = (
-    torch.nn.MultiheadAttention,
-    torch.nn.TransformerEncoderLayer,
-    torch.nn.TransformerEncoder,
-)
-
-
-def _may_reach_fast_paths(fn: Any) -> bool:
-    """Whether a call of `fn` may enter a module with an inference fast path (`_decline`): yes
-    unless `fn` is a module and none is in its tree. Walking the tree costs under a microsecond
-    a module; a global hook costs torch's hook path several at every module call."""
-    if not isinstance(fn, torch.nn.Module):
-        return True
-    return any(isinstance(m, _FAST_PATH_MODULES) for m in fn.modules())
 
 
 class CallRecord:
@@ -86,7 +79,7 @@ class CallRecord:
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (
-            self.intercepts and self.track and _may_reach_fast_paths(transform.fn)
+            self.intercepts and self.track and hooks.may_reach_fast_paths(transform.fn)
         )
         # Eagerly: op function -> overrides.plain(...), for FampMode's fast path (taken outside
         # the scopes of module rules only).
@@ -126,7 +119,7 @@ class CallRecord:
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
         if not self.patterns:
             # No scopes, and no hook at exits (hooks.py): fast-path modules go to torch till then.
-            if isinstance(module, _FAST_PATH_MODULES):
+            if isinstance(module, hooks.FAST_PATH_MODULES):
                 declined = self._decline(module, args, None)
                 if declined is not None:
                     hooks.on_exit(module, declined.close)
@@ -182,20 +175,22 @@ class CallRecord:
             return
         thread = threading.get_ident()
 
-        def leave(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        def leave(left: torch.nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> Any:
             if threading.get_ident() != thread:
                 return None
             handle.remove()
             self.late.pop()
-            return self.exit_module(left, output, last=True)
+            return self.exit_module(left, output, True, kwargs)
 
         self.late.append(module)
-        handle = module.register_forward_hook(leave, always_call=True)
+        handle = module.register_forward_hook(leave, always_call=True, with_kwargs=True)
 
-    def exit_module(self, module: torch.nn.Module, output: Any, last: bool = False) -> Any:
+    def exit_module(
+        self, module: torch.nn.Module, output: Any, last: bool = False, kwargs: Any = None
+    ) -> Any:
         if is_compiled_module(module) or (not last and self.late and self.late[-1] is module):
             return None  # a wrapper, or a module left from its own last hook
-        if self.track and not torch.compiler.is_compiling():
+        if eager := self.track and not torch.compiler.is_compiling():
             observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
         declined = self.declined.pop() if self.declined else None
@@ -204,6 +199,11 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
+        if eager and kwargs and not self.transform.warned_keywords:
+            where = partial(module_path, self.held, module)
+            self.transform.warned_keywords = warn_uncast_keywords(
+                kwargs, policy.compute_dtype, where
+            )
         outer = self.scopes[-1] if self.scopes else None
         self._switch(inner or self.base, outer or self.base)
         return own_cast(policy.cast_to_output, output)
@@ -220,7 +220,7 @@ class CallRecord:
         """
         if not (
             self.track
-            and isinstance(module, _FAST_PATH_MODULES)
+            and isinstance(module, hooks.FAST_PATH_MODULES)
             and not torch.compiler.is_compiling()
             and not module.training
             and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines

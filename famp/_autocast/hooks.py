@@ -25,6 +25,21 @@ from famp._compat import traced_module_hooks
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
 _handles: dict[str, RemovableHandle] = {}
+# Modules with an inference fast path, left to torch by an intercepting call (`_decline`).
+FAST_PATH_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerEncoder,
+)
+
+
+def may_reach_fast_paths(fn: Any) -> bool:
+    """Whether a call of `fn` may enter a module with an inference fast path: yes unless `fn` is
+    a module and none is in its tree. Walking the tree costs under a microsecond a module; a
+    global hook costs torch's hook path several at every module call."""
+    if not isinstance(fn, torch.nn.Module):
+        return True
+    return any(isinstance(m, FAST_PATH_MODULES) for m in fn.modules())
 
 
 def _acts(record: Any) -> bool:
@@ -39,10 +54,12 @@ def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     return None
 
 
-def post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+    """Registered with its keyword inputs: (module, args, kwargs, output); torch calls it with
+    (module, args, output) after a forward that raised, and while Dynamo traces (`_count`)."""
     stack = calls()
     if stack and stack[-1].hooked and stack[-1].patterns and _acts(stack[-1]):
-        return stack[-1].exit_module(module, output)
+        return stack[-1].exit_module(module, rest[-1], kwargs=rest[0] if len(rest) == 2 else None)
     return None
 
 
@@ -81,7 +98,7 @@ def _count(change: int, post: bool, eager: bool) -> None:
             _handles[kind] = (
                 register_module_forward_pre_hook(pre_hook)
                 if kind == "pre"
-                else register_module_forward_hook(post_hook, always_call=True)
+                else register_module_forward_hook(post_hook, always_call=True, with_kwargs=True)
             )
         elif change < 0 and _users[kind] == 0:
             _handles.pop(kind).remove()

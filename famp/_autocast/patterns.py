@@ -1,5 +1,5 @@
-"""Module rules' patterns: which module paths they match, and the warning for those that match
-none (`famp.AutocastWarning`)."""
+"""Module rules' patterns: which module paths they match, and the warnings for those that match
+none and for keyword inputs left uncast (`famp.AutocastWarning`)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,22 @@ import difflib
 import fnmatch
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from famp._compat import assume_constant_result, is_compiled_module
+from famp._compat import torch_pytree as pytree
 
 
 class AutocastWarning(UserWarning):
     """Warned by a `famp.autocast` call whose rules may not do what they say.
 
-    Raised once per transformed function: for module rules that matched no module path in a call
-    (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
-    `_fsdp_wrapped_module.` for FSDP1), and for op overrides left out of torch's inference fast
-    path. Filter it as any warning:
+    Raised once per transformed function and cause: for module rules that matched no module path
+    in a call (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
+    `_fsdp_wrapped_module.` for FSDP1), for op overrides left out of torch's inference fast
+    path, and for keyword inputs of a matched module or a nested call that its compute dtype
+    would have cast (only positional inputs are cast). Filter it as any warning:
     `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
@@ -80,3 +83,48 @@ def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
         stacklevel=4,
     )
     return True
+
+
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what `Policy.cast_to_compute` casts
+
+
+def warn_uncast_keywords(
+    kwargs: dict[str, Any], dtype: torch.dtype, where: Callable[[], str]
+) -> bool:
+    """Warn if a cast to the compute `dtype` would change a tensor of keyword inputs `kwargs`
+    of a matched module or a nested call (`where()` names it), which famp leaves as given: a
+    global forward pre-hook, through which module rules cast inputs, sees positional inputs
+    only. Whether it warned."""
+    names = [
+        name
+        for name, value in kwargs.items()
+        if any(
+            isinstance(leaf, torch.Tensor) and leaf.dtype in _CASTABLE and leaf.dtype != dtype
+            for leaf in pytree.tree_leaves(value)
+        )
+    ]
+    if not names:
+        return False
+    warnings.warn(
+        f"famp.autocast: the keyword inputs {', '.join(map(repr, names))} of {where()} are not "
+        f"cast to its compute dtype {dtype} (its positional inputs are): the ops inside take them "
+        "as given. Pass them by position, or cast them (famp.cast_to_compute), to have them cast.",
+        AutocastWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+def nested_keywords(kwargs: dict[str, Any], dtype: torch.dtype, fn: object) -> bool:
+    """`warn_uncast_keywords` for a nested `famp.autocast` call of `fn`."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    return warn_uncast_keywords(kwargs, dtype, lambda: f"the nested famp.autocast call of {name}")
+
+
+def module_path(roots: list[torch.nn.Module], module: torch.nn.Module) -> str:
+    """How a warning names `module`: its path under the first of `roots` that holds it."""
+    for root in roots:
+        for path, sub in module_paths(root, unique=False):
+            if sub is module:
+                return f"the module {path!r} ({type(module).__name__})"
+    return f"a {type(module).__name__} module"

@@ -22,6 +22,7 @@ from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
+from famp._autocast.patterns import nested_keywords
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
 from famp._autocast.region import current_state, region
@@ -104,8 +105,7 @@ class Transform:
         self.policies = tuple(get_policy(p) for _, p in items)
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
-        self.warned_unmatched = False
-        self.warned_fast_path = False
+        self.warned_unmatched = self.warned_fast_path = self.warned_keywords = False  # warned once
         self.plain_ops: dict[Any, bool] = {}  # eagerly: op function -> overrides.plain(...)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -135,9 +135,10 @@ class Transform:
             # A checkpointed block may begin with this call: the event is the outer call's.
             observe(stack[-1] if stack else record, (args, kwargs))
         if stack:
-            # Nested in another call, the transform is a module rule spelled as a function: its
-            # positional inputs are cast to its compute dtype as a matched module's are.
+            # Nested: a module rule spelled as a function, its inputs cast as a matched module's.
             args = own_cast(self.policy.cast_to_compute, args)
+            if kwargs and record.track and not self.warned_keywords:
+                self.warned_keywords = nested_keywords(kwargs, self.policy.compute_dtype, self.fn)
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
         for outer in stack:
@@ -200,11 +201,12 @@ def autocast(
 
     `module_rules` maps glob patterns over module paths (`fnmatch`, `*` matches dots too) to
     policies: inside a matched module each op runs under that policy's compute dtype, the module's
-    positional inputs are cast to it and its outputs to that policy's output dtype; the first
-    matching pattern wins and an inner matched module wins over an outer one. Paths are relative to
-    the outermost module the call enters (with `torch.func.functional_call` too), wrapper
-    included (`module.` for `DistributedDataParallel`); a pattern that matches no module path in a
-    call warns once with a `famp.AutocastWarning` naming the nearest paths.
+    positional inputs are cast to it (keyword inputs are not: eagerly, one a cast would change
+    warns once) and its outputs to that policy's output dtype; the first matching pattern wins and
+    an inner matched module wins over an outer one. Paths are relative to the outermost module the
+    call enters (with `torch.func.functional_call` too), wrapper included (`module.` for
+    `DistributedDataParallel`); a pattern that matches no module path in a call warns once with a
+    `famp.AutocastWarning` naming the nearest paths.
 
     In eval mode without grad, `nn.MultiheadAttention` and `nn.TransformerEncoder(Layer)` are left
     to torch's inference fast path (famp's interception would turn it off): overrides do not apply
