@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -24,7 +23,6 @@ from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
 from famp._autocast.patterns import (
-    AutocastWarning,
     match,
     module_path,
     module_paths,
@@ -32,14 +30,13 @@ from famp._autocast.patterns import (
     warn_unmatched,
 )
 from famp._autocast.policy import Policy
-from famp._autocast.recompute import calls, observe
+from famp._autocast.recompute import observe
 from famp._autocast.region import policy_state, region
+from famp._autocast.unreached import UNREACHED, decline, may_enter
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
     forward_hooks,
     is_compiled_module,
-    no_torch_function,
-    torch_function_modes,
 )
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
@@ -79,7 +76,7 @@ class CallRecord:
         self.declined: list[contextlib.ExitStack | None] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns) or (
-            self.intercepts and self.track and hooks.may_reach_fast_paths(transform.fn)
+            self.intercepts and self.track and may_enter(transform.fn)
         )
         # Eagerly: op function -> overrides.plain(...), for FampMode's fast path (taken outside
         # the scopes of module rules only).
@@ -118,9 +115,9 @@ class CallRecord:
 
     def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
         if not self.patterns:
-            # No scopes, and no hook at exits (hooks.py): fast-path modules go to torch till then.
-            if isinstance(module, hooks.FAST_PATH_MODULES):
-                declined = self._decline(module, args, None)
+            # No scopes, and no hook at exits (hooks.py): modules left to torch till then.
+            if isinstance(module, UNREACHED):
+                declined = decline(self, module, args, None)
                 if declined is not None:
                     hooks.on_exit(module, declined.close)
             return None
@@ -144,7 +141,7 @@ class CallRecord:
         outer = self.scopes[-1] if self.scopes else None
         if policy is None:
             self.scopes.append(outer)
-            self.declined.append(self._decline(module, args, outer))
+            self.declined.append(decline(self, module, args, outer))
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
@@ -152,7 +149,7 @@ class CallRecord:
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
-        self.declined.append(self._decline(module, args, inner))
+        self.declined.append(decline(self, module, args, inner))
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
         return args
@@ -199,59 +196,17 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
-        if eager and kwargs and not self.transform.warned_keywords:
+        if eager and kwargs and "keywords" not in self.transform.warned:
             where = partial(module_path, self.held, module)
-            self.transform.warned_keywords = warn_uncast_keywords(
-                kwargs, policy.compute_dtype, where
-            )
+            warn_uncast_keywords(kwargs, policy.compute_dtype, where, self.transform.warned)
         outer = self.scopes[-1] if self.scopes else None
         self._switch(inner or self.base, outer or self.base)
         return own_cast(policy.cast_to_output, output)
 
-    def _decline(
-        self, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, torch.dtype] | None
-    ) -> contextlib.ExitStack | None:
-        """Leave a module that may take torch's inference fast path to torch, uninterrupted.
-
-        `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a
-        fused path (and nested tensors) in eval mode without grad unless an argument "has a torch
-        function", which famp's modes (a nested call's outer calls' too) would make true. There
-        famp runs the `forward` with its modes off and the module's autocast state around it.
-        """
-        if not (
-            self.track
-            and isinstance(module, hooks.FAST_PATH_MODULES)
-            and not torch.compiler.is_compiling()
-            and not module.training
-            and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
-            and torch_function_modes() == sum(1 for r in calls() if r.intercepts)  # famp's only
-        ):
-            return None
-        tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
-        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
-            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        ):
-            return None
-        if not self.transform.warned_fast_path and any(r.overrides is not None for r in calls()):
-            self.transform.warned_fast_path = True
-            warnings.warn(
-                f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
-                "eval mode without grad, where torch runs it on its inference fast path; famp "
-                "leaves that path to torch (autocast state as torch.autocast's, no interception)."
-                " Call it with grad enabled or in train mode to apply the overrides there.",
-                AutocastWarning,
-                stacklevel=2,
-            )
-        stack = contextlib.ExitStack()
-        if scope is not None:
-            stack.enter_context(region(self.device_type, *scope))
-        stack.enter_context(no_torch_function())
-        return stack
-
     def warn_unmatched(self) -> None:
         """Warn (once per transform) about module rules that matched no module path."""
-        if not self.transform.warned_unmatched:
-            self.transform.warned_unmatched = warn_unmatched(self.patterns, self.paths)
+        if "unmatched" not in self.transform.warned and warn_unmatched(self.patterns, self.paths):
+            self.transform.warned.add("unmatched")
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype,

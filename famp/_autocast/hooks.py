@@ -1,7 +1,8 @@
 """The global module forward hooks through which famp.autocast sees modules being entered and left.
 
-A pre-hook is present while any call that intercepts ops (or has module rules) runs: module rules
-enter their scopes there, and torch's inference fast paths are left to torch
+A pre-hook is present while a call with module rules runs, or one that intercepts ops and may
+enter a module famp's interception does not reach inside (`unreached.py`): module rules enter
+their scopes there, and such modules run as `unreached.decline` says
 (`CallRecord.enter_module`). A forward hook, which module rules need to leave their scopes, is
 present only while a call with module rules runs: any global hook sends every module call through
 torch's slower hook path, and each one costs it more. All are registered with torch's public
@@ -25,21 +26,6 @@ from famp._compat import traced_module_hooks
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
 _handles: dict[str, RemovableHandle] = {}
-# Modules with an inference fast path, left to torch by an intercepting call (`_decline`).
-FAST_PATH_MODULES = (
-    torch.nn.MultiheadAttention,
-    torch.nn.TransformerEncoderLayer,
-    torch.nn.TransformerEncoder,
-)
-
-
-def may_reach_fast_paths(fn: Any) -> bool:
-    """Whether a call of `fn` may enter a module with an inference fast path: yes unless `fn` is
-    a module and none is in its tree. Walking the tree costs under a microsecond a module; a
-    global hook costs torch's hook path several at every module call."""
-    if not isinstance(fn, torch.nn.Module):
-        return True
-    return any(isinstance(m, FAST_PATH_MODULES) for m in fn.modules())
 
 
 def _acts(record: Any) -> bool:

@@ -94,12 +94,12 @@ def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
 
 
 def warn_uncast_keywords(
-    kwargs: dict[str, Any], dtype: torch.dtype, where: Callable[[], str]
-) -> bool:
+    kwargs: dict[str, Any], dtype: torch.dtype, where: Callable[[], str], warned: set[str]
+) -> None:
     """Warn if a cast to the compute `dtype` would change a tensor of keyword inputs `kwargs`
     of a matched module or a nested call (`where()` names it), which famp leaves as given: a
     global forward pre-hook, through which module rules cast inputs, sees positional inputs
-    only. Whether it warned."""
+    only. Once it has warned, `"keywords"` is in `warned` (the transform's causes warned)."""
     names = [
         name
         for name, value in kwargs.items()
@@ -109,7 +109,8 @@ def warn_uncast_keywords(
         )
     ]
     if not names:
-        return False
+        return
+    warned.add("keywords")
     warnings.warn(
         f"famp.autocast: the keyword inputs {', '.join(map(repr, names))} of {where()} are not "
         f"cast to its compute dtype {dtype} (its positional inputs are): the ops inside take them "
@@ -117,13 +118,15 @@ def warn_uncast_keywords(
         AutocastWarning,
         stacklevel=2,
     )
-    return True
 
 
-def nested_keywords(kwargs: dict[str, Any], dtype: torch.dtype, fn: object) -> bool:
+def nested_keywords(
+    kwargs: dict[str, Any], dtype: torch.dtype, fn: object, warned: set[str]
+) -> None:
     """`warn_uncast_keywords` for a nested `famp.autocast` call of `fn`."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    return warn_uncast_keywords(kwargs, dtype, lambda: f"the nested famp.autocast call of {name}")
+    where = functools.partial("the nested famp.autocast call of {}".format, name)
+    warn_uncast_keywords(kwargs, dtype, where, warned)
 
 
 def module_path(roots: list[torch.nn.Module], module: torch.nn.Module) -> str:

@@ -105,7 +105,7 @@ class Transform:
         self.policies = tuple(get_policy(p) for _, p in items)
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
-        self.warned_unmatched = self.warned_fast_path = self.warned_keywords = False  # warned once
+        self.warned: set[str] = set()  # the causes of the AutocastWarnings given (once each)
         self.plain_ops: dict[Any, bool] = {}  # eagerly: op function -> overrides.plain(...)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -137,8 +137,8 @@ class Transform:
         if stack:
             # Nested: a module rule spelled as a function, its inputs cast as a matched module's.
             args = own_cast(self.policy.cast_to_compute, args)
-            if kwargs and record.track and not self.warned_keywords:
-                self.warned_keywords = nested_keywords(kwargs, self.policy.compute_dtype, self.fn)
+            if kwargs and record.track and "keywords" not in self.warned:
+                nested_keywords(kwargs, self.policy.compute_dtype, self.fn, self.warned)
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
         for outer in stack:

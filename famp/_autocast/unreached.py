@@ -1,0 +1,116 @@
+"""Modules famp.autocast's interception does not reach inside, and what it does about them.
+
+- `nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a fused
+  inference path (and nested tensors) in eval mode without grad unless an argument "has a torch
+  function", which famp's modes would make true: famp leaves that path to torch, running the
+  module with its modes off and the module's autocast state around it.
+- A TorchScript module (`torch.jit.script`, `torch.jit.trace`) runs its ops in TorchScript's
+  interpreter, past torch function modes and Python module hooks: torch's autocast still casts
+  them by the autocast state around the module, which famp sets to the module's scope (a module
+  rule matching the script module or one outside it applies to it as a whole); op overrides and
+  module rules for modules inside it cannot apply, and famp says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+
+from famp._autocast.patterns import AutocastWarning
+from famp._autocast.recompute import calls
+from famp._autocast.region import region
+from famp._compat import no_torch_function, torch_function_modes
+
+FAST_PATH_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerEncoder,
+)
+UNREACHED = (*FAST_PATH_MODULES, torch.jit.ScriptModule)
+
+
+def may_enter(fn: Any) -> bool:
+    """Whether a call of `fn` may enter a module of `UNREACHED`: yes unless `fn` is a module and
+    none is in its tree. Walking the tree costs under a microsecond a module; a global hook,
+    through which famp sees them, costs torch's hook path several at every module call."""
+    if not isinstance(fn, torch.nn.Module):
+        return True
+    return any(isinstance(m, UNREACHED) for m in fn.modules())
+
+
+def decline(
+    record: Any, module: torch.nn.Module, args: tuple[Any, ...], scope: tuple[bool, Any] | None
+) -> contextlib.ExitStack | None:
+    """The context to run `module` in, eagerly, if famp's interception does not reach inside it
+    (see the module docstring), else None. `scope`: the autocast state famp's rules give it
+    (None: the call's own, already in effect)."""
+    if not record.track or torch.compiler.is_compiling():
+        return None
+    if isinstance(module, torch.jit.ScriptModule):
+        return _script(record, module, scope)
+    if not (
+        isinstance(module, FAST_PATH_MODULES)
+        and not module.training
+        and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
+        and torch_function_modes() == sum(1 for r in calls() if r.intercepts)  # famp's only
+    ):
+        return None
+    tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    ):
+        return None
+    warned = record.transform.warned
+    if "fast path" not in warned and any(r.overrides is not None for r in calls()):
+        warned.add("fast path")
+        warnings.warn(
+            f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
+            "eval mode without grad, where torch runs it on its inference fast path; famp "
+            "leaves that path to torch (autocast state as torch.autocast's, no interception)."
+            " Call it with grad enabled or in train mode to apply the overrides there.",
+            AutocastWarning,
+            stacklevel=3,
+        )
+    stack = contextlib.ExitStack()
+    if scope is not None:
+        stack.enter_context(region(record.device_type, *scope))
+    stack.enter_context(no_torch_function())
+    return stack
+
+
+def _script(
+    record: Any, module: torch.nn.Module, scope: tuple[bool, Any] | None
+) -> contextlib.ExitStack | None:
+    """A TorchScript module: its scope's autocast state around it; a warning (once per
+    transformed function) if op overrides or module rules for modules inside it would apply."""
+    if "script" not in record.transform.warned:
+        overrides = any(r.overrides is not None for r in calls())
+        inside = [
+            _name(sub)
+            for sub in module.modules()
+            if sub is not module and record.module_policy.get(id(sub)) is not None
+        ]
+        if overrides or inside:
+            record.transform.warned.add("script")
+            what = "op overrides" if overrides else "module rules matching " + ", ".join(inside)
+            warnings.warn(
+                f"famp.autocast: {what} do not apply inside the TorchScript module "
+                f"{_name(module)}: TorchScript runs its ops past "
+                "famp's interception. torch's autocast still casts them, by the autocast state "
+                "of the module rule that applies to the whole module, or of the call. Call the "
+                "module's Python version for the rules to apply inside.",
+                AutocastWarning,
+                stacklevel=3,
+            )
+    if scope is None:
+        return None
+    stack = contextlib.ExitStack()
+    stack.enter_context(region(record.device_type, *scope))
+    return stack
+
+
+def _name(module: torch.nn.Module) -> str:
+    return str(getattr(module, "original_name", type(module).__name__))
