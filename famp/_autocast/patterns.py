@@ -23,8 +23,9 @@ class AutocastWarning(UserWarning):
     Raised once per transformed function and cause: for module rules that matched no module path
     in a call (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
     `_fsdp_wrapped_module.` for FSDP1), for op overrides left out of torch's inference fast
-    path, and for keyword inputs of a matched module or a nested call that its compute dtype
-    would have cast (only positional inputs are cast). Filter it as any warning:
+    path, for op overrides and module rules that cannot reach inside a TorchScript module, and
+    for keyword inputs of a matched module or a nested call that its compute dtype would have
+    cast (only positional inputs are cast). Filter it as any warning:
     `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
