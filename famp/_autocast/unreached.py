@@ -6,9 +6,10 @@
   module with its modes off and the module's autocast state around it.
 - A TorchScript module (`torch.jit.script`, `torch.jit.trace`) runs its ops in TorchScript's
   interpreter, past torch function modes and Python module hooks: torch's autocast still casts
-  them by the autocast state around the module, which famp sets to the module's scope (a module
-  rule matching the script module or one outside it applies to it as a whole); op overrides and
-  module rules for modules inside it cannot apply, and famp says so once.
+  them by the autocast state around the module, which famp sets eagerly to the module's scope (a
+  module rule matching the script module or one outside it applies to it as a whole); op
+  overrides and module rules for modules inside it cannot apply, and famp says so once.
+  Compiled calls cannot do this (docs/autocast.md, "TorchScript modules").
 """
 
 from __future__ import annotations
