@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_trees_bitwise_equal
 
 BF16 = torch.bfloat16
 
@@ -89,12 +89,6 @@ def _by_hand(model: _Model, block_in_float32: bool, linear_in_float32: bool = Fa
     return [y.detach(), *(p.grad for p in model.parameters())]
 
 
-def _assert_all_equal(actual: list[Any], expected: list[Any]) -> None:
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        assert_bitwise_equal(a, e)
-
-
 def _autocast_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, famp.AutocastWarning)]
 
@@ -114,8 +108,8 @@ def test_a_module_rule_applies_to_a_script_module_as_a_whole(
         actual = [_outputs_and_grads(f, model) for _ in range(2)]
     assert _autocast_warnings(caught) == []
     expected = _by_hand(model, block_in_float32=True)
-    _assert_all_equal(actual[0], expected)
-    _assert_all_equal(actual[1], expected)
+    assert_trees_bitwise_equal(actual[0], expected)
+    assert_trees_bitwise_equal(actual[1], expected)
 
 
 @pytest.mark.parametrize("how", ["script", "trace"])
@@ -131,8 +125,8 @@ def test_op_overrides_warn_once_and_apply_outside_a_script_module(how: str) -> N
     assert "op overrides do not apply inside the TorchScript module _Block" in messages[0]
     # Inside the script module torch's default rule casts its linear to bfloat16.
     expected = _by_hand(model, block_in_float32=False, linear_in_float32=True)
-    _assert_all_equal(actual[0], expected)
-    _assert_all_equal(actual[1], expected)
+    assert_trees_bitwise_equal(actual[0], expected)
+    assert_trees_bitwise_equal(actual[1], expected)
 
 
 @pytest.mark.parametrize("pattern", ["b.lin", "*lin"])
@@ -145,4 +139,4 @@ def test_a_rule_for_a_module_inside_a_script_module_warns(pattern: str) -> None:
     messages = _autocast_warnings(caught)
     assert len(messages) == 1, messages
     assert "module rules matching Linear do not apply inside" in messages[0]
-    _assert_all_equal(y, _by_hand(model, block_in_float32=False))
+    assert_trees_bitwise_equal(y, _by_hand(model, block_in_float32=False))
