@@ -78,9 +78,9 @@ class CallRecord:
         self.hooked = bool(self.patterns) or (
             self.intercepts and self.track and may_enter(transform.fn)
         )
-        # Eagerly: op function -> overrides.plain(...), for FampMode's fast path (taken outside
-        # the scopes of module rules only).
-        self.plain_ops = transform.plain_ops if self.track else None
+        # Eagerly: op function -> overrides.plain(...) on this device type, for FampMode's fast
+        # path (taken outside the scopes of module rules only).
+        self.plain_ops = transform.plain_ops.setdefault(device_type, {}) if self.track else None
 
     # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
 
@@ -230,9 +230,9 @@ class CallRecord:
             scope is None
             and self.plain_ops is not None
             and track
-            and plain(func, self.overrides, self.plain_ops)
+            and (kind := plain(func, self.overrides, self.device_type, self.plain_ops))
         ):
-            return run_plain(self, func, args, kwargs)
+            return run_plain(self, func, args, kwargs, kind)
         dev = self.device_type
         state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         if state != self.base:

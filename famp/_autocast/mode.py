@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.op_calls import call, inplace_target, renorms
-from famp._autocast.overrides import plain
+from famp._autocast.overrides import WATCHED, plain
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
@@ -40,11 +40,14 @@ def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs
         return fn(*args, **kwargs)
 
 
-def run_plain(owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
-    """An op call that needs nothing of famp (`overrides.plain`), eagerly: torch's kernels do it
-    all; the call record `owner` watches the weights it reads and catches a write via `out=` or
-    an `inplace` flag."""
-    owner.casts.watch(args, kwargs)
+def run_plain(
+    owner: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any, kind: int
+) -> Any:
+    """An op call that needs nothing of famp (`kind`, `overrides.plain`'s answer), eagerly:
+    torch's kernels do it all; the call record `owner` watches the weights it reads unless it
+    can read no weight's cast, and catches a write via `out=` or an `inplace` flag."""
+    if kind == WATCHED:
+        owner.casts.watch(args, kwargs)
     if not kwargs and type(func) is not FunctionType:
         return func(*args)
     out = call(func, args, kwargs or {})
@@ -114,9 +117,9 @@ class FampMode(TorchFunctionMode):
             and torch.is_grad_enabled()
             and saved_tensors_hooks_top() is None
             and torch.get_autocast_dtype(owner.device_type) is owner.seen_dtype
-            and plain(func, owner.overrides, owner.plain_ops)
+            and (kind := plain(func, owner.overrides, owner.device_type, owner.plain_ops))
         ):
-            return run_plain(owner, func, args, kwargs)
+            return run_plain(owner, func, args, kwargs, kind)
         if kwargs is None:
             kwargs = {}
         if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping

@@ -17,10 +17,11 @@ import torch
 from famp._autocast.defaults import default_rules
 from famp._autocast.entered import calls, copies
 from famp._autocast.op_calls import op_name, recall, remember, writes_first_arg
-from famp._autocast.ops import functional_overloads
+from famp._autocast.ops import covered, functional_overloads, overloads
 from famp._autocast.overloads import resolve_overload
 from famp._autocast.rules import OpRules
 from famp._compat import assume_constant_result
+from famp._compat import op_schema as schema
 
 
 class Overrides:
@@ -106,21 +107,66 @@ def _traced_key(rules: OpRules) -> int:
 _constant_key: Callable[[OpRules], int] = assume_constant_result(_traced_key)
 
 
-def plain(func: Callable[..., Any], overrides: Overrides | None, memo: dict[Any, bool]) -> bool:
-    """Whether an eager op call of `func` needs nothing of famp but the weight-cast watch.
+WATCHED, UNWATCHED = 1, 2
+"""`plain`'s answers for a plain op call: the weight watch runs before it, or it need not."""
 
-    True when `func` is not overridden, may not call an overridden op (famp does not enter it)
+
+def plain(
+    func: Callable[..., Any], overrides: Overrides | None, device_type: str, memo: dict[Any, int]
+) -> int:
+    """Whether an eager op call of `func` needs nothing of famp but the weight-cast watch: 0 if
+    it does, else `UNWATCHED` where the op cannot read a weight's cast (`reads_no_cast`) and
+    `WATCHED` otherwise.
+
+    Plain: `func` is not overridden, may not call an overridden op (famp does not enter it)
     and its name writes into no argument (a write through `out=` is checked per call). `memo`
-    is the transform's: the answer depends only on `func` and `overrides`.
+    is the transform's: the answer depends only on `func`, `overrides` and the device type.
     """
     known = recall(memo, func)
     if known is None:
         packet = op_name(func)[0]
-        known = not writes_first_arg(packet, {}) and (
-            overrides is None or (packet not in overrides.packets and func not in overrides.enter)
+        known = (
+            0
+            if writes_first_arg(packet, {})
+            or (overrides is not None and (packet in overrides.packets or func in overrides.enter))
+            else UNWATCHED
+            if reads_no_cast(packet, device_type)
+            else WATCHED
         )
         remember(memo, func, known)
     return known
+
+
+@functools.cache
+def reads_no_cast(packet: str, device_type: str) -> bool:
+    """Whether no call named `packet` can read a weight's cast from torch's autocast cache.
+
+    torch caches only casts to the lower dtype, made by the ops its autocast casts so (the
+    `"lower"` rules: `linear`, `conv2d`, `matmul`, ...) and by the ops that call them inside
+    (`einsum`'s `bmm`). An op reads none when each of its functional overloads that takes a
+    tensor has a rule other than `"lower"` and computes nothing such an op would: it returns
+    views of its inputs (`view`, `transpose`, `split`, `to`) or no tensor (`size`, `dim`), or
+    torch tags it pointwise (`add`, `relu`). Read off the installed torch's schemas and tags;
+    of the names no aten op has (`__getitem__`, `float`), only `__get__`, a tensor attribute's
+    read (`x.shape`, `x.T`). The weight watch, which runs before the ops that may read a cast,
+    may skip these: a weight is still watched at the first op that may read its cast.
+    """
+    if packet[:2] == "__":  # a Python method no aten op is named after (`__getitem__`)...
+        return packet == "__get__"  # ...but a tensor attribute's read
+    names = covered(packet) if overloads(packet) is not None else frozenset()
+    defaults = default_rules(device_type)
+    ops = getattr(torch.ops.aten, packet) if names else None
+    for name in names:
+        op = getattr(ops, name)
+        returns = schema(op).returns
+        computes = not (
+            torch.Tag.pointwise in op.tags
+            or not any("Tensor" in str(r.type) for r in returns)
+            or all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        )
+        if computes or defaults.lookup(packet, name) == "lower":
+            return False
+    return bool(names)
 
 
 def overrides_for(rules: OpRules | None) -> Overrides | None:

@@ -106,7 +106,7 @@ class Transform:
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
         self.warned: set[str] = set()  # the causes of the AutocastWarnings given (once each)
-        self.plain_ops: dict[Any, bool] = {}  # eagerly: op function -> overrides.plain(...)
+        self.plain_ops: dict[str, dict[Any, int]] = {}  # eagerly, per device: op -> plain(...)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         device_type = self.device_type or _infer_device(args, kwargs)

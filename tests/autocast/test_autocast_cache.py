@@ -9,7 +9,9 @@ torch's own state between ops is the outer call's.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -148,3 +150,108 @@ def test_override_casts_follow_torchs_cache_switch(cache: bool) -> None:
     (expected_grad,) = torch.autograd.grad(expected_out.float().sum(), w)
     assert_bitwise_equal(out, expected_out.float())
     assert_bitwise_equal(grad, expected_grad)
+
+
+# --- ops the weight watch skips: they read no cast from torch's cache ---------------------------
+
+# Calls of a weight famp's eager path does not watch (`overrides.reads_no_cast`): attribute reads,
+# views, calls that return no tensor, pointwise ops; and, as controls, calls torch's autocast casts
+# the weight in (directly or inside), which famp must watch.
+NO_CAST_CALLS: dict[str, Callable[[torch.Tensor], object]] = {
+    "shape": lambda w: w.shape,
+    "T": lambda w: w.T,
+    "t": lambda w: w.t(),
+    "view": lambda w: w.view(-1),
+    "transpose": lambda w: w.transpose(0, 1),
+    "reshape": lambda w: w.reshape(4, 16),
+    "contiguous": lambda w: w.contiguous(),
+    "chunk": lambda w: w.chunk(2),
+    "split": lambda w: w.split(4),
+    "unflatten": lambda w: w.unflatten(0, (2, 4)),
+    "expand": lambda w: w.expand(2, 8, 8),
+    "to": lambda w: w.to(BF16),
+    "size": lambda w: w.size(),
+    "dim": lambda w: w.dim(),
+    "numel": lambda w: w.numel(),
+    "add": lambda w: w + 1.0,
+    "mul": lambda w: w * w,
+    "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu,
+    "tanh": torch.tanh,
+    "pow": lambda w: w.pow(2),
+}
+_ONES = torch.ones(2, 8)
+CAST_CALLS: dict[str, Callable[[torch.Tensor], object]] = {
+    "linear": lambda w: torch.nn.functional.linear(_ONES, w),
+    "mm": lambda w: torch.mm(w, w),
+    "matmul": lambda w: _ONES @ w,
+    "multi_dot": lambda w: torch.linalg.multi_dot([w, w]),  # no autocast rule: its mm casts
+}
+
+
+def _functions_called(call: Callable[[torch.Tensor], object], w: torch.Tensor) -> list[Any]:
+    """The torch functions a torch function mode receives for `call(w)`: what famp's mode sees."""
+    seen: list[Any] = []
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        call(w)
+    return seen
+
+
+def _torch_caches_a_cast(call: Callable[[torch.Tensor], object]) -> bool:
+    """Whether `call(w)` under torch's autocast leaves a cast of the weight `w` in torch's cache:
+    a linear of `w` after an in-place write that torch's cache does not see then reads it."""
+    w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=BF16):
+        call(w)
+        with torch.no_grad():
+            w.mul_(3.0)
+        after = torch.nn.functional.linear(x, w)
+    fresh = torch.nn.functional.linear(x.to(BF16), w.detach().to(BF16))
+    return not torch.equal(after, fresh)
+
+
+@pytest.mark.parametrize("name", [*NO_CAST_CALLS, *CAST_CALLS])
+def test_the_ops_the_weight_watch_skips_leave_no_cast_in_torchs_cache(name: str) -> None:
+    # Read off torch: each call famp does not watch leaves torch's cache without a cast of the
+    # weight (a later linear casts it afresh); each control leaves one, and famp watches it.
+    from famp._autocast.op_calls import op_name
+    from famp._autocast.overrides import reads_no_cast
+
+    call = NO_CAST_CALLS.get(name) or CAST_CALLS[name]
+    functions = _functions_called(call, torch.randn(8, 8, requires_grad=True))
+    skipped = [reads_no_cast(op_name(f)[0], "cpu") for f in functions]
+    assert skipped == [name in NO_CAST_CALLS] * len(functions), [op_name(f) for f in functions]
+    assert functions
+    assert _torch_caches_a_cast(call) == (name in CAST_CALLS)
+
+
+@pytest.mark.parametrize("first", ["shape", "t", "view", "relu", "size"])
+def test_a_weight_first_read_by_skipped_ops_is_watched_where_its_cast_is_read(first: str) -> None:
+    # The weight's first reads go unwatched; the linear that casts it is watched: a write that
+    # famp's mode does not see (torch functions off) before the second linear gives a fresh cast.
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 8), torch.randn(4, 8)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        NO_CAST_CALLS[first](lin.weight)
+        out = lin(x)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            lin.weight.mul_(3.0)
+        return out, lin(x)
+
+    state = copy.deepcopy(lin.state_dict())
+    rules = famp.default_rules("cpu").override({"rms_norm": "lower"})
+    first_out, second = famp.autocast(f, "c=bf16,o=bf16", rules=rules)(x)
+    lin.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref_first, ref_second = f(x)
+    assert_bitwise_equal(first_out, ref_first)
+    assert_bitwise_equal(second, ref_second)
+    assert not torch.equal(first_out, second)
