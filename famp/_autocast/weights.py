@@ -63,12 +63,19 @@ class WeightCasts:
         """
         for values in (args, kwargs.values()) if kwargs else (args,):
             for v in values:
-                if isinstance(v, torch.Tensor):
+                kind = type(v)
+                if kind in _SCALARS:  # by type first: `isinstance(v, Tensor)` costs ~0.1 µs
+                    continue
+                if kind in _TENSORS or isinstance(v, torch.Tensor):
                     if v.requires_grad and not is_view(v) and v.is_leaf and v.dtype is _F32:
                         self._read(v)
-                elif isinstance(v, (list, tuple)):
+                elif kind is tuple or kind is list or isinstance(v, (list, tuple)):
                     for t in v:
-                        if isinstance(t, torch.Tensor) and _cacheable(t):
+                        if (
+                            type(t) not in _SCALARS
+                            and isinstance(t, torch.Tensor)
+                            and _cacheable(t)
+                        ):
                             self._read(t)
 
     def _read(self, t: torch.Tensor) -> None:
@@ -116,6 +123,10 @@ def _cacheable(t: torch.Tensor) -> bool:
 
 
 _F32 = torch.float32  # a dtype is a singleton: `is` is the cheapest comparison
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# The types of most arguments that are no tensor: told apart by type, not by `isinstance`, which
+# torch's tensor metaclass makes slow for them.
+_SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.Size})
 
 
 def _storage(t: torch.Tensor) -> int:
