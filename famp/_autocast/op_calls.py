@@ -189,3 +189,22 @@ def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         if getattr(torch.Tensor, name, None) is func:
             return getattr(args[0], name)(*args[1:], **kwargs)
     return func(*args, **kwargs)
+
+
+def call_eagerly(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`call`, eagerly, with whether `func` is one of torch's Python `Tensor` methods remembered:
+    `getattr(torch.Tensor, name, None)` costs about a microsecond where there is no such method
+    (`F.dropout`, `F.layer_norm`). Not while Dynamo traces (see `op_name`)."""
+    method = recall(_METHODS, func)
+    if method is None:
+        method = (
+            isinstance(func, types.FunctionType)
+            and getattr(torch.Tensor, func.__name__, None) is func
+        )
+        remember(_METHODS, func, method)
+    if method and args and isinstance(args[0], torch.Tensor):
+        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+_METHODS: dict[Any, bool] = {}
