@@ -32,7 +32,7 @@ from famp._autocast.patterns import (
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import observe
 from famp._autocast.region import policy_state, region
-from famp._autocast.unreached import UNREACHED, decline, may_enter
+from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
     forward_hooks,
@@ -74,10 +74,12 @@ class CallRecord:
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None.
         self.declined: list[contextlib.ExitStack | None] = []
-        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
-        self.hooked = bool(self.patterns) or (
-            self.intercepts and self.track and may_enter(transform.fn)
-        )
+        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting;
+        # the fast-path modules left unhooked in train mode are checked after the call.
+        self.hooked = bool(self.patterns)
+        self.trained: list[torch.nn.Module] = []
+        if not self.hooked and self.intercepts and self.track:
+            self.hooked, self.trained = may_enter(transform.fn)
         # Eagerly: op function -> overrides.plain(...) on this device type, for FampMode's fast
         # path (taken outside the scopes of module rules only).
         self.plain_ops = transform.plain_ops.setdefault(device_type, {}) if self.track else None
@@ -203,10 +205,14 @@ class CallRecord:
         self._switch(inner or self.base, outer or self.base)
         return own_cast(policy.cast_to_output, output)
 
-    def warn_unmatched(self) -> None:
-        """Warn (once per transform) about module rules that matched no module path."""
-        if "unmatched" not in self.transform.warned and warn_unmatched(self.patterns, self.paths):
-            self.transform.warned.add("unmatched")
+    def finish(self) -> None:
+        """After an eager call: warn (once per transform) about module rules that matched no
+        module path, and about fast-path modules switched to eval mode during the call."""
+        warned, patterns = self.transform.warned, self.patterns
+        if patterns and "unmatched" not in warned and warn_unmatched(patterns, self.paths):
+            warned.add("unmatched")
+        if self.trained:
+            switched(self, self.trained)
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype,

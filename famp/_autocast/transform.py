@@ -169,8 +169,8 @@ class Transform:
                 scopes_in_checkpoints(False)
             if not stack and record.track:
                 end_of_outermost_call()
-        if self.patterns and record.track:
-            record.warn_unmatched()
+        if record.track:
+            record.finish()
         return own_cast(self.policy.cast_to_output, out)
 
 

@@ -33,13 +33,41 @@ FAST_PATH_MODULES = (
 UNREACHED = (*FAST_PATH_MODULES, torch.jit.ScriptModule)
 
 
-def may_enter(fn: Any) -> bool:
-    """Whether a call of `fn` may enter a module of `UNREACHED`: yes unless `fn` is a module and
-    none is in its tree. Walking the tree costs under a microsecond a module; a global hook,
-    through which famp sees them, costs torch's hook path several at every module call."""
+def may_enter(fn: Any) -> tuple[bool, list[torch.nn.Module]]:
+    """Whether a call of `fn` may enter a module of `UNREACHED` that famp must see, and the
+    fast-path modules in train mode it holds. Yes unless `fn` is a module whose tree holds no
+    TorchScript module and only fast-path modules in train mode: torch takes no fast path in
+    train mode (`MultiheadAttention` and `TransformerEncoderLayer` test their own flag,
+    `TransformerEncoder` its first layer's). Walking the tree costs under a microsecond a module;
+    a global hook, through which famp sees the modules, costs torch's hook path several at every
+    module call. A module switched to eval mode during the call is found after it (`switched`)."""
     if not isinstance(fn, torch.nn.Module):
-        return True
-    return any(isinstance(m, UNREACHED) for m in fn.modules())
+        return True, []
+    trained: list[torch.nn.Module] = []
+    for m in fn.modules():
+        if isinstance(m, FAST_PATH_MODULES) and m.training:
+            trained.append(m)
+        elif isinstance(m, UNREACHED):
+            return True, []
+    return False, trained
+
+
+def switched(record: Any, trained: list[torch.nn.Module]) -> None:
+    """After an eager call that left the fast-path modules `trained` unhooked: warn (once per
+    transformed function) if one of them is in eval mode now: the call may have run it without
+    leaving its inference fast path to torch."""
+    moved = [type(m).__name__ for m in trained if not m.training]
+    if moved and "switched" not in record.transform.warned:
+        record.transform.warned.add("switched")
+        warnings.warn(
+            f"famp.autocast: {', '.join(sorted(set(moved)))} switched to eval mode during the "
+            "call. famp looks for torch's inference fast paths as each call starts, so in this "
+            "call it may have run one under its interception (op overrides applied, torch's "
+            "slow path) instead of leaving it to torch's fast path as in eval mode otherwise. "
+            "Switch modes between calls.",
+            AutocastWarning,
+            stacklevel=4,
+        )
 
 
 def decline(

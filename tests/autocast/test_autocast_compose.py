@@ -392,6 +392,56 @@ def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there()
     assert not torch.equal(f(x), composite.to(BF16))
 
 
+def test_fast_path_modules_in_train_mode_need_no_module_hook() -> None:
+    # torch takes no inference fast path in train mode: famp registers no global module hook
+    # for a call of a module whose fast-path modules all train; outputs and gradients are
+    # torch.autocast's (the override reaches no op here).
+    import torch.nn.modules.module as torch_module
+
+    model, x = _Holder(_encoder(nested=False).train()), torch.randn(3, 5, 16)
+    model.head.train()
+    hooked: list[bool] = []
+    model.head.register_forward_pre_hook(
+        lambda m, args: hooked.append(bool(torch_module._global_forward_pre_hooks))
+    )
+    rules = famp.default_rules("cpu").override({"rms_norm": "lower"})
+    torch.manual_seed(2)  # the encoder's dropout
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    expected_grads = torch.autograd.grad(expected.float().sum(), list(model.parameters()))
+    torch.manual_seed(2)
+    actual = famp.autocast(model, "c=bf16,o=bf16", rules=rules)(x)
+    grads = torch.autograd.grad(actual.float().sum(), list(model.parameters()))
+    assert hooked == [False, False]
+    assert_bitwise_equal(actual, expected)
+    for a, e in zip(grads, expected_grads, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+def test_a_fast_path_module_switched_to_eval_during_the_call_warns() -> None:
+    # Looked for as each call starts: modules that train leave the call unhooked; one switched
+    # to eval mode inside the call may run under famp's interception, not torch's fast path.
+    class Switching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = _encoder(nested=False).train()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.enc.eval()
+            with torch.no_grad():
+                return self.enc(x)
+
+    model, x = Switching(), torch.randn(3, 5, 16)
+    rules = famp.default_rules("cpu").override({"rms_norm": "lower"})
+    f = famp.autocast(model, "c=bf16,o=bf16", rules=rules)
+    with pytest.warns(famp.AutocastWarning, match="TransformerEncoder.*switched to eval mode"):
+        f(x)
+    model.enc.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(x)  # once per transformed function
+
+
 def test_inference_fast_path_that_raises_leaves_nothing_behind() -> None:
     # famp leaves the module to torch until it returns; when it raises, famp's interception
     # and the global hook that waits for the module's return are gone as well.
