@@ -50,9 +50,11 @@ class WeightCasts:
     def __init__(self) -> None:
         self.cache = CastCache()
         # The cacheable weights the ops have read since the caches were last cleared, with the
-        # version each had then; their storages (built lazily) catch writes through `.data`.
+        # version each had then; their storages catch writes through `.data`, each weight's
+        # looked up once, at the first write after its first read (`pending` till then).
         self.weights: dict[int, tuple[torch.Tensor, int]] = {}
-        self.storages: frozenset[int] | None = None
+        self.storages: set[int] = set()
+        self.pending: list[torch.Tensor] = []
 
     def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before an op: drop every weight cast if a weight it reads was written since its cast.
@@ -81,12 +83,12 @@ class WeightCasts:
     def _read(self, t: torch.Tensor) -> None:
         """An op reads the cacheable weight `t`: watch it, or clear if it was written since."""
         seen = self.weights.get(id(t))
-        if seen is None or seen[0] is not t:
-            self.weights[id(t)] = (t, tensor_version(t))
-            self.storages = None
-        elif seen[1] != tensor_version(t):
+        if seen is not None and seen[0] is t:
+            if seen[1] == tensor_version(t):
+                return
             self.clear()
-            self.weights[id(t)] = (t, tensor_version(t))
+        self.weights[id(t)] = (t, tensor_version(t))
+        self.pending.append(t)
 
     def invalidate(self, target: object) -> None:
         """After an in-place write: drop every weight cast if it wrote into a watched weight.
@@ -95,8 +97,10 @@ class WeightCasts:
         other alias are seen too.
         """
         tensors = target if isinstance(target, (list, tuple)) else (target,)
-        if self.storages is None:
-            self.storages = frozenset(_storage(t) for t, _ in self.weights.values()) - {0}
+        if self.pending:  # once per weight: a rebuild at each write was quadratic in a CNN
+            self.storages.update(_storage(t) for t in self.pending)
+            self.storages.discard(0)
+            self.pending.clear()
         for t in tensors:
             if isinstance(t, torch.Tensor) and (
                 id(t) in self.weights or _storage(t) in self.storages
@@ -109,7 +113,8 @@ class WeightCasts:
         torch.clear_autocast_cache()
         self.cache.entries.clear()
         self.weights.clear()
-        self.storages = None
+        self.storages.clear()
+        self.pending.clear()
 
 
 def _cacheable(t: torch.Tensor) -> bool:

@@ -255,3 +255,38 @@ def test_a_weight_first_read_by_skipped_ops_is_watched_where_its_cast_is_read(fi
     assert_bitwise_equal(first_out, ref_first)
     assert_bitwise_equal(second, ref_second)
     assert not torch.equal(first_out, second)
+
+
+@pytest.mark.parametrize("kind", ["override", "track_casts"])
+def test_a_write_through_data_after_a_write_the_version_showed_reads_a_fresh_cast(
+    kind: str,
+) -> None:
+    # A write famp's mode does not see (torch functions off) shows at the next read by the
+    # weight's version: the casts are dropped and the weight watched afresh, its storage too, so
+    # that a later write through `.data` (which has its own version counter) drops them again.
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 8), torch.randn(4, 8)
+
+    def f(x: torch.Tensor) -> list[torch.Tensor]:
+        outs = [lin(x)]
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            lin.weight.mul_(2.0)
+        outs.append(lin(x))
+        with torch.no_grad():
+            lin.weight.data.add_(1.0)
+        outs.append(lin(x))
+        return outs
+
+    state = copy.deepcopy(lin.state_dict())
+    options: dict[str, Any] = (
+        {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})}
+        if kind == "override"
+        else {"track_casts": True}
+    )
+    outs = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
+    lin.load_state_dict(state)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        expected = f(x)
+    for out, ref in zip(outs, expected, strict=True):
+        assert_bitwise_equal(out, ref)
+    assert not torch.equal(outs[1], outs[2])
