@@ -28,8 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from famp._autocast.op_calls import call, call_eagerly, inplace_target, renorms
-from famp._autocast.overrides import WATCHED, plain
+from famp._autocast.op_calls import call, call_eagerly, inplace_target, renorms, written
+from famp._autocast.overrides import UNWATCHED, WRITES, plain
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
@@ -45,9 +45,14 @@ def run_plain(
 ) -> Any:
     """An op call that needs nothing of famp (`kind`, `overrides.plain`'s answer), eagerly:
     torch's kernels do it all; the call record `owner` watches the weights it reads unless it
-    can read no weight's cast, and catches a write via `out=` or an `inplace` flag."""
-    if kind == WATCHED:
+    can read no weight's cast, and catches a write: into its first argument for an in-place
+    op (`WRITES`), via `out=` or an `inplace` flag."""
+    if kind != UNWATCHED:  # in-place ops too: torch casts none, but a Python one may compute
         owner.casts.watch(args, kwargs)
+    if kind == WRITES:
+        out = call_eagerly(func, args, kwargs or {})
+        owner.casts.invalidate(written(args, kwargs))
+        return out
     if not kwargs and type(func) is not FunctionType:
         return func(*args)
     out = call_eagerly(func, args, kwargs or {})

@@ -107,28 +107,35 @@ def _traced_key(rules: OpRules) -> int:
 _constant_key: Callable[[OpRules], int] = assume_constant_result(_traced_key)
 
 
-WATCHED, UNWATCHED = 1, 2
-"""`plain`'s answers for a plain op call: the weight watch runs before it, or it need not."""
+WATCHED, UNWATCHED, WRITES = 1, 2, 3
+"""`plain`'s answers for a plain op call: the weight watch runs before it, or it need not; an
+in-place op, watched, whose write into its first argument is checked after it."""
 
 
 def plain(
     func: Callable[..., Any], overrides: Overrides | None, device_type: str, memo: dict[Any, int]
 ) -> int:
-    """Whether an eager op call of `func` needs nothing of famp but the weight-cast watch: 0 if
-    it does, else `UNWATCHED` where the op cannot read a weight's cast (`reads_no_cast`) and
-    `WATCHED` otherwise.
+    """Whether an eager op call of `func` needs nothing of famp but the weight-cast watch and the
+    check of its writes: 0 if it does, else `WRITES` for an in-place op (`add_`, `set_`),
+    `UNWATCHED` where the op cannot read a weight's cast (`reads_no_cast`) and `WATCHED`
+    otherwise.
 
-    Plain: `func` is not overridden, may not call an overridden op (famp does not enter it)
-    and its name writes into no argument (a write through `out=` is checked per call). `memo`
-    is the transform's: the answer depends only on `func`, `overrides` and the device type.
+    Plain: `func` is not overridden and may not call an overridden op (famp does not enter it).
+    Of the calls whose name writes into an argument, only in-place ops (named `..._`, which no
+    rule covers): `__setitem__` and `__set__` take famp's general path. A write through `out=`
+    is checked per call. `memo` is the transform's: the answer depends only on `func`,
+    `overrides` and the device type.
     """
     known = recall(memo, func)
     if known is None:
         packet = op_name(func)[0]
         known = (
             0
+            if overrides is not None and (packet in overrides.packets or func in overrides.enter)
+            else WRITES
+            if packet[-1:] == "_" and packet[-2:] != "__"
+            else 0
             if writes_first_arg(packet, {})
-            or (overrides is not None and (packet in overrides.packets or func in overrides.enter))
             else UNWATCHED
             if reads_no_cast(packet, device_type)
             else WATCHED
