@@ -109,10 +109,11 @@ class FampMode(TorchFunctionMode):
     ) -> Any:
         owner = self.owner
         if (
-            # Eagerly, most calls: an op that is not overridden and writes into no argument, run
-            # outside any checkpointed block and any module rule's scope with the call's own
-            # autocast dtype and nothing suspended, goes straight to `run_plain`, where the
-            # general path below ends too.
+            # Eagerly, most calls: an op that is not overridden, not entered and writes into no
+            # argument but in place, run outside any checkpointed block and any module rule's
+            # scope with the call's own autocast dtype and nothing suspended, goes straight to
+            # `run_plain`, where the general path below ends too. The dtype matters only to an
+            # op that may read a weight's cast (the cache is dropped where it changed).
             owner.plain_ops is not None
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
             and (not owner.scopes or owner.scopes[-1] is None)
@@ -121,8 +122,10 @@ class FampMode(TorchFunctionMode):
             and not owner.recompute_only
             and torch.is_grad_enabled()
             and saved_tensors_hooks_top() is None
-            and torch.get_autocast_dtype(owner.device_type) is owner.seen_dtype
             and (kind := plain(func, owner.overrides, owner.device_type, owner.plain_ops))
+            and (
+                kind == UNWATCHED or torch.get_autocast_dtype(owner.device_type) is owner.seen_dtype
+            )
         ):
             return run_plain(owner, func, args, kwargs, kind)
         if kwargs is None:

@@ -102,12 +102,30 @@ def _call_in_a_module_scope(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Te
     return famp.autocast(Root(), "c=bf16,o=f32", module_rules=rules, device_type="cpu")()
 
 
+def _users_autocast_in_an_override_call(w1: nn.Parameter, w2: nn.Parameter) -> list[torch.Tensor]:
+    # A bfloat16 call with an override; inside it the function's own torch.autocast(float16),
+    # where a view of a weight (no cast read: famp does not test the dtype there) comes first.
+    def f() -> list[torch.Tensor]:
+        first = torch.mm(w1, w2)
+        with torch.autocast("cpu", dtype=F16):
+            w1.t()
+            inner = torch.mm(w1, w2)
+        return [first, inner, torch.mm(w1, w2)]
+
+    rules = famp.default_rules("cpu").override({"rms_norm": "lower"})
+    return famp.autocast(f, "c=bf16,o=f32", rules=rules, device_type="cpu")()
+
+
 # Each case: the function and the dtype of each product it returns, in order.
 CASES: dict[str, tuple[Callable[..., list[torch.Tensor]], tuple[torch.dtype, ...]]] = {
     "nested module rules": (_nested_module_rules, (BF16, F16, BF16)),
     "nested calls": (_nested_calls, (BF16, F16, BF16)),
     "a call in a disabled gap": (_call_in_a_disabled_gap, (F16, BF16, F16)),
     "a call in a module rule's scope": (_call_in_a_module_scope, (F16, BF16, F16)),
+    "a torch.autocast of the function's own": (
+        _users_autocast_in_an_override_call,
+        (BF16, F16, BF16),
+    ),
 }
 
 
