@@ -160,3 +160,21 @@ def assert_trees_bitwise_equal(actual: object, expected: object, *, autograd: bo
             assert not autograd or a.requires_grad == e.requires_grad
         else:
             assert a == e
+
+
+def famp_and_uncached_autocast(
+    f: Any, module: torch.nn.Module, *args: Any, **options: Any
+) -> tuple[Any, Any]:
+    """`f(*args)` under `famp.autocast(f, "c=bf16,o=bf16", **options)`, then again from
+    `module`'s state before it under `torch.autocast` (bfloat16) with torch's cast cache off:
+    the reference for functions that write weights between uses (one cast per use)."""
+    import copy
+
+    import famp
+
+    state = copy.deepcopy(module.state_dict())
+    got = famp.autocast(f, "c=bf16,o=bf16", **options)(*args)
+    module.load_state_dict(state)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        expected = f(*args)
+    return got, expected

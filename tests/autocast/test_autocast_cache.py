@@ -9,7 +9,6 @@ torch's own state between ops is the outer call's.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 import famp
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, famp_and_uncached_autocast
 
 BF16, F16 = torch.bfloat16, torch.float16
 
@@ -264,12 +263,10 @@ def test_a_weight_first_read_by_skipped_ops_is_watched_where_its_cast_is_read(fi
             lin.weight.mul_(3.0)
         return out, lin(x)
 
-    state = copy.deepcopy(lin.state_dict())
     rules = famp.default_rules("cpu").override({"rms_norm": "lower"})
-    first_out, second = famp.autocast(f, "c=bf16,o=bf16", rules=rules)(x)
-    lin.load_state_dict(state)
-    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
-        ref_first, ref_second = f(x)
+    (first_out, second), (ref_first, ref_second) = famp_and_uncached_autocast(
+        f, lin, x, rules=rules
+    )
     assert_bitwise_equal(first_out, ref_first)
     assert_bitwise_equal(second, ref_second)
     assert not torch.equal(first_out, second)
@@ -295,16 +292,12 @@ def test_a_write_through_data_after_a_write_the_version_showed_reads_a_fresh_cas
         outs.append(lin(x))
         return outs
 
-    state = copy.deepcopy(lin.state_dict())
     options: dict[str, Any] = (
         {"rules": famp.default_rules("cpu").override({"rms_norm": "lower"})}
         if kind == "override"
         else {"track_casts": True}
     )
-    outs = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
-    lin.load_state_dict(state)
-    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
-        expected = f(x)
+    outs, expected = famp_and_uncached_autocast(f, lin, x, **options)
     for out, ref in zip(outs, expected, strict=True):
         assert_bitwise_equal(out, ref)
     assert not torch.equal(outs[1], outs[2])

@@ -25,7 +25,7 @@ from torch.nn import functional as F  # noqa: N812
 
 import famp
 from famp._autocast import policy as policy_module
-from tests.helpers import assert_bitwise_equal, rank_files, torchrun
+from tests.helpers import assert_bitwise_equal, famp_and_uncached_autocast, rank_files, torchrun
 
 BF16 = torch.bfloat16
 
@@ -164,12 +164,9 @@ def _options(kind: str) -> dict[str, Any]:
 def test_cast_cache_sees_writes_through_aliases(write: str, kind: str) -> None:
     x = torch.randn(4, 8)
     lin, f = _write_between_uses(ALIAS_WRITES[write])
-    state = copy.deepcopy(lin.state_dict())
-    options = _options(kind)
-    first, second = famp.autocast(f, "c=bf16,o=bf16", **options)(x)
-    lin.load_state_dict(state)
-    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
-        ref_first, ref_second = f(x)
+    (first, second), (ref_first, ref_second) = famp_and_uncached_autocast(
+        f, lin, x, **_options(kind)
+    )
     assert second.dtype == BF16
     assert ref_second.dtype == BF16
     assert_bitwise_equal(first, ref_first)
