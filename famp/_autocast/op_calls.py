@@ -105,9 +105,14 @@ def _op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     return _DUNDERS.get(name, name), "Scalar" if name == "__rpow__" else None
 
 
+def in_place(packet: str) -> bool:
+    """Whether an op's name says it writes into its first argument: `add_`, not `__add__`."""
+    return packet[-1:] == "_" and packet[-2:] != "__"
+
+
 def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
-    if packet[-1:] == "_" and packet[-2:] != "__":
+    if in_place(packet):
         return True
     return packet in _WRITES or (bool(kwargs) and kwargs.get("out") is not None)
 

@@ -16,7 +16,7 @@ import torch
 
 from famp._autocast.defaults import default_rules
 from famp._autocast.entered import calls, copies
-from famp._autocast.op_calls import op_name, recall, remember, writes_first_arg
+from famp._autocast.op_calls import in_place, op_name, recall, remember, writes_first_arg
 from famp._autocast.ops import covered, functional_overloads, overloads
 from famp._autocast.overloads import resolve_overload
 from famp._autocast.rules import OpRules
@@ -133,7 +133,7 @@ def plain(
             0
             if overrides is not None and (packet in overrides.packets or func in overrides.enter)
             else WRITES
-            if packet[-1:] == "_" and packet[-2:] != "__"
+            if in_place(packet)
             else 0
             if writes_first_arg(packet, {})
             else UNWATCHED
