@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from famp._autocast.op_calls import call, call_eagerly, inplace_target, renorms, written
+from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import UNWATCHED, WRITES, plain
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly
@@ -50,12 +50,12 @@ def run_plain(
     if kind != UNWATCHED:  # in-place ops too: torch casts none, but a Python one may compute
         owner.casts.watch(args, kwargs)
     if kind == WRITES:
-        out = call_eagerly(func, args, kwargs or {})
+        out = call(func, args, kwargs or {}, memo=True)
         owner.casts.invalidate(written(args, kwargs))
         return out
     if not kwargs and type(func) is not FunctionType:
         return func(*args)
-    out = call_eagerly(func, args, kwargs or {})
+    out = call(func, args, kwargs or {}, memo=True)
     target = kwargs.get("out") if kwargs else None
     if target is None and type(func) is FunctionType:
         target = inplace_target(func, args, kwargs or {})  # `F.relu(x, inplace=True)`

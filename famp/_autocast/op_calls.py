@@ -183,30 +183,24 @@ def written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return out if out is not None else (args[0] if args else None)
 
 
-def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], memo: bool = False
+) -> Any:
     """Call a torch function; torch's Python `Tensor` methods are called as methods.
 
     Dynamo traces `t.unflatten(...)` but not `Tensor.unflatten(t, ...)`, whose super() call it
-    cannot follow into TensorBase.
+    cannot follow into TensorBase. `memo`: eagerly, whether `func` is such a method is
+    remembered (`getattr(torch.Tensor, name, None)` costs about a microsecond where there is no
+    such method, as for `F.dropout`); not while Dynamo traces (see `op_name`).
     """
-    if isinstance(func, types.FunctionType) and args and isinstance(args[0], torch.Tensor):
-        name = func.__name__
-        if getattr(torch.Tensor, name, None) is func:
-            return getattr(args[0], name)(*args[1:], **kwargs)
-    return func(*args, **kwargs)
-
-
-def call_eagerly(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """`call`, eagerly, with whether `func` is one of torch's Python `Tensor` methods remembered:
-    `getattr(torch.Tensor, name, None)` costs about a microsecond where there is no such method
-    (`F.dropout`, `F.layer_norm`). Not while Dynamo traces (see `op_name`)."""
-    method = recall(_METHODS, func)
+    method = recall(_METHODS, func) if memo else None
     if method is None:
         method = (
             isinstance(func, types.FunctionType)
             and getattr(torch.Tensor, func.__name__, None) is func
         )
-        remember(_METHODS, func, method)
+        if memo:
+            remember(_METHODS, func, method)
     if method and args and isinstance(args[0], torch.Tensor):
         return getattr(args[0], func.__name__)(*args[1:], **kwargs)
     return func(*args, **kwargs)

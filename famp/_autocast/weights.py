@@ -3,8 +3,9 @@
 torch's autocast caches the casts of leaf weights that require grad, keyed without the tensor
 version: an in-place update of a weight inside a call (an optimizer or EMA step under
 `torch.no_grad()`) would leave a stale cast in it. Eagerly, each `famp.autocast` call record
-watches the weights its ops read and drops every cached cast (torch's and famp's own, which op
-overrides use) when one of them is written. Compiled graphs have no cast cache.
+watches the weights read by its ops that may read a cast and drops every cached cast (torch's
+and famp's own, which op overrides use) when one of them is written. Compiled graphs have no
+cast cache.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class WeightCasts:
 
         torch's version counter is shared by a tensor's views and `detach()`es, so this sees
         writes through any of them, wherever they were made (inside C++ ops, other threads).
-        Runs before every op famp intercepts: one loop, the cheapest tests first.
+        Runs before every op famp intercepts that may read a weight's cast (not before views,
+        attribute reads or pointwise ops: `overrides.reads_no_cast`): one loop, the cheapest
+        tests first.
         """
         for values in (args, kwargs.values()) if kwargs else (args,):
             for v in values:
