@@ -8,9 +8,11 @@ the tests that pin it across the supported window), never a user's numbers.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 import types
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -299,6 +301,41 @@ _FRESH_HOLDERS = _holders(torch.empty(1))  # the tensor (alive as the argument) 
 
 def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
     return getattr(tensor, "_post_accumulate_grad_hooks", True) is not None
+
+
+_KEYWORDS_HOOK_KEY = -0xFA4F  # a key of its own: a global hook's in a module's dict gets kwargs
+_keyword_hook_keys = itertools.count(0xFA500000)  # eagerly, negated: never a handle's id
+
+
+def add_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> tuple[Any, ...]:
+    """Give `module` the forward pre-hook `hook`, with keyword inputs and first among its own, in
+    its hook dicts (private); `remove_pre_hook(*returned)` takes it off. Eagerly in the dicts
+    themselves: a hook handle costs about 7 µs made and removed, this 0.4. While Dynamo traces
+    (no handle, no change of a module's hook dicts in place) copies holding it take their place;
+    the dicts read through the module's `__dict__` come back themselves after the graph (read
+    as attributes, torch 2.13 rebuilt them as plain `dict`s, which take no handle)."""
+    own = module.__dict__["_forward_pre_hooks"]
+    with_kwargs = module.__dict__["_forward_pre_hooks_with_kwargs"]
+    if torch.compiler.is_compiling():
+        module._forward_pre_hooks = OrderedDict([(_KEYWORDS_HOOK_KEY, hook), *own.items()])
+        module._forward_pre_hooks_with_kwargs = OrderedDict(
+            [*with_kwargs.items(), (_KEYWORDS_HOOK_KEY, True)]
+        )
+        return module, own, with_kwargs, None
+    key = -next(_keyword_hook_keys)
+    own[key] = hook
+    own.move_to_end(key, last=False)
+    with_kwargs[key] = True
+    return module, own, with_kwargs, key
+
+
+def remove_pre_hook(module: torch.nn.Module, own: Any, with_kwargs: Any, key: Any) -> None:
+    """Undo `add_pre_hook`: the hook out of the module's dicts, or its own dicts back."""
+    if key is None:
+        module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs = own, with_kwargs
+    else:
+        own.pop(key, None)
+        with_kwargs.pop(key, None)
 
 
 def forward_hooks(module: torch.nn.Module, hooks: Any = None) -> Any:

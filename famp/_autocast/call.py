@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from famp._autocast import hooks
+from famp._autocast import hooks, keywords
 from famp._autocast.casts import AS_TORCH, apply_rule
 from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
@@ -71,6 +71,14 @@ class CallRecord:
         self.roots: dict[int, dict[int, Policy | None]] = {}
         self.held: list[torch.nn.Module] = []
         self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
+        # Keyword inputs (keywords.py): per root, the modules rules match below it; the hooks
+        # given them while a root runs; the module whose scope famp's pre-hook entered last.
+        self.matched: dict[int, list[torch.nn.Module]] = {}
+        self.root_matched: list[torch.nn.Module] = []  # the current root's
+        self.root_hooks: list[Any] = []
+        self.keyword_hooks: list[Any] = []  # a recomputation's, for `replay_matched`
+        self.entering: torch.nn.Module | None = None
+        self.replay_matched: list[torch.nn.Module] = []  # a recomputation's, given as it starts
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None.
         self.declined: list[contextlib.ExitStack | None] = []
@@ -89,7 +97,7 @@ class CallRecord:
     def frozen(self) -> Callable[[], CallRecord]:
         """A factory of this call's record as it is now, with a fresh cast cache."""
         args = (self.transform, self.device_type, self.module_policy, tuple(self.scopes), self.held)
-        return partial(CallRecord.replayed, *args)
+        return partial(CallRecord.replayed, *args, self.root_matched)
 
     @staticmethod
     def replayed(
@@ -98,11 +106,13 @@ class CallRecord:
         module_policy: dict[int, Policy | None],
         scopes: tuple[tuple[bool, torch.dtype] | None, ...],
         held: list[torch.nn.Module],
+        matched: list[torch.nn.Module],
     ) -> CallRecord:
         record = CallRecord(transform, device_type)
         record.track = True  # a recomputation runs eagerly, in backward
         record.module_policy, record.held = module_policy, held  # the ids' modules kept alive
         record.scopes = list(scopes)
+        record.replay_matched = matched
         record.hooked = bool(record.patterns) or record.intercepts
         return record
 
@@ -112,6 +122,11 @@ class CallRecord:
     def use_hooks(self, change: int, eager: bool = False) -> None:
         if self.hooked:
             hooks.use(change, post=bool(self.patterns), eager=eager)
+        if change > 0 and self.replay_matched:
+            self.keyword_hooks = keywords.add(self.replay_matched)
+        elif change < 0 and (self.keyword_hooks or self.root_hooks):
+            keywords.remove(self.keyword_hooks + self.root_hooks)  # a root's: if it never left
+            self.keyword_hooks, self.root_hooks = [], []
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
@@ -136,11 +151,22 @@ class CallRecord:
                 for path, sub in paths:
                     i = match(self.patterns, path)
                     policies[id(sub)] = self.policies[i] if i >= 0 else None
+                self.matched[id(module)] = [  # the modules a hook of their own can be given
+                    sub
+                    for _, sub in paths
+                    if sub is not module
+                    and policies[id(sub)]
+                    and not is_compiled_module(sub)
+                    and not isinstance(sub, torch.jit.ScriptModule)  # refuses Python hooks
+                ]
                 if self.track:  # eagerly: which patterns match, for the warning on the others
                     self.paths.extend(path for path, _ in paths)
             self.module_policy = policies
+            self.root_matched = self.matched[id(module)]
+            self.root_hooks = keywords.add(self.root_matched)  # off at its exit
         policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
+        self.entering = None
         if policy is None:
             self.scopes.append(outer)
             self.declined.append(decline(self, module, args, outer))
@@ -151,6 +177,7 @@ class CallRecord:
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
+            self.entering = module  # its keyword inputs: cast by its own pre-hook, next
         self.declined.append(decline(self, module, args, inner))
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
@@ -192,13 +219,18 @@ class CallRecord:
         if eager := self.track and not torch.compiler.is_compiling():
             observe(self, output)
         inner = self.scopes.pop() if self.scopes else None
+        if not self.scopes and self.root_hooks:  # the root's exit
+            keywords.remove(self.root_hooks)
+            self.root_hooks = []
         declined = self.declined.pop() if self.declined else None
         if declined is not None:
             declined.close()
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
-        if eager and kwargs and "keywords" not in self.transform.warned:
+        # A root reached otherwise than as the function itself keeps them (keywords.py).
+        uncast = kwargs and module.__dict__.get("inplace") is not True  # that one on purpose
+        if eager and uncast and "keywords" not in self.transform.warned:
             where = partial(module_path, self.held, module)
             warn_uncast_keywords(kwargs, policy.compute_dtype, where, self.transform.warned)
         outer = self.scopes[-1] if self.scopes else None

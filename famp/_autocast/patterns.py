@@ -24,8 +24,9 @@ class AutocastWarning(UserWarning):
     in a call (typically a wrapper's prefix: `module.` for `DistributedDataParallel`,
     `_fsdp_wrapped_module.` for FSDP1), for op overrides left out of torch's inference fast
     path, for op overrides and module rules that cannot reach inside a TorchScript module, and
-    for keyword inputs of a matched module or a nested call that its compute dtype would have
-    cast (only positional inputs are cast). Filter it as any warning:
+    for the keyword inputs of a matched TorchScript module or of a matched root module reached
+    otherwise than as the transformed function itself (`torch.func.functional_call`), which no
+    hook reaches and its compute dtype would have cast. Filter it as any warning:
     `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
@@ -98,9 +99,10 @@ def warn_uncast_keywords(
     kwargs: dict[str, Any], dtype: torch.dtype, where: Callable[[], str], warned: set[str]
 ) -> None:
     """Warn if a cast to the compute `dtype` would change a tensor of keyword inputs `kwargs`
-    of a matched module or a nested call (`where()` names it), which famp leaves as given: a
-    global forward pre-hook, through which module rules cast inputs, sees positional inputs
-    only. Once it has warned, `"keywords"` is in `warned` (the transform's causes warned)."""
+    of a matched module (`where()` names it) that famp left as given: a root reached otherwise
+    than as the transformed function, whose call had begun when famp found it, or a TorchScript
+    module, which refuses Python hooks of its own (keywords.py).
+    Once it has warned, `"keywords"` is in `warned` (the transform's causes warned)."""
     names = [
         name
         for name, value in kwargs.items()
@@ -114,20 +116,14 @@ def warn_uncast_keywords(
     warned.add("keywords")
     warnings.warn(
         f"famp.autocast: the keyword inputs {', '.join(map(repr, names))} of {where()} are not "
-        f"cast to its compute dtype {dtype} (its positional inputs are): the ops inside take them "
-        "as given. Pass them by position, or cast them (famp.cast_to_compute), to have them cast.",
+        f"cast to its compute dtype {dtype} (its positional inputs are): no hook of famp's reaches "
+        "them (a TorchScript module, or the outermost module of the call reached otherwise than "
+        "as the transformed function, whose call has begun when famp finds it); the ops inside "
+        "take them as given. Pass them by position, transform the module itself "
+        "(famp.autocast(module, ...)), or cast them (famp.cast_to_compute) to have them cast.",
         AutocastWarning,
         stacklevel=2,
     )
-
-
-def nested_keywords(
-    kwargs: dict[str, Any], dtype: torch.dtype, fn: object, warned: set[str]
-) -> None:
-    """`warn_uncast_keywords` for a nested `famp.autocast` call of `fn`."""
-    name = getattr(fn, "__qualname__", type(fn).__name__)
-    where = functools.partial("the nested famp.autocast call of {}".format, name)
-    warn_uncast_keywords(kwargs, dtype, where, warned)
 
 
 def module_path(roots: list[torch.nn.Module], module: torch.nn.Module) -> str:

@@ -254,7 +254,7 @@ def cast_to_param(policy: Policy | str, tree: TreeT) -> TreeT:
 def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
     """Cast a pytree's float16/bfloat16/float32 tensors to the policy's `compute_dtype`.
 
-    `famp.autocast` casts the positional inputs of a module that a module rule matches so.
+    `famp.autocast` casts the inputs of a module that a module rule matches so.
 
     Args:
         policy: a `Policy` or a `get_policy` string.

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from famp._autocast import keywords
 from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
-from famp._autocast.patterns import nested_keywords
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
 from famp._autocast.region import current_state, region
@@ -137,8 +137,8 @@ class Transform:
         if stack:
             # Nested: a module rule spelled as a function, its inputs cast as a matched module's.
             args = own_cast(self.policy.cast_to_compute, args)
-            if kwargs and record.track and "keywords" not in self.warned:
-                nested_keywords(kwargs, self.policy.compute_dtype, self.fn, self.warned)
+            kwargs = own_cast(self.policy.cast_to_compute, kwargs) if kwargs else kwargs
+        kwargs = keywords.of_root(record, self.fn, kwargs)  # a module's a rule matches
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
         for outer in stack:
@@ -200,11 +200,11 @@ def autocast(
     ops that another op's C++ implementation calls (the `bmm` inside `einsum`).
 
     `module_rules` maps glob patterns over module paths (`fnmatch`, `*` matches dots too) to
-    policies: inside a matched module each op runs under that policy's compute dtype, the module's
-    positional inputs are cast to it (keyword inputs are not: eagerly, one a cast would change
-    warns once) and its outputs to that policy's output dtype; the first matching pattern wins and
-    an inner matched module wins over an outer one. Paths are relative to the outermost module the
-    call enters (with `torch.func.functional_call` too), wrapper included (`module.` for
+    policies: inside a matched module each op runs under that policy's compute dtype, its inputs
+    are cast to it (keyword ones too, but a matched root's not entered as `fn`: they warn) and
+    its outputs to that policy's output dtype; the first matching pattern wins and an inner
+    matched module wins over an outer one. Paths are relative to the outermost module the call
+    enters (with `torch.func.functional_call` too), wrapper included (`module.` for
     `DistributedDataParallel`); a pattern that matches no module path in a call warns once with a
     `famp.AutocastWarning` naming the nearest paths.
 
