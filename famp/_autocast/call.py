@@ -163,7 +163,7 @@ class CallRecord:
                     self.paths.extend(path for path, _ in paths)
             self.module_policy = policies
             self.root_matched = self.matched[id(module)]
-            self.root_hooks = keywords.add(self.root_matched)  # off at its exit
+            self.root_hooks.extend(keywords.add(self.root_matched))  # off at its exit
         policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
         self.entering = None
