@@ -196,7 +196,10 @@ def test_a_nested_calls_keyword_inputs_are_cast_as_positional_ones() -> None:
             warnings.simplefilter("always")
             y = outer(h)
         assert _keyword_warnings(caught) == []
-        assert_bitwise_equal(y, (h.float() * h.float() * 1.1).to(BF16))
+        expected = (h.float() * h.float() * 1.1).to(BF16)
+        assert_bitwise_equal(y, expected)
+        # Traced whole, with eager's bits (aot_eager rounds as eager does).
+        assert_bitwise_equal(torch.compile(outer, backend="aot_eager", fullgraph=True)(h), expected)
 
 
 def test_the_transformed_modules_own_keyword_inputs_are_cast_where_a_rule_matches_it() -> None:
