@@ -8,12 +8,15 @@ A cell that raises records its error instead, so that one failure does not hide 
   ``torch.autocast`` on an identical DDP model: loss and gradients.
 - ``ddp_module_rule``: a module rule written for the wrapper (``module.head``) under DDP against
   the same rule (``head``) on the unwrapped model, gradients all-reduced by hand (mean over 2
-  ranks: exact). ``ddp_unprefixed_warns`` records whether the unprefixed rule warned.
+  ranks: exact); ``ddp_module_rule_keywords``: the head's input passed by keyword, against the
+  rule by hand. ``ddp_unprefixed_warns`` records whether the unprefixed rule warned.
   ``ddp_override``: an op override under DDP against the same override on the unwrapped model,
   gradients all-reduced by hand.
 - ``fsdp2_default``: ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bfloat16)`` under
   famp against ``torch.autocast``; ``fsdp2_module_rule``: a float32 rule on the head (full-precision
-  parameters) against the head run by hand under ``torch.autocast(enabled=False)``.
+  parameters) against the head run by hand under ``torch.autocast(enabled=False)``;
+  ``fsdp2_module_rule_keywords``: the same with the head sharded on its own and its input passed
+  by keyword (FSDP2's pre-forward hook takes keyword inputs too).
 - ``fsdp1_default``: FSDP1 with ``MixedPrecision(param_dtype=bfloat16)`` against ``torch.autocast``;
   ``fsdp1_module_rule``: a ``*head`` rule through FSDP1's ``_fsdp_wrapped_module.`` prefix, against
   the head run by hand.
@@ -42,24 +45,25 @@ BF16 = torch.bfloat16
 
 
 class Net(nn.Module):
-    def __init__(self, by_hand_f32_head: bool = False) -> None:
+    def __init__(self, by_hand_f32_head: bool = False, by_keyword: bool = False) -> None:
         super().__init__()
         self.body = nn.Linear(8, 16)
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, 4)
         self.by_hand = by_hand_f32_head
+        self.by_keyword = by_keyword  # the head's input passed as `input=`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(torch.tanh(self.body(x)))
         if self.by_hand:  # what the module rule {"head": "f32"} means, written with torch.autocast
             with torch.autocast("cpu", enabled=False):
-                return self.head(h.float())
-        return self.head(h)
+                return self.head(input=h.float()) if self.by_keyword else self.head(h.float())
+        return self.head(input=h) if self.by_keyword else self.head(h)
 
 
-def net(by_hand: bool = False) -> Net:
+def net(by_hand: bool = False, by_keyword: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net(by_hand)
+    return Net(by_hand, by_keyword)
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +119,17 @@ def ddp_module_rule(rank: int) -> dict[str, Any]:
     return {"actual": actual, "expected": expected}
 
 
+def ddp_module_rule_keywords(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours = DistributedDataParallel(net(by_keyword=True))
+    theirs = DistributedDataParallel(net(by_hand=True, by_keyword=True))
+    forward = famp.autocast(ours, "c=bf16,o=f32", module_rules={"module.head": "f32"})
+    actual = step(forward, ours, rank)
+    expected = step(under_torch_autocast(theirs), theirs, rank)
+    return {"actual": actual, "expected": expected}
+
+
 def ddp_override(rank: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -167,6 +182,21 @@ def fsdp2_module_rule(rank: int) -> dict[str, Any]:
     return {"actual": actual, "expected": expected}
 
 
+def fsdp2_module_rule_keywords(rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    # The head sharded on its own: FSDP2's pre-forward hook (with keyword inputs, first among
+    # the head's) and famp's, which goes before it, as famp's global hook goes before both.
+    ours, theirs = net(by_keyword=True), net(by_hand=True, by_keyword=True)
+    for model in (ours, theirs):
+        fully_shard(model.head, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+    forward = famp.autocast(ours, "c=bf16,o=f32", module_rules={"head": "f32"})
+    actual = step(forward, ours, rank)
+    expected = step(under_torch_autocast(theirs), theirs, rank)
+    return {"actual": actual, "expected": expected}
+
+
 def fsdp1_default(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
@@ -195,10 +225,12 @@ def fsdp1_module_rule(rank: int) -> dict[str, Any]:
 CELLS = [
     ddp_default,
     ddp_module_rule,
+    ddp_module_rule_keywords,
     ddp_override,
     ddp_unprefixed_warns,
     fsdp2_default,
     fsdp2_module_rule,
+    fsdp2_module_rule_keywords,
     fsdp1_default,
     fsdp1_module_rule,
 ]

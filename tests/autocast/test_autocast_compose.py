@@ -783,9 +783,11 @@ WORKER = pathlib.Path(__file__).with_name("compose_worker.py")
 DISTRIBUTED_CELLS = [
     "ddp_default",
     "ddp_module_rule",
+    "ddp_module_rule_keywords",
     "ddp_override",
     "fsdp2_default",
     "fsdp2_module_rule",
+    "fsdp2_module_rule_keywords",
     "fsdp1_default",
     "fsdp1_module_rule",
 ]
