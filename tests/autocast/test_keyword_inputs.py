@@ -57,6 +57,9 @@ class _Model(nn.Module):
             return self.b(x=h, scale=g)
         if self.call == "mixed":
             return self.b(h, scale=g)
+        if self.call == "checkpointed_module":  # the matched module itself, recomputed first
+            out: torch.Tensor = checkpoint(self.b, h, scale=g, use_reentrant=False)
+            return out
         if self.call == "positional":
             return self.b(h, g)
         if self.call == "compute_dtype":  # keyword inputs a cast would not change
@@ -330,6 +333,16 @@ def test_keyword_inputs_cast_in_a_checkpointed_blocks_recomputation(
     for got, want in zip(_grads(checkpointed, y), _grads(plain, _call(plain)(_x())), strict=True):
         assert_bitwise_equal(got, want)
     assert not checkpointed.b._forward_pre_hooks
+
+
+def test_a_checkpointed_matched_modules_keyword_inputs_are_cast_in_its_recomputation() -> None:
+    # The matched module is the first module its recomputation enters: its hook must be there
+    # before famp's global pre-hook enters it again.
+    model, plain = _Model("checkpointed_module"), _Model("mixed")
+    y = _call(model)(_x())
+    assert_bitwise_equal(y, _by_hand(plain, _x()))
+    for got, want in zip(_grads(model, y), _grads(plain, _call(plain)(_x())), strict=True):
+        assert_bitwise_equal(got, want)
 
 
 def test_another_threads_call_of_a_matched_module_is_left_alone() -> None:
