@@ -294,6 +294,23 @@ def test_compiled_keyword_inputs_are_cast_as_positional_ones(dynamic: bool) -> N
     model.b.register_forward_pre_hook(lambda module, args: None).remove()
 
 
+def test_a_compiled_model_called_inside_an_eager_call_casts_and_gives_its_hooks_back() -> None:
+    # The root is entered while Dynamo traces, the call itself runs eagerly.
+    torch._dynamo.reset()
+    model = _Model("keywords")
+    own = (model.b._forward_pre_hooks, model.b._forward_pre_hooks_with_kwargs)
+    compiled = torch.compile(model, backend="aot_eager")
+    f = famp.autocast(lambda x: compiled(x), "c=bf16,o=f32", module_rules={"b": "c=f32"})
+    with warnings.catch_warnings():  # torch's: famp's global hooks fire for the wrapper too
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+        for _ in range(2):
+            assert_bitwise_equal(f(_x()), _by_hand(model, _x()))
+    assert model.b._forward_pre_hooks is own[0]
+    assert model.b._forward_pre_hooks_with_kwargs is own[1]
+    assert not own[0]
+    assert not own[1]
+
+
 @pytest.mark.parametrize("how", ["torch.compile(module)", "module.compile()"])
 def test_a_compiled_submodule_inside_an_eager_call_casts_and_compiles_once(how: str) -> None:
     torch._dynamo.reset()
