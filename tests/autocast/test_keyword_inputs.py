@@ -384,6 +384,26 @@ def test_another_threads_call_of_a_matched_module_is_left_alone() -> None:
     assert_bitwise_equal(other[0], h * h)  # bfloat16 in, bfloat16 out: not famp's
 
 
+def test_keyword_inputs_cast_under_torch_func_grad_and_vmap() -> None:
+    # The root reached through functional_call: its matched submodule's keyword inputs are cast.
+    def grads(call: str) -> dict[str, torch.Tensor]:
+        model = _Model(call)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        f = _call(lambda p, x: torch.func.functional_call(model, p, (x,)))
+        out: dict[str, torch.Tensor] = torch.func.grad(lambda p, x: f(p, x).sum())(params, _x())
+        return out
+
+    by_keyword, by_position = grads("keywords"), grads("positional")
+    for name, g in by_keyword.items():
+        assert_bitwise_equal(g, by_position[name])
+
+    def per_sample(call: str) -> torch.Tensor:
+        out: torch.Tensor = torch.func.vmap(_call(_Model(call)))(_x().reshape(2, 2, 8))
+        return out
+
+    assert_bitwise_equal(per_sample("keywords"), per_sample("positional"))
+
+
 class _Raises(nn.Module):
     def forward(self, x: Any = None, scale: Any = None) -> torch.Tensor:
         raise RuntimeError("inside the matched module")
