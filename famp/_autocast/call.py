@@ -228,8 +228,10 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
-        # A root reached otherwise than as the function itself keeps them (keywords.py).
-        uncast = kwargs and module.__dict__.get("inplace") is not True  # that one on purpose
+        # Keyword inputs no hook of famp's reached (keywords.py): a root's, a TorchScript module's
+        # (a module writing into its input gets them uncast on purpose).
+        unreached = not self.scopes or isinstance(module, torch.jit.ScriptModule)
+        uncast = kwargs and unreached and module.__dict__.get("inplace") is not True
         if eager and uncast and "keywords" not in self.transform.warned:
             where = partial(module_path, self.held, module)
             warn_uncast_keywords(kwargs, policy.compute_dtype, where, self.transform.warned)
