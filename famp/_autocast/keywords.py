@@ -32,12 +32,14 @@ from famp._compat import add_pre_hook, remove_pre_hook
 
 
 def cast_keywords(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The pre-hook: `module`'s keyword inputs cast to its rule's compute dtype, if this thread's
-    innermost famp call has just entered its scope (and it does not write into its input)."""
+    innermost famp call has just entered its scope (and it does not write into its input).
+    Without `kwargs`, torch calls a hook taken off since the module's call began (famp's global
+    pre-hook drops what a backward that raised in a recomputation left): nothing to do."""
     stack = calls()
-    if not stack or stack[-1].entering is not module:
+    if kwargs is None or not stack or stack[-1].entering is not module:
         return None
     record = stack[-1]
     record.entering = None

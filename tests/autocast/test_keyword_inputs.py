@@ -362,6 +362,49 @@ def test_a_checkpointed_matched_modules_keyword_inputs_are_cast_in_its_recomputa
         assert_bitwise_equal(got, want)
 
 
+class _RaisesOnRecompute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = _Product()
+        self.runs = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        if self.runs == 2:
+            raise KeyError("boom in the recomputation")
+        out: torch.Tensor = self.b(h, scale=h)
+        return out
+
+
+@pytest.mark.parametrize("then", ["a call outside famp", "a compiled famp call"])
+def test_hooks_a_raising_recomputation_left_go_with_the_next_call(then: str) -> None:
+    # The backward raised inside a bracketed node: the recomputation's hooks stay on the matched
+    # module until the next module call or famp call drops what it left (as for famp's global
+    # hooks); a call of the module outside famp, whose own hook loop began with famp's hook in
+    # it, gets torch's numbers.
+    class _Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _RaisesOnRecompute()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = checkpoint(self.block, x.to(BF16) * 1.1, use_reentrant=False)
+            return out
+
+    model = _Outer()
+    f = famp.autocast(model, "c=bf16,o=f32", module_rules={"block.b": "c=f32"})
+    with pytest.raises(KeyError, match="boom in the recomputation"):
+        f(_x().requires_grad_()).sum().backward()
+    assert model.block.b._forward_pre_hooks  # left, as the global hooks are
+    if then == "a call outside famp":
+        h = _x().to(BF16)
+        assert_bitwise_equal(model.block.b(h, scale=h), h * h)  # torch's bfloat16 product
+    else:
+        torch.compile(_call(_Model("keywords")), backend="aot_eager", fullgraph=True)(_x())
+    assert not model.block.b._forward_pre_hooks
+    assert not model.block.b._forward_pre_hooks_with_kwargs
+
+
 def test_another_threads_call_of_a_matched_module_is_left_alone() -> None:
     model = _Model("keywords")
     h = torch.randn(4, 8).to(BF16)
