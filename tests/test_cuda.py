@@ -163,3 +163,59 @@ def test_mixed_devices_read_no_copy_before_it_arrives() -> None:
         assert new_state.scale.item() == 2.0
         assert kept["w"].tolist() == [8.0, 16.0]
         assert scaled["w"].tolist() == [32.0, 64.0]
+
+
+class _Scaled(torch.nn.Module):
+    """Ops autocast does not cast, so only a module rule's cast can; sorted, so that compiled,
+    the product is stored in its dtype (fused, inductor keeps it in float32 either way)."""
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sort(x * (x if scale is None else scale), dim=-1).values
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = _Scaled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(x=h, scale=self.a(x * 0.7))  # keyword inputs of the matched module
+        return torch.softmax(y, dim=-1) + torch.log_softmax(h, dim=-1)
+
+
+def _block_by_hand(block: _Block, x: torch.Tensor) -> torch.Tensor:
+    """The policy, the module rule (`b` in float32) and the override, written with torch."""
+    with torch.autocast(CUDA, dtype=torch.float16):
+        h, g = block.a(x), block.a(x * 0.7)
+        with torch.autocast(CUDA, enabled=False):
+            y = torch.sort(h.float() * g.float(), dim=-1).values  # not rounded to float16
+            return torch.softmax(y, dim=-1) + torch.log_softmax(h, dim=-1)  # overridden: "lower"
+
+
+@pytest.mark.parametrize("compile", [False, None], ids=["eager", "famps-own-compile"])
+def test_module_rules_overrides_and_keyword_inputs_on_cuda_equal_torch_by_hand(
+    compile: bool | None,
+) -> None:
+    """On CUDA famp.autocast compiles by default: module rules, keyword inputs and an override
+    give torch's bits there (Triton kernels) as eagerly, outputs and gradients."""
+    block = _Block().to(CUDA)
+    x = torch.randn(32, 8, device=CUDA)
+    rules = famp.default_rules(CUDA).override({"log_softmax": "lower"})
+    f = famp.autocast(
+        block, "c=f16,o=f32", rules=rules, module_rules={"b": "c=f32"}, compile=compile
+    )
+    by_hand = _block_by_hand if compile is False else torch.compile(_block_by_hand, fullgraph=True)
+    params = list(block.parameters())
+    expected = by_hand(block, x)
+    e_grads = torch.autograd.grad(expected.sum(), params)
+    for _ in range(2):  # the second call runs what the first built
+        actual = f(x)
+        assert actual.dtype == torch.float32
+        assert_bitwise_equal(actual, expected)
+        grads = torch.autograd.grad(actual.sum(), params)
+        for g, e in zip(grads, e_grads, strict=True):
+            assert_bitwise_equal(g, e)
+    assert not block.b._forward_pre_hooks  # famp's keyword hook came off with the root's exit
