@@ -15,6 +15,8 @@ ran with it. On torch 2.11 it:
    XPU tensor when a CUDA GPU is present, which fails on a CUDA build.
 """
 
+import sys
+
 import torch
 
 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
@@ -48,4 +50,6 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
 
     tables.registered_ops = registered_ops
     fake_tensor.init_gpu_context = init_gpu_context
-    print(f"famp: shims for torch {torch.__version__} (.ci/old_torch), not a supported torch")
+    # stderr: pytest-xdist starts its workers through their stdout, which must carry nothing else
+    v = torch.__version__
+    print(f"famp: shims for torch {v} (.ci/old_torch), not a supported torch", file=sys.stderr)
