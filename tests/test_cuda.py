@@ -219,3 +219,55 @@ def test_module_rules_overrides_and_keyword_inputs_on_cuda_equal_torch_by_hand(
         for g, e in zip(grads, e_grads, strict=True):
             assert_bitwise_equal(g, e)
     assert not block.b._forward_pre_hooks  # famp's keyword hook came off with the root's exit
+
+
+class _NoisySGD(torch.optim.Optimizer):
+    """Gradient noise drawn on the parameters' device (SGLD): on CUDA, from torch's CUDA
+    generator, which a skipped step must leave where a GradScaler loop leaves it."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": LR})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad + 1e-3 * torch.randn_like(p))
+
+
+def _noisy_loop(famp_side: bool, pattern: list[bool]) -> list[tuple[Any, ...]]:
+    model = _model()
+    opt = _NoisySGD(model.parameters())
+    torch.cuda.manual_seed(3)
+    scaler = torch.amp.GradScaler(CUDA, init_scale=2.0**10, growth_interval=2)
+    state = famp.init_scaler(2.0**10, growth_interval=2, device=CUDA)
+    seen = []
+    for i, bad in enumerate(pattern):
+        x, y = _batch(i, bad)
+        opt.zero_grad()
+        loss = functional.cross_entropy(functional.dropout(model(x), 0.1), y)  # a CUDA draw too
+        (famp.scale(state, loss) if famp_side else scaler.scale(loss)).backward()
+        if famp_side:
+            state = famp.update_scale(state, famp.optimizer_step(opt, state))
+        else:
+            scaler.step(opt)
+            scaler.update()
+        params = [p.detach().clone() for p in model.parameters()]
+        seen.append((params, torch.cuda.get_rng_state(), torch.get_rng_state()))
+    return seen
+
+
+def test_optimizer_step_leaves_the_cuda_generator_as_gradscaler_never_steps() -> None:
+    """A skipped step of an optimizer drawing on CUDA: its draws are undone, so the parameters
+    and every later draw (the next batch's dropout masks) equal a GradScaler loop's, bit for
+    bit (tests/scaling/test_optimizer_step_nested.py checks the CPU generators)."""
+    pattern = [False, True, False, True, True, False, False]
+    expected, actual = _noisy_loop(False, pattern), _noisy_loop(True, pattern)
+    for (params, cuda_rng, cpu_rng), (e_params, e_cuda_rng, e_cpu_rng) in zip(
+        actual, expected, strict=True
+    ):
+        for p, e in zip(params, e_params, strict=True):
+            assert_bitwise_equal(p, e)
+        assert torch.equal(cuda_rng, e_cuda_rng)
+        assert torch.equal(cpu_rng, e_cpu_rng)
