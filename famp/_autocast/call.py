@@ -26,7 +26,6 @@ from famp._autocast.patterns import (
     match,
     module_path,
     module_paths,
-    warn_outside_calls,
     warn_uncast_keywords,
     warn_unmatched,
 )
@@ -79,7 +78,6 @@ class CallRecord:
         self.root_hooks: list[Any] = []
         self.keyword_hooks: list[Any] = []  # a recomputation's, for `replay_matched`
         self.entering: torch.nn.Module | None = None
-        self.entered: set[int] = set()  # the modules entered, by id (for `finish`)
         self.replay_matched: list[torch.nn.Module] = []  # a recomputation's, given as it starts
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None.
@@ -144,7 +142,6 @@ class CallRecord:
             return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
         if self.track and not torch.compiler.is_compiling():
             observe(self, args)
-            self.entered.add(id(module))
         if not self.scopes:  # `module` is a root: its paths start here, each time it is one
             policies = self.roots.get(id(module))
             if policies is None:
@@ -248,8 +245,6 @@ class CallRecord:
         warned, patterns = self.transform.warned, self.patterns
         if patterns and "unmatched" not in warned and warn_unmatched(patterns, self.paths):
             warned.add("unmatched")
-        if patterns and "outside" not in warned:
-            warn_outside_calls(self.matched, self.entered, self.casts.read, self.held, warned)
         if self.trained:
             switched(self, self.trained)
 

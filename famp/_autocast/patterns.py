@@ -26,9 +26,7 @@ class AutocastWarning(UserWarning):
     path, for op overrides and module rules that cannot reach inside a TorchScript module, and
     for the keyword inputs of a matched TorchScript module or of a matched root module reached
     otherwise than as the transformed function itself (`torch.func.functional_call`), which no
-    hook reaches and its compute dtype would have cast, and eagerly for matched modules whose
-    parameters ops read outside any call of the module (`module.forward(x)` called directly).
-    Filter it as any warning:
+    hook reaches and its compute dtype would have cast. Filter it as any warning:
     `warnings.filterwarnings("ignore", category=famp.AutocastWarning)`.
     """
 
@@ -125,45 +123,6 @@ def warn_uncast_keywords(
         "(famp.autocast(module, ...)), or cast them (famp.cast_to_compute) to have them cast.",
         AutocastWarning,
         stacklevel=2,
-    )
-
-
-def warn_outside_calls(
-    matched: dict[int, list[torch.nn.Module]],
-    entered: set[int],
-    read: set[int],
-    roots: list[torch.nn.Module],
-    warned: set[str],
-) -> None:
-    """Warn if ops of a call read the parameters of a module a rule matches (`matched`: per
-    root) that the call never entered (`entered`: the ids of the modules it entered; `read`:
-    of the weights its ops read): they ran outside the module's call, where its rule does not
-    apply, as in `module.forward(x)` called directly (torch's module hooks, through which famp
-    enters a rule's scope, do not run). A parameter shared with a module outside it that the
-    call entered (tied weights) was read there. Once it has warned, `"outside"` is in `warned`.
-    """
-    missed = []
-    for m in (m for modules in matched.values() for m in modules if id(m) not in entered):
-        outside = {id(p) for p in m.parameters()} & read
-        if outside:
-            inside = {id(sub) for sub in m.modules()}
-            for other in (x for root in roots for x in root.modules()):
-                if id(other) in entered and id(other) not in inside:
-                    outside -= {id(p) for p in other.parameters(recurse=False)}
-        if outside:
-            missed.append(m)
-    if not missed:
-        return
-    warned.add("outside")
-    names = ", ".join(module_path(roots, m) for m in missed)
-    warnings.warn(
-        f"famp.autocast: ops read the parameters of {names}, which a module rule matches, "
-        "outside any call of it: the rule applies only inside the module's own call "
-        "(module(x), whose hooks famp enters its scope from), not to module.forward(x) called "
-        "directly or to its parameters used by other code, which ran under the enclosing "
-        "policy. Call the module itself, or wrap that code in a nested famp.autocast call.",
-        AutocastWarning,
-        stacklevel=4,
     )
 
 

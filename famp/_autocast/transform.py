@@ -204,9 +204,9 @@ def autocast(
     are cast to it (keyword ones too, but a matched root's not entered as `fn`: they warn) and
     its outputs to that policy's output dtype; the first matching pattern wins and an inner
     matched module wins over an outer one. Paths are relative to the outermost module the call
-    enters (`functional_call` too), wrapper included (`module.` for `DistributedDataParallel`);
-    a `famp.AutocastWarning` names a pattern that matches no module path in a call (and the
-    nearest paths), and a matched module whose parameters ops read outside its call, once each.
+    enters (with `torch.func.functional_call` too), wrapper included (`module.` for
+    `DistributedDataParallel`); a pattern that matches no module path in a call warns once with a
+    `famp.AutocastWarning` naming the nearest paths.
 
     In eval mode without grad, `nn.MultiheadAttention` and `nn.TransformerEncoder(Layer)` are left
     to torch's inference fast path (famp's interception would turn it off): overrides do not apply

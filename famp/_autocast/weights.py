@@ -56,8 +56,6 @@ class WeightCasts:
         self.weights: dict[int, tuple[torch.Tensor, int]] = {}
         self.storages: set[int] = set()
         self.pending: list[torch.Tensor] = []
-        # The weights read with grad on (eager code's reads), kept by `clear`: `patterns.py`.
-        self.read: set[int] = set()
 
     def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before an op: drop every weight cast if a weight it reads was written since its cast.
@@ -94,8 +92,6 @@ class WeightCasts:
             self.clear()
         self.weights[id(t)] = (t, tensor_version(t))
         self.pending.append(t)
-        if torch.is_grad_enabled():  # compiled graphs that eager calls reach run with grad off
-            self.read.add(id(t))
 
     def invalidate(self, target: object) -> None:
         """After an in-place write: drop every weight cast if it wrote into a watched weight.
