@@ -148,25 +148,31 @@ Pair = tuple[torch.nn.Module, torch.optim.Optimizer]
 
 
 def side_by_side(
-    torch_side: Pair, famp_side: Pair, pattern: list[float | None], init_scale: float
+    torch_side: Pair,
+    famp_side: Pair,
+    pattern: list[float | None],
+    init_scale: float,
+    device: str = "cpu",
+    loss: Callable[[torch.nn.Module, int], torch.Tensor] = loss_of,
 ) -> Iterator[tuple[float | None, torch.Tensor, famp.ScalerState, torch.amp.GradScaler]]:
-    """One GradScaler loop and one famp loop over the same losses, overflows injected per step.
+    """One GradScaler loop and one famp loop over the same losses, overflows injected per step,
+    on `device` (the models and `loss`'s batches on it).
 
     Yields after each step `(bad, found_inf, state, scaler)`: what was injected (`None`: no
     overflow), famp's found_inf, and both scalers as they stand.
     """
     (model, opt), (famp_model, famp_opt) = torch_side, famp_side
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
-    state = famp.init_scaler(init_scale, growth_interval=2)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=2)
+    state = famp.init_scaler(init_scale, growth_interval=2, device=device)
     for step, bad in enumerate(pattern):
         opt.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
+        scaler.scale(loss(model, step)).backward()
         inject(model, bad)
         scaler.step(opt)
         scaler.update()
 
         famp_opt.zero_grad()
-        famp.scale(state, loss_of(famp_model, step)).backward()
+        famp.scale(state, loss(famp_model, step)).backward()
         inject(famp_model, bad)
         found_inf = famp.optimizer_step(famp_opt, state)
         state = famp.update_scale(state, found_inf)

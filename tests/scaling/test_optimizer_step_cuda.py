@@ -21,7 +21,6 @@ import torch
 from hypothesis import example, given, settings
 from torch.nn import functional
 
-import famp
 from tests.helpers import assert_bitwise_equal
 from tests.scaling.test_optimizer_step import (
     IMPLEMENTATIONS,
@@ -30,8 +29,8 @@ from tests.scaling.test_optimizer_step import (
     assert_models_equal,
     assert_optimizer_states_equal,
     batch,
-    inject,
     make_model,
+    side_by_side,
 )
 
 pytestmark = pytest.mark.cuda
@@ -93,21 +92,9 @@ def test_optimizer_step_on_cuda_equals_a_gradscaler_loop_for_every_optimizer(
     model, famp_model = make_model().to(CUDA), make_model().to(CUDA)
     opt: Any = factory(model.parameters(), dict(FORMS[impl]))
     famp_opt: Any = factory(famp_model.parameters(), dict(FORMS[impl]))
-    scaler = torch.amp.GradScaler(CUDA, init_scale=init_scale, growth_interval=2)
-    state = famp.init_scaler(init_scale, growth_interval=2, device=CUDA)
-    for step, bad in enumerate([*pattern, None]):
-        opt.zero_grad()
-        scaler.scale(_loss(model, step)).backward()
-        inject(model, bad)
-        scaler.step(opt)
-        scaler.update()
-
-        famp_opt.zero_grad()
-        famp.scale(state, _loss(famp_model, step)).backward()
-        inject(famp_model, bad)
-        found_inf = famp.optimizer_step(famp_opt, state)
-        state = famp.update_scale(state, found_inf)
-
+    for bad, found_inf, state, scaler in side_by_side(
+        (model, opt), (famp_model, famp_opt), [*pattern, None], init_scale, CUDA, _loss
+    ):
         assert found_inf.device.type == CUDA
         assert found_inf.item() == float(bad is not None)
         assert_bitwise_equal(state.scale, scaler._scale)
