@@ -15,7 +15,11 @@ A first, discarded child (a one-parameter plain step) takes what the first proce
 pays alone (shared libraries and Python modules read from disk), so that it does not fall on
 the first candidate.
 
-Run: python benchmarks/bench_compile_time.py [--configs 60x64,40x1024] [--where]  (under 3 minutes)
+`--device cuda` builds the same steps on a GPU (inductor's Triton kernels instead of C++; the first
+call is synchronized before it is timed).
+
+Run: python benchmarks/bench_compile_time.py [--configs 60x64,40x1024] [--where] [--device cuda]
+(under 3 minutes)
 """
 
 from __future__ import annotations
@@ -30,15 +34,15 @@ import time
 VARIANTS = ("plain", "famp", "famp, no skip", "famp, torch.where skip")
 
 
-def child(variant: str, n: int, size: int) -> None:
+def child(variant: str, n: int, size: int, device: str) -> None:
     """Compile and call the step once; print the seconds the first call took."""
     import torch
 
     import famp
 
     torch.set_num_threads(1)
-    params = {f"w{i}": torch.randn(size, size) * 0.01 for i in range(n)}
-    x = torch.randn(8, size)
+    params = {f"w{i}": torch.randn(size, size, device=device) * 0.01 for i in range(n)}
+    x = torch.randn(8, size, device=device)
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         h = x
@@ -61,11 +65,13 @@ def child(variant: str, n: int, size: int) -> None:
 
     compiled = torch.compile(step, fullgraph=True)
     start = time.perf_counter()
-    compiled(params, famp.init_scaler(2.0**10), x)
+    compiled(params, famp.init_scaler(2.0**10, device=device), x)
+    if device == "cuda":
+        torch.cuda.synchronize()
     print(time.perf_counter() - start)
 
 
-def first_call(variant: str, n: int, size: int) -> float:
+def first_call(variant: str, n: int, size: int, device: str) -> float:
     """Seconds of the first call of `variant`'s step, in a fresh process with empty caches."""
     env = dict(
         os.environ,
@@ -75,7 +81,7 @@ def first_call(variant: str, n: int, size: int) -> float:
     )
     with tempfile.TemporaryDirectory() as cache:  # no kernel built by another candidate
         out = subprocess.run(
-            [sys.executable, __file__, "--child", variant, str(n), str(size)],
+            [sys.executable, __file__, "--child", variant, str(n), str(size), device],
             env={**env, "TORCHINDUCTOR_CACHE_DIR": cache},
             capture_output=True,
             text=True,
@@ -89,19 +95,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="60x64,40x1024", help="NxSIZE, comma-separated")
     parser.add_argument("--where", action="store_true", help="also the hand-written where skip")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        child(args.child[0], int(args.child[1]), int(args.child[2]), args.child[3])
         return
     variants = VARIANTS if args.where else VARIANTS[:3]
-    first_call("plain", 1, 8)  # discarded: what the first process of a run pays alone
-    print("first call of a fresh process (s); 1 thread, inductor caches empty and off\n")
+    device = args.device
+    first_call("plain", 1, 8, device)  # discarded: what the first process of a run pays alone
+    print(
+        f"first call of a fresh process (s) on {device}; 1 thread, inductor caches empty and off\n"
+    )
     print("| parameters | " + " | ".join(variants) + " | famp ÷ plain |")
     print("|---" * (len(variants) + 2) + "|")
     for config in args.configs.split(","):
         n, size = (int(v) for v in config.split("x"))
-        seconds = {variant: first_call(variant, n, size) for variant in variants}
+        seconds = {variant: first_call(variant, n, size, device) for variant in variants}
         cells = " | ".join(f"{seconds[v]:.1f}" for v in variants)
         ratio = seconds["famp"] / seconds["plain"]
         print(f"| {n} × {size}×{size} | {cells} | {ratio:.2f} |", flush=True)
