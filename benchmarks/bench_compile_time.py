@@ -101,6 +101,11 @@ def main() -> None:
     if args.child:
         child(args.child[0], int(args.child[1]), int(args.child[2]), args.child[3])
         return
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a CUDA GPU: torch.cuda.is_available() is False")
     variants = VARIANTS if args.where else VARIANTS[:3]
     device = args.device
     first_call("plain", 1, 8, device)  # discarded: what the first process of a run pays alone

@@ -323,6 +323,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU: torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
     where = platform.processor() or platform.machine()
     if args.device == "cuda":
