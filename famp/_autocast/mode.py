@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import UNWATCHED, WRITES, plain
 from famp._autocast.policy import FLAT_LEAVES
-from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly
+from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly, recomputing_unrun
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
 
 
@@ -136,8 +136,8 @@ class FampMode(TorchFunctionMode):
             return call(func, args, kwargs)  # a custom backward, not the recomputation
         block = observe_eagerly(owner, args)  # is this op inside a checkpointed block?
         out = self._op(owner, func, args, kwargs, True)
-        if block is not None:
-            bracket_outputs(out, block)
+        if block is not None and not recomputing_unrun():
+            bracket_outputs(out, block, args, kwargs)
         return out
 
     def _op(

@@ -23,6 +23,7 @@ recomputation replays that graph.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +105,13 @@ def observe_eagerly(record: Any, values: Any) -> Snapshot | None:
     return _region(top)
 
 
+@functools.cache
+def _leaf_node() -> str:
+    """The name of a leaf's gradient accumulator node (`AccumulateGrad`), read off torch."""
+    leaf = torch.zeros(1, requires_grad=True)
+    return str(leaf.expand(1).grad_fn.next_functions[0][0].name())  # type: ignore[union-attr]
+
+
 def _region(top: Any) -> Snapshot:
     regions = _LOCAL.regions
     key = id(top[0])
@@ -140,14 +148,69 @@ def _tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:
             _tensors(v, out, depth + 1)
 
 
-def bracket_outputs(out: Any, snapshot: Snapshot) -> None:
-    """Bracket the nodes of an op's outputs made inside a non-reentrant checkpoint's block."""
+def recomputing_unrun() -> bool:
+    """Whether the ops running now build a graph no backward runs: a non-reentrant checkpoint's
+    recomputation, inside the backward of a node of its block, keeps only the tensors it saves
+    (a reentrant one runs backward through its recomputed graph, whose nodes famp brackets)."""
+    replays = _LOCAL.replays
+    return bool(replays) and not (replays[-1].reentrant or replays[-1].recompute_only)
+
+
+def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> None:
+    """Bracket the nodes an op made inside a non-reentrant checkpoint's block.
+
+    The checkpoint recomputes the block inside the backward of the first of its nodes that
+    unpacks a saved tensor. An output's node that saves none (a view, an add, a cast) runs
+    first, and the next may be one the op made unseen: inside a composite op's C++ code
+    (`einsum`'s `bmm` behind its output's view) or a torch Python function famp does not enter
+    (`nn.MultiheadAttention`'s, ending in a transpose). So the walk goes on from each node that
+    saves no tensor to the nodes behind it, up to the op's inputs' nodes (`args`, `kwargs`), and
+    stops behind a node that saves some: its backward runs first and starts the recomputation.
+    Leaves' `AccumulateGrad` nodes, which outlive the graph, are left alone.
+    """
     found: list[torch.Tensor] = []
     _tensors(out, found)
-    for t in found:
-        node = t.grad_fn
-        if node is not None:
-            _bracket(node, snapshot)
+    starts: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
+    stack = list(starts)
+    inputs: dict[int, Any] | None = None  # read once, when the walk first goes behind an output
+    while stack:
+        node = stack.pop()
+        if node is None or _KEY in node.metadata:
+            continue
+        start = any(node is s for s in starts)
+        if not start:
+            if inputs is None:
+                inputs = _input_nodes(args, kwargs)
+            if id(node) in inputs:
+                continue
+        if node.name() == _leaf_node():
+            continue
+        _bracket(node, snapshot)
+        if _saves_tensors(type(node)):  # type: ignore[arg-type]
+            continue
+        if start:  # an output that is an input itself (in place, or `x.contiguous()`): no further
+            if inputs is None:
+                inputs = _input_nodes(args, kwargs)
+            if id(node) in inputs:
+                continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
+    """The nodes of an op's tensor inputs, by id (the values keep them, and their ids, alive)."""
+    found: list[torch.Tensor] = []
+    _tensors(args, found)
+    if kwargs:
+        _tensors(kwargs, found)
+    return {id(t.grad_fn): t.grad_fn for t in found if t.grad_fn is not None}
+
+
+@functools.cache
+def _saves_tensors(kind: type) -> bool:
+    """Whether nodes of this type hold saved tensors (torch's generated nodes expose each as a
+    `_raw_saved_<name>` attribute), which their backward unpacks before anything else. A custom
+    autograd Function's node exposes none: its backward may read its saved tensors or not."""
+    return any(name.startswith("_raw_saved_") for name in dir(kind))
 
 
 def _bracket_opaque(record: Any, values: Any) -> None:
@@ -159,7 +222,7 @@ def _bracket_opaque(record: Any, values: Any) -> None:
         if node is None or _KEY in node.metadata:
             continue
         if node.name() == _REENTRANT_NODE:
-            _bracket(node, _snapshot())
+            _bracket(node, _snapshot(), reentrant=True)
         elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
             # Its backward (user code) reads its saved tensors, which may start the block's
             # recomputation: famp's state is entered around it, but acts only inside the
@@ -167,12 +230,14 @@ def _bracket_opaque(record: Any, values: Any) -> None:
             _bracket(node, record.grad_free_block, recompute_only=True)
 
 
-def _bracket(node: Any, snapshot: Snapshot, recompute_only: bool = False) -> None:
+def _bracket(
+    node: Any, snapshot: Snapshot, recompute_only: bool = False, reentrant: bool = False
+) -> None:
     metadata = node.metadata
     if _KEY in metadata:
         return
     metadata[_KEY] = True
-    replay = _Replay(snapshot, recompute_only)
+    replay = _Replay(snapshot, recompute_only, reentrant)
     node.register_prehook(replay.enter)
     node.register_hook(replay.exit)
 
@@ -180,11 +245,14 @@ def _bracket(node: Any, snapshot: Snapshot, recompute_only: bool = False) -> Non
 class _Replay:
     """famp's state at the start of a checkpointed block, entered around one node's backward."""
 
-    __slots__ = ("active", "recompute_only", "snapshot")
+    __slots__ = ("active", "recompute_only", "reentrant", "snapshot")
 
-    def __init__(self, snapshot: Snapshot, recompute_only: bool = False) -> None:
+    def __init__(
+        self, snapshot: Snapshot, recompute_only: bool = False, reentrant: bool = False
+    ) -> None:
         self.snapshot = snapshot
         self.recompute_only = recompute_only
+        self.reentrant = reentrant
         self.active: list[tuple[int, list[Any], list[Any]]] = []
 
     def enter(self, grad_outputs: Any) -> None:

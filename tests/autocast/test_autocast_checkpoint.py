@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
 )
 
 import famp
+from famp._autocast import recompute
 from tests.helpers import assert_bitwise_equal
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -764,3 +765,118 @@ def test_overrides_leave_views_and_inputs_to_torch_in_checkpointed_blocks(mode: 
     assert ours[1].dtype == BF16
     for a, b in zip(ours, theirs, strict=True):
         assert_bitwise_equal(a, b)
+
+
+class EndsUnseen(nn.Module):
+    """A block whose last op makes nodes famp does not see behind its output's: `einsum` (its
+    `bmm` inside, a view on top) or `nn.MultiheadAttention` (a torch Python function famp does
+    not enter when no override reaches it; a transpose on top)."""
+
+    def __init__(self, mode: dict[str, Any] | None, end: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = Block()
+        if end == "einsum":
+            self.v = nn.Parameter(torch.randn(8, 8))
+        else:
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.end = end
+        self.mode = mode
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x)
+        if self.end == "einsum":
+            return torch.einsum("ij,jk->ik", h, self.v)
+        return self.attn(h[None], h[None], h[None], need_weights=False)[0][0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.mode is None else checkpoint(self.body, x, **self.mode)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "nonreentrant, no determinism check"])
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+@pytest.mark.parametrize("end", ["einsum", "attention"])
+def test_checkpoint_mode_block_ending_in_nodes_famp_does_not_see(
+    mode: str, kind: str, end: str
+) -> None:
+    # The checkpoint recomputes from the first node whose backward unpacks a saved tensor: here
+    # one behind the block's last output. famp's state must be entered there too (it raised
+    # CheckpointError before, or a dtype error in backward without the determinism check).
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"block.out": "c=f16,o=f16"}}
+    )
+    how = MODES.get(mode, {"use_reentrant": False, "determinism_check": "none"})
+    expected = _run(EndsUnseen(None, end), kwargs, x)
+    _assert_same(_run(EndsUnseen(how, end), kwargs, x), expected)
+
+
+def test_checkpoint_bracketing_reaches_inner_nodes_and_leaves_accumulators_alone() -> None:
+    net = EndsUnseen(MODES["nonreentrant"], "einsum")
+    rules = famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})
+    x = _x()
+    out = famp.autocast(net, "c=bf16,o=f32", rules=rules)(x)
+    nodes, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    marked = {node.name() for node in nodes if recompute._KEY in node.metadata}
+    assert "BmmBackward0" in marked  # einsum's, behind the view famp saw
+    leaves = [node for node in nodes if node.name() == recompute._leaf_node()]
+    assert len(leaves) == len([x, *net.parameters()])
+    assert all(recompute._KEY not in node.metadata for node in leaves)
+    out.float().sum().backward()
+
+
+class NestedBlocks(nn.Module):
+    """A checkpointed function that ends in a checkpointed block of its own."""
+
+    def __init__(self, outer: dict[str, Any] | None, inner: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = Block()
+        self.b = Block()
+        self.outer, self.inner = outer, inner
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) if self.inner is None else checkpoint(self.b, h, **self.inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.outer is None else checkpoint(self.body, x, **self.outer)
+
+
+_NESTED_KNOWN = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known: the inner block's recomputation runs in a nested backward, where torch drops "
+    "famp's mode, and its node is made after famp's last event; silent, at the lower dtype's "
+    "rounding (docs/autocast.md)",
+)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        pytest.param(o, i, marks=_NESTED_KNOWN) if o == i == "reentrant" else (o, i)
+        for o in MODES
+        for i in MODES
+    ],
+)
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpoint_modes_nested(outer: str, inner: str, kind: str) -> None:
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"b.out": "c=f16,o=f16", "a.norm": "f32"}}
+    )
+    expected = _run(NestedBlocks(None, None), kwargs, x)
+    _assert_same(_run(NestedBlocks(MODES[outer], MODES[inner]), kwargs, x), expected)
