@@ -110,6 +110,15 @@ def tree_leaves(tree: object) -> list[object]:
     return torch_pytree_module.tree_leaves(tree)
 
 
+@functools.cache
+def node_saves_tensors(kind: type) -> bool:
+    """Whether autograd nodes of this type hold saved tensors, which their backward unpacks first
+    (no public query): torch's generated node types expose each as a `_raw_saved_<name>`
+    attribute (docs: autograd mechanics, saved tensors). famp stops bracketing a checkpointed
+    block's nodes behind one. A custom autograd Function's node type exposes none."""
+    return any(name.startswith("_raw_saved_") for name in dir(kind))
+
+
 def in_backward() -> bool:
     """Whether a backward runs on this thread (no public query): after a raise in a checkpoint
     node (its post-hook, where famp leaves, never ran), a call outside backward cleans up."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from famp._compat import in_backward, saved_tensors_hooks_top
+from famp._compat import in_backward, node_saves_tensors, saved_tensors_hooks_top
 
 _KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
@@ -186,7 +186,7 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
         if node.name() == _leaf_node():
             continue
         _bracket(node, snapshot)
-        if _saves_tensors(type(node)):  # type: ignore[arg-type]
+        if node_saves_tensors(type(node)):  # type: ignore[arg-type]
             continue
         if start:  # an output that is an input itself (in place, or `x.contiguous()`): no further
             if inputs is None:
@@ -203,14 +203,6 @@ def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
     if kwargs:
         _tensors(kwargs, found)
     return {id(t.grad_fn): t.grad_fn for t in found if t.grad_fn is not None}
-
-
-@functools.cache
-def _saves_tensors(kind: type) -> bool:
-    """Whether nodes of this type hold saved tensors (torch's generated nodes expose each as a
-    `_raw_saved_<name>` attribute), which their backward unpacks before anything else. A custom
-    autograd Function's node exposes none: its backward may read its saved tensors or not."""
-    return any(name.startswith("_raw_saved_") for name in dir(kind))
 
 
 def _bracket_opaque(record: Any, values: Any) -> None:
