@@ -170,14 +170,15 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
     """
     found: list[torch.Tensor] = []
     _tensors(out, found)
-    starts: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
-    stack = list(starts)
+    heads: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
+    starts = {id(node) for node in heads}  # `heads` keeps the nodes, and so their ids, alive
+    stack = list(heads)
     inputs: dict[int, Any] | None = None  # read once, when the walk first goes behind an output
     while stack:
         node = stack.pop()
         if node is None or _KEY in node.metadata:
             continue
-        start = any(node is s for s in starts)
+        start = id(node) in starts
         if not start:
             if inputs is None:
                 inputs = _input_nodes(args, kwargs)
