@@ -110,6 +110,13 @@ def tree_leaves(tree: object) -> list[object]:
     return torch_pytree_module.tree_leaves(tree)
 
 
+# The block's function on a reentrant checkpoint's node (`CheckpointFunction`'s ctx, no public
+# hook between its recomputation and the nested backward it then runs, where torch drops the
+# torch function modes): famp wraps it while the node's backward runs to bracket the node of a
+# reentrant checkpoint that the recomputed block ends in.
+CHECKPOINT_FUNCTION_ATTR = "run_function"
+
+
 @functools.cache
 def node_saves_tensors(kind: type) -> bool:
     """Whether autograd nodes of this type hold saved tensors, which their backward unpacks first

@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from famp._compat import in_backward, node_saves_tensors, saved_tensors_hooks_top
+from famp._compat import (
+    CHECKPOINT_FUNCTION_ATTR,
+    in_backward,
+    node_saves_tensors,
+    saved_tensors_hooks_top,
+)
 
 _KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
@@ -215,7 +221,7 @@ def _bracket_opaque(record: Any, values: Any) -> None:
         if node is None or _KEY in node.metadata:
             continue
         if node.name() == _REENTRANT_NODE:
-            _bracket(node, _snapshot(), reentrant=True)
+            _bracket(node, _snapshot(), reentrant=weakref.ref(node))
         elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
             # Its backward (user code) reads its saved tensors, which may start the block's
             # recomputation: famp's state is entered around it, but acts only inside the
@@ -224,7 +230,7 @@ def _bracket_opaque(record: Any, values: Any) -> None:
 
 
 def _bracket(
-    node: Any, snapshot: Snapshot, recompute_only: bool = False, reentrant: bool = False
+    node: Any, snapshot: Snapshot, recompute_only: bool = False, reentrant: Any = None
 ) -> None:
     metadata = node.metadata
     if _KEY in metadata:
@@ -235,17 +241,32 @@ def _bracket(
     node.register_hook(replay.exit)
 
 
+def _ends_in_blocks(block: Callable[..., Any], *args: Any) -> Any:
+    """A reentrant block recomputed, then the nodes of reentrant checkpoints its outputs come
+    from bracketed: made after famp's last event there, they run in the nested backward torch
+    starts next, without the torch function modes of this one."""
+    out = block(*args)
+    found: list[torch.Tensor] = []
+    _tensors(out, found)
+    for t in found:
+        node: Any = t.grad_fn
+        if node is not None and _KEY not in node.metadata and node.name() == _REENTRANT_NODE:
+            _bracket(node, _snapshot(), reentrant=weakref.ref(node))
+    return out
+
+
 class _Replay:
     """famp's state at the start of a checkpointed block, entered around one node's backward."""
 
     __slots__ = ("active", "recompute_only", "reentrant", "snapshot")
 
     def __init__(
-        self, snapshot: Snapshot, recompute_only: bool = False, reentrant: bool = False
+        self, snapshot: Snapshot, recompute_only: bool = False, reentrant: Any = None
     ) -> None:
         self.snapshot = snapshot
         self.recompute_only = recompute_only
-        self.reentrant = reentrant
+        # A reentrant checkpoint's node, weakly (it holds this replay through its hooks).
+        self.reentrant: Callable[[], Any] | None = reentrant
         self.active: list[tuple[int, list[Any], list[Any]]] = []
 
     def enter(self, grad_outputs: Any) -> None:
@@ -268,8 +289,16 @@ class _Replay:
                 modes.append(mode)
         self.active.append((depth, records, modes))
         _LOCAL.replays.append(self)
+        node = self.reentrant() if self.reentrant is not None else None
+        block = getattr(node, CHECKPOINT_FUNCTION_ATTR, None)
+        if block is not None:
+            setattr(node, CHECKPOINT_FUNCTION_ATTR, functools.partial(_ends_in_blocks, block))
 
     def exit(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        node = self.reentrant() if self.reentrant is not None else None
+        wrapped = getattr(node, CHECKPOINT_FUNCTION_ATTR, None)
+        if isinstance(wrapped, functools.partial) and wrapped.func is _ends_in_blocks:
+            setattr(node, CHECKPOINT_FUNCTION_ATTR, wrapped.args[0])
         if not self.active:
             return
         for mode in reversed(self.active[-1][2]):

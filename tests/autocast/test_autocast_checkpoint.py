@@ -852,26 +852,15 @@ class NestedBlocks(nn.Module):
         return self.body(x) if self.outer is None else checkpoint(self.body, x, **self.outer)
 
 
-_NESTED_KNOWN = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known: the inner block's recomputation runs in a nested backward, where torch drops "
-    "famp's mode, and its node is made after famp's last event; silent, at the lower dtype's "
-    "rounding (docs/autocast.md)",
-)
-
-
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
-@pytest.mark.parametrize(
-    ("outer", "inner"),
-    [
-        pytest.param(o, i, marks=_NESTED_KNOWN) if o == i == "reentrant" else (o, i)
-        for o in MODES
-        for i in MODES
-    ],
-)
+@pytest.mark.parametrize("outer", list(MODES))
+@pytest.mark.parametrize("inner", list(MODES))
 @pytest.mark.parametrize("kind", ["overrides", "module_rules"])
 def test_checkpoint_modes_nested(outer: str, inner: str, kind: str) -> None:
+    # Reentrant in reentrant: the inner node is made in the outer recomputation after famp's
+    # last event there, and torch runs its recomputation in a nested backward that drops the
+    # torch function modes; it was recomputed under torch's default rules, every gradient off
+    # at bfloat16's rounding, silently, before famp wrapped the outer block's function.
     x = _x()
     kwargs = (
         {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
@@ -880,3 +869,38 @@ def test_checkpoint_modes_nested(outer: str, inner: str, kind: str) -> None:
     )
     expected = _run(NestedBlocks(None, None), kwargs, x)
     _assert_same(_run(NestedBlocks(MODES[outer], MODES[inner]), kwargs, x), expected)
+
+
+class ThreeDeep(nn.Module):
+    """Three checkpointed functions, each ending in the next one's checkpoint."""
+
+    def __init__(self, mode: dict[str, Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = Block(), Block(), Block()
+        self.mode = mode
+
+    def _in(self, fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(x) if self.mode is None else checkpoint(fn, x, **self.mode)
+
+    def middle(self, g: torch.Tensor) -> torch.Tensor:
+        return self._in(self.c, self.b(g))  # ends in a block
+
+    def outer(self, h: torch.Tensor) -> torch.Tensor:
+        return self._in(self.middle, self.a(h))  # ends in a block, which ends in a block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._in(self.outer, x)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+def test_checkpoint_reentrant_three_deep(kind: str) -> None:
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"c.out": "c=f16,o=f16", "b.norm": "f32"}}
+    )
+    expected = _run(ThreeDeep(None), kwargs, x)
+    _assert_same(_run(ThreeDeep(MODES["reentrant"]), kwargs, x), expected)
