@@ -179,28 +179,18 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
     heads: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
     starts = {id(node) for node in heads}  # `heads` keeps the nodes, and so their ids, alive
     stack = list(heads)
-    inputs: dict[int, Any] | None = None  # read once, when the walk first goes behind an output
+    inputs = functools.cache(lambda: _input_nodes(args, kwargs))  # read when first needed
     while stack:
         node = stack.pop()
-        if node is None or _KEY in node.metadata:
+        if node is None or _KEY in node.metadata or node.name() == _leaf_node():
             continue
         start = id(node) in starts
-        if not start:
-            if inputs is None:
-                inputs = _input_nodes(args, kwargs)
-            if id(node) in inputs:
-                continue
-        if node.name() == _leaf_node():
-            continue
+        if not start and id(node) in inputs():
+            continue  # made before the op
         _bracket(node, snapshot)
-        if node_saves_tensors(type(node)):  # type: ignore[arg-type]
-            continue
-        if start:  # an output that is an input itself (in place, or `x.contiguous()`): no further
-            if inputs is None:
-                inputs = _input_nodes(args, kwargs)
-            if id(node) in inputs:
-                continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        saves = node_saves_tensors(type(node))  # type: ignore[arg-type]
+        if not saves and not (start and id(node) in inputs()):  # nor an input (`x.add_(1)`)
+            stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
