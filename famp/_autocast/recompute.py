@@ -163,33 +163,33 @@ def recomputing_unrun() -> bool:
 
 
 def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> None:
-    """Bracket the nodes an op made inside a non-reentrant checkpoint's block.
-
-    The checkpoint recomputes the block inside the backward of the first of its nodes that
-    unpacks a saved tensor. An output's node that saves none (a view, an add, a cast) runs
-    first, and the next may be one the op made unseen: inside a composite op's C++ code
-    (`einsum`'s `bmm` behind its output's view) or a torch Python function famp does not enter
-    (`nn.MultiheadAttention`'s, ending in a transpose). So the walk goes on from each node that
-    saves no tensor to the nodes behind it, up to the op's inputs' nodes (`args`, `kwargs`), and
-    stops behind a node that saves some: its backward runs first and starts the recomputation.
-    Leaves' `AccumulateGrad` nodes, which outlive the graph, are left alone.
-    """
+    """Bracket the nodes an op made in a non-reentrant checkpoint's block whose backward may
+    unpack a saved tensor (a custom Function's too): the first to run recomputes the block.
+    Behind an output's node that saves none (a view, an add, a cast; only marked), the walk goes
+    on to the nodes the op made unseen, up to its inputs' nodes: in a composite op's C++ code
+    (`einsum`'s `bmm` behind a view) or a torch Python function famp does not enter
+    (`nn.MultiheadAttention`'s, ending in a transpose). A node that saves tensors runs first: the
+    walk stops there. Leaves' `AccumulateGrad` nodes, which outlive the graph, are left alone."""
     found: list[torch.Tensor] = []
     _tensors(out, found)
     heads: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
     starts = {id(node) for node in heads}  # `heads` keeps the nodes, and so their ids, alive
     stack = list(heads)
-    inputs = functools.cache(lambda: _input_nodes(args, kwargs))  # read when first needed
+    inputs: dict[int, Any] | None = None  # read when the walk first needs them
     while stack:
         node = stack.pop()
         if node is None or _KEY in node.metadata or node.name() == _leaf_node():
             continue
         start = id(node) in starts
-        if not start and id(node) in inputs():
-            continue  # made before the op
-        _bracket(node, snapshot)
-        saves = node_saves_tensors(type(node))  # type: ignore[arg-type]
-        if not saves and not (start and id(node) in inputs()):  # nor an input (`x.add_(1)`)
+        if not start and inputs is not None and id(node) in inputs:
+            continue  # made before the op (the walk is behind an output here: `inputs` is read)
+        kind: Any = type(node)
+        if isinstance(node, BackwardCFunction) or node_saves_tensors(kind):
+            _bracket(node, snapshot)
+            continue
+        inputs = _input_nodes(args, kwargs) if inputs is None else inputs
+        node.metadata[_KEY] = True  # seen: it unpacks nothing
+        if not (start and id(node) in inputs):  # nor an output that is an input (`x.add_(1)`)
             stack.extend(next_node for next_node, _ in node.next_functions)
 
 
