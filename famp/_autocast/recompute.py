@@ -111,13 +111,6 @@ def observe_eagerly(record: Any, values: Any) -> Snapshot | None:
     return _region(top)
 
 
-@functools.cache
-def _leaf_node() -> str:
-    """The name of a leaf's gradient accumulator node (`AccumulateGrad`), read off torch."""
-    leaf = torch.zeros(1, requires_grad=True)
-    return str(leaf.expand(1).grad_fn.next_functions[0][0].name())  # type: ignore[union-attr]
-
-
 def _region(top: Any) -> Snapshot:
     regions = _LOCAL.regions
     key = id(top[0])
@@ -178,8 +171,8 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
     inputs: dict[int, Any] | None = None  # read when the walk first needs them
     while stack:
         node = stack.pop()
-        if node is None or _KEY in node.metadata or node.name() == _leaf_node():
-            continue
+        if node is None or _KEY in node.metadata or hasattr(node, "variable"):
+            continue  # `variable`: a leaf's `AccumulateGrad` (no probe op run inside the block)
         start = id(node) in starts
         if not start and inputs is not None and id(node) in inputs:
             continue  # made before the op (the walk is behind an output here: `inputs` is read)
@@ -208,7 +201,7 @@ def _bracket_opaque(record: Any, values: Any) -> None:
     _tensors(values, found)
     for t in found:
         node: Any = t.grad_fn
-        if node is None or _KEY in node.metadata:
+        if node is None or _KEY in node.metadata or hasattr(node, "variable"):
             continue
         if node.name() == _REENTRANT_NODE:
             _bracket(node, _snapshot(), reentrant=weakref.ref(node))
