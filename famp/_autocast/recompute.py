@@ -35,12 +35,14 @@ from torch.autograd.function import BackwardCFunction
 from famp._compat import (
     CHECKPOINT_FUNCTION_ATTR,
     in_backward,
+    is_view,
     node_saves_tensors,
     saved_tensors_hooks_top,
 )
 
 _KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
+_REBASED_NODE = "torch::autograd::CopySlices"  # a base's node after an in-place op on its view
 
 # A snapshot: the calls in effect, outermost first, each as a factory of a fresh call record.
 Snapshot = tuple[Callable[[], Any], ...]
@@ -167,6 +169,7 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
     _tensors(out, found)
     heads: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
     starts = {id(node) for node in heads}  # `heads` keeps the nodes, and so their ids, alive
+    views = {id(t.grad_fn) for t in found if is_view(t)}  # in place on a view: on to its base's
     stack = list(heads)
     inputs: dict[int, Any] | None = None  # read when the walk first needs them
     while stack:
@@ -177,12 +180,16 @@ def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> Non
         if not start and inputs is not None and id(node) in inputs:
             continue  # made before the op (the walk is behind an output here: `inputs` is read)
         kind: Any = type(node)
-        if isinstance(node, BackwardCFunction) or node_saves_tensors(kind):
+        if (  # it may unpack: it saves tensors, or runs a custom Function's or an op's backward
+            isinstance(node, BackwardCFunction)
+            or node_saves_tensors(kind)
+            or node.name() == _REBASED_NODE
+        ):
             _bracket(node, snapshot)
             continue
         inputs = _input_nodes(args, kwargs) if inputs is None else inputs
         node.metadata[_KEY] = True  # seen: it unpacks nothing
-        if not (start and id(node) in inputs):  # nor an output that is an input (`x.add_(1)`)
+        if not (start and id(node) in inputs) or id(node) in views:  # nor an input (`x.add_(1)`)
             stack.extend(next_node for next_node, _ in node.next_functions)
 
 

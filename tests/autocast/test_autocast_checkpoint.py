@@ -916,3 +916,40 @@ def test_checkpoint_reentrant_three_deep(kind: str) -> None:
     )
     expected = _run(ThreeDeep(None), kwargs, x)
     _assert_same(_run(ThreeDeep(MODES["reentrant"]), kwargs, x), expected)
+
+
+class EndsInAWriteToAView(nn.Module):
+    """A block whose result was last written through a view of it: the base's node (torch's
+    `CopySlices`) runs the in-place op's backward, which unpacks its saved tensors."""
+
+    def __init__(self, mode: dict[str, Any] | None, after: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = Block()
+        self.s = nn.Parameter(torch.randn(4))
+        self.mode, self.after = mode, after
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x) * 1.0
+        h[:, :4].mul_(self.s.to(h.dtype))
+        return h * 1 if self.after else h  # `* 1`: a node that saves nothing, in front of it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.mode is None else checkpoint(self.body, x, **self.mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["overrides", "module_rules"])
+@pytest.mark.parametrize("after", [False, True])
+def test_checkpoint_mode_block_ending_in_a_write_through_a_view(
+    mode: str, kind: str, after: bool
+) -> None:
+    # Raised CheckpointError before (non-reentrant, selective): the base's node went unbracketed.
+    x = _x()
+    kwargs = (
+        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
+        if kind == "overrides"
+        else {"module_rules": {"block.out": "c=f16,o=f16"}}
+    )
+    expected = _run(EndsInAWriteToAView(None, after), kwargs, x)
+    _assert_same(_run(EndsInAWriteToAView(MODES[mode], after), kwargs, x), expected)
