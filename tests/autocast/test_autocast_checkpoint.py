@@ -767,6 +767,13 @@ def test_overrides_leave_views_and_inputs_to_torch_in_checkpointed_blocks(mode: 
         assert_bitwise_equal(a, b)
 
 
+def _gelu_tanh_or(kind: str, module_rules: dict[str, str]) -> dict[str, Any]:
+    """The overrides of the blocks below (GELU in float32, tanh lowered), or `module_rules`."""
+    if kind == "overrides":
+        return {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
+    return {"module_rules": module_rules}
+
+
 class EndsUnseen(nn.Module):
     """A block whose last op makes nodes famp does not see behind its output's: `einsum` (its
     `bmm` inside, a view on top) or `nn.MultiheadAttention` (a torch Python function famp does
@@ -803,11 +810,7 @@ def test_checkpoint_mode_block_ending_in_nodes_famp_does_not_see(
     # one behind the block's last output. famp's state must be entered there too (it raised
     # CheckpointError before, or a dtype error in backward without the determinism check).
     x = _x()
-    kwargs = (
-        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
-        if kind == "overrides"
-        else {"module_rules": {"block.out": "c=f16,o=f16"}}
-    )
+    kwargs = _gelu_tanh_or(kind, {"block.out": "c=f16,o=f16"})
     how = MODES.get(mode, {"use_reentrant": False, "determinism_check": "none"})
     expected = _run(EndsUnseen(None, end), kwargs, x)
     _assert_same(_run(EndsUnseen(how, end), kwargs, x), expected)
@@ -827,9 +830,8 @@ class EndsInAShift(EndsUnseen):
 
 def test_checkpoint_bracketing_reaches_inner_nodes_and_leaves_accumulators_alone() -> None:
     net = EndsInAShift(MODES["nonreentrant"])
-    rules = famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})
     x = _x()
-    out = famp.autocast(net, "c=bf16,o=f32", rules=rules)(x)
+    out = famp.autocast(net, "c=bf16,o=f32", **_gelu_tanh_or("overrides", {}))(x)
     nodes, stack, seen = [], [out.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -874,11 +876,7 @@ def test_checkpoint_modes_nested(outer: str, inner: str, kind: str) -> None:
     # torch function modes; it was recomputed under torch's default rules, every gradient off
     # at bfloat16's rounding, silently, before famp wrapped the outer block's function.
     x = _x()
-    kwargs = (
-        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
-        if kind == "overrides"
-        else {"module_rules": {"b.out": "c=f16,o=f16", "a.norm": "f32"}}
-    )
+    kwargs = _gelu_tanh_or(kind, {"b.out": "c=f16,o=f16", "a.norm": "f32"})
     expected = _run(NestedBlocks(None, None), kwargs, x)
     _assert_same(_run(NestedBlocks(MODES[outer], MODES[inner]), kwargs, x), expected)
 
@@ -909,11 +907,7 @@ class ThreeDeep(nn.Module):
 @pytest.mark.parametrize("kind", ["overrides", "module_rules"])
 def test_checkpoint_reentrant_three_deep(kind: str) -> None:
     x = _x()
-    kwargs = (
-        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
-        if kind == "overrides"
-        else {"module_rules": {"c.out": "c=f16,o=f16", "b.norm": "f32"}}
-    )
+    kwargs = _gelu_tanh_or(kind, {"c.out": "c=f16,o=f16", "b.norm": "f32"})
     expected = _run(ThreeDeep(None), kwargs, x)
     _assert_same(_run(ThreeDeep(MODES["reentrant"]), kwargs, x), expected)
 
@@ -946,10 +940,6 @@ def test_checkpoint_mode_block_ending_in_a_write_through_a_view(
 ) -> None:
     # Raised CheckpointError before (non-reentrant, selective): the base's node went unbracketed.
     x = _x()
-    kwargs = (
-        {"rules": famp.default_rules("cpu").override({"gelu": "float32", "tanh": "lower"})}
-        if kind == "overrides"
-        else {"module_rules": {"block.out": "c=f16,o=f16"}}
-    )
+    kwargs = _gelu_tanh_or(kind, {"block.out": "c=f16,o=f16"})
     expected = _run(EndsInAWriteToAView(None, after), kwargs, x)
     _assert_same(_run(EndsInAWriteToAView(MODES[mode], after), kwargs, x), expected)
