@@ -28,6 +28,7 @@ from famp._autocast.patterns import (
     module_paths,
     warn_uncast_keywords,
     warn_unmatched,
+    weight_paths,
 )
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import observe
@@ -148,6 +149,8 @@ class CallRecord:
                 policies = self.roots[id(module)] = {}
                 self.held.append(module)
                 paths = module_paths(module)
+                weights = weight_paths(paths)
+                paths = [(path, sub) for path, sub in paths if path not in weights]
                 for path, sub in paths:
                     i = match(self.patterns, path)
                     policies[id(sub)] = self.policies[i] if i >= 0 else None

@@ -67,6 +67,16 @@ def module_paths(root: torch.nn.Module, unique: bool = True) -> list[tuple[str, 
     return found
 
 
+def weight_paths(paths: list[tuple[str, torch.nn.Module]]) -> set[str]:
+    """The paths of `paths` that compute a parametrized weight (`torch.nn.utils.parametrize`):
+    each `ParametrizationList` and the modules under it. Module rules do not match them: their
+    input is the master parameter, which a scope's input cast would cast (NaN gradients through
+    `orthogonal` in float16); they run in the scope of the module that reads the weight, as under
+    `torch.autocast` around that module."""
+    lists = [p for p, m in paths if isinstance(m, torch.nn.utils.parametrize.ParametrizationList)]
+    return {p for p, _ in paths for top in lists if p == top or p.startswith(top + ".")}
+
+
 def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
     """Warn about the module rules that matched none of a call's module `paths`, naming the
     nearest paths; whether it warned."""
