@@ -25,14 +25,13 @@ from famp._autocast.overrides import plain
 from famp._autocast.patterns import (
     match,
     module_path,
-    module_paths,
+    rule_paths,
     warn_uncast_keywords,
     warn_unmatched,
-    weight_paths,
 )
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import observe
-from famp._autocast.region import policy_state, region
+from famp._autocast.region import policy_state, region, swap_state
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
@@ -66,6 +65,8 @@ class CallRecord:
         self.casts = WeightCasts()  # eagerly: the weight-cast caches, kept fresh
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
+        # Eagerly, per matched module entered: its depth in `scopes`, torch's state before it.
+        self.restores: list[tuple[int, tuple[bool, torch.dtype]]] = []
         # The policy of each module of the root entered last (by its path there), and per root.
         # By id: Dynamo fails on dicts keyed by the modules it traces. `held` keeps the ids alive.
         self.module_policy: dict[int, Policy | None] = {}
@@ -148,9 +149,7 @@ class CallRecord:
             if policies is None:
                 policies = self.roots[id(module)] = {}
                 self.held.append(module)
-                paths = module_paths(module)
-                weights = weight_paths(paths)
-                paths = [(path, sub) for path, sub in paths if path not in weights]
+                paths = rule_paths(module)
                 for path, sub in paths:
                     i = match(self.patterns, path)
                     policies[id(sub)] = self.policies[i] if i >= 0 else None
@@ -177,6 +176,8 @@ class CallRecord:
         inner = policy_state(policy)
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
+        if self.track and not torch.compiler.is_compiling():  # torch's state too, till its exit
+            self.restores.append((len(self.scopes), swap_state(self.device_type, inner)))
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
@@ -221,13 +222,15 @@ class CallRecord:
             return None  # a wrapper, or a module left from its own last hook
         if eager := self.track and not torch.compiler.is_compiling():
             observe(self, output)
-        inner = self.scopes.pop() if self.scopes else None
+        depth, inner = len(self.scopes), self.scopes.pop() if self.scopes else None
         if not self.scopes and self.root_hooks:  # the root's exit
             keywords.remove(self.root_hooks)
             self.root_hooks = []
         declined = self.declined.pop() if self.declined else None
         if declined is not None:
-            declined.close()
+            declined.close()  # entered after torch's state was set (enter_module): left first
+        if self.restores and self.restores[-1][0] == depth:
+            swap_state(self.device_type, self.restores.pop()[1])
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
@@ -282,8 +285,7 @@ class CallRecord:
             scope = None  # the function entered its own torch.autocast: it governs its body
         enabled, lower = scope or state
         packet, overload = op_name(func, memo=track)  # `track` is False while compiling
-        # Inside a compiled region that an eager call reaches (`torch.compile(model)`), the
-        # graph's casts are explicit: nothing to watch (`track` is False).
+        # In a compiled region an eager call reaches (`track` False) casts are explicit: no watch.
         if track:
             self.casts.watch(args, kwargs)
         inplace = inplace_target(func, args, kwargs)  # an in-place op: no rule (torch casts none)

@@ -67,14 +67,15 @@ def module_paths(root: torch.nn.Module, unique: bool = True) -> list[tuple[str, 
     return found
 
 
-def weight_paths(paths: list[tuple[str, torch.nn.Module]]) -> set[str]:
-    """The paths of `paths` that compute a parametrized weight (`torch.nn.utils.parametrize`):
-    each `ParametrizationList` and the modules under it. Module rules do not match them: their
-    input is the master parameter, which a scope's input cast would cast (NaN gradients through
-    `orthogonal` in float16); they run in the scope of the module that reads the weight, as under
-    `torch.autocast` around that module."""
+def rule_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """`module_paths(root)` that module rules may match: not those that compute a parametrized
+    weight (`torch.nn.utils.parametrize`), each `ParametrizationList` and the modules under it.
+    Their input is the master parameter, which a scope's input cast would cast (NaN gradients
+    through `orthogonal` in float16); they run in the scope of the module that reads the weight,
+    as under `torch.autocast` around that module."""
+    paths = module_paths(root)
     lists = [p for p, m in paths if isinstance(m, torch.nn.utils.parametrize.ParametrizationList)]
-    return {p for p, _ in paths for top in lists if p == top or p.startswith(top + ".")}
+    return [(p, m) for p, m in paths if not any(p == t or p.startswith(t + ".") for t in lists)]
 
 
 def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:

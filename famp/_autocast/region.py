@@ -112,6 +112,14 @@ def region(
     return _EagerRegion(device_type, enabled, dtype, call, outer)
 
 
+def swap_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool, torch.dtype]:
+    """Set the device's autocast (enabled, dtype) to `state`; return the state before."""
+    before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, state[0])
+    torch.set_autocast_dtype(device_type, state[1])
+    return before
+
+
 def current_state(device_type: str) -> tuple[bool, torch.dtype]:
     """(enabled, dtype) of autocast for the device here, famp's module rules included.
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 import famp
+from tests.helpers import assert_bitwise_equal
 
 BAD_FWD: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"forward": 3}, TypeError, "forward must be a function .* got int 3"),
@@ -171,3 +172,72 @@ def test_custom_fwd_casts_tensors_in_every_container_torch_casts(
     assert torch.equal(out, expected_out)
     assert grad.dtype == expected_grad.dtype
     assert torch.equal(grad, expected_grad)
+
+
+def _torch_decorated(cast_inputs: torch.dtype | None) -> Any:
+    """A matmul Function with torch's own `custom_fwd` / `custom_bwd`, recording the autocast
+    state each of its passes saw."""
+
+    class MatMul(torch.autograd.Function):
+        seen: ClassVar[list[tuple[bool, torch.dtype]]] = []
+
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            MatMul.seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            MatMul.seen.append((torch.is_autocast_enabled("cpu"), g.dtype))
+            x, w = ctx.saved_tensors
+            return g @ w, g.t() @ x
+
+    return MatMul
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, function: Any) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Code that reads the autocast state, as attention kernels' wrappers do.
+        if torch.is_autocast_enabled("cpu"):
+            x = x * 1.5
+        return torch.tanh(self.function.apply(x, self.w))
+
+
+@pytest.mark.parametrize("cast_inputs", [None, torch.float16])
+@pytest.mark.parametrize(("rule", "inner"), [("f32", None), ("c=f16,o=bf16", torch.float16)])
+def test_torch_custom_fwd_and_code_inside_a_matched_module_see_the_modules_state(
+    rule: str, inner: torch.dtype | None, cast_inputs: torch.dtype | None
+) -> None:
+    # Inside a module a rule matches, torch's own autocast state is the rule's: torch's custom_fwd
+    # records it (custom_bwd runs backward under it, cast_inputs casts by it) and code reading
+    # torch.is_autocast_enabled sees it. famp had set the rule's state around each op only: the
+    # backward ran in bfloat16 where torch.autocast nested by hand runs it in float32.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Block(_torch_decorated(cast_inputs)))
+    x = torch.randn(4, 8)
+
+    def grads(out: torch.Tensor) -> list[torch.Tensor]:
+        return [out, *torch.autograd.grad(out.float().sum(), list(model.parameters()))]
+
+    function = model[1].function
+    function.seen.clear()
+    actual = grads(famp.autocast(model, "c=bf16,o=f32", module_rules={"1": rule})(x))
+    seen = list(function.seen)
+    function.seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[0](x)
+        with torch.autocast("cpu", dtype=inner or torch.bfloat16, enabled=inner is not None):
+            out = model[1](h.to(inner or torch.float32))
+        out = out.to(torch.bfloat16 if inner else torch.float32).float()
+    expected = grads(out)
+    assert seen == function.seen
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
