@@ -25,9 +25,10 @@ def policy_state(policy: Policy) -> tuple[bool, torch.dtype]:
 
 
 # torch's weight-cast cache is one map for all threads, keyed without the dtype. famp registers
-# the (thread, device type, dtype) of every eager call with autocast on; a call that starts while
-# another thread computes in another dtype on the same device type runs with the cache off.
-_ACTIVE: list[tuple[int, str, torch.dtype]] = []
+# the (thread, device type, dtypes) of every eager call that computes in a lower dtype (its own,
+# its module rules'); a call that starts while another thread's call is registered on the same
+# device type runs with the cache off if the two calls' dtypes are not one and the same.
+_ACTIVE: list[tuple[int, str, frozenset[torch.dtype]]] = []
 _ACTIVE_LOCK = threading.Lock()
 
 
@@ -51,6 +52,7 @@ class _EagerRegion:
         "outer",
         "prev",
         "prev_cache",
+        "rules",
         "switched",
     )
 
@@ -61,13 +63,14 @@ class _EagerRegion:
         dtype: torch.dtype,
         call: bool,
         outer: tuple[bool, torch.dtype] | None,
+        rules: frozenset[torch.dtype],
     ) -> None:
         self.device_type, self.enabled, self.dtype, self.call = device_type, enabled, dtype, call
-        self.outer = outer
+        self.outer, self.rules = outer, rules
         self.switched = False
         self.prev: tuple[bool, torch.dtype] = (False, dtype)
         self.prev_cache = True
-        self.entry: tuple[int, str, torch.dtype] | None = None
+        self.entry: tuple[int, str, frozenset[torch.dtype]] | None = None
 
     def __enter__(self) -> None:
         dev = self.device_type
@@ -75,9 +78,13 @@ class _EagerRegion:
         self.prev_cache = torch.is_autocast_cache_enabled()
         if self.call and self.enabled:
             self.switched = (self.outer or self.prev)[1] != self.dtype
-            self.entry = (threading.get_ident(), dev, self.dtype)
+        dtypes = self.rules | {self.dtype} if self.enabled else self.rules
+        if self.call and dtypes:
+            self.entry = (threading.get_ident(), dev, dtypes)
             with _ACTIVE_LOCK:
-                if any(t != self.entry[0] and d == dev and x != self.dtype for t, d, x in _ACTIVE):
+                if any(
+                    t != self.entry[0] and d == dev and len(x | dtypes) > 1 for t, d, x in _ACTIVE
+                ):
                     torch.set_autocast_cache_enabled(False)
                 _ACTIVE.append(self.entry)
         torch.set_autocast_enabled(dev, self.enabled)
@@ -103,13 +110,15 @@ def region(
     dtype: torch.dtype,
     call: bool = False,
     outer: tuple[bool, torch.dtype] | None = None,
+    rules: frozenset[torch.dtype] = frozenset(),
 ) -> Any:
     """A context manager that sets the device's autocast state for its body; `outer`: the
-    state in effect before a call's region where famp's module scope sets it, not torch."""
+    state in effect before a call's region where famp's module scope sets it, not torch;
+    `rules`: the lower dtypes a call's module rules compute in."""
     if torch.compiler.is_compiling():
         # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-    return _EagerRegion(device_type, enabled, dtype, call, outer)
+    return _EagerRegion(device_type, enabled, dtype, call, outer, rules)
 
 
 def swap_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool, torch.dtype]:
@@ -123,8 +132,9 @@ def swap_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool,
 def current_state(device_type: str) -> tuple[bool, torch.dtype]:
     """(enabled, dtype) of autocast for the device here, famp's module rules included.
 
-    Inside a module that a famp module rule matches, famp sets the rule's state around each op
-    only, so torch's own state between ops is the transform's; this reports the module's.
+    Inside a module that a famp module rule matches, eagerly torch's own state is the module's;
+    compiled, famp sets it around each op only, and torch's state between ops is the
+    transform's: this reports the module's.
     """
     state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     stack = calls()

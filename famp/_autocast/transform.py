@@ -25,7 +25,7 @@ from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
-from famp._autocast.region import current_state, region
+from famp._autocast.region import current_state, policy_state, region
 from famp._autocast.rules import OpRules
 from famp._compat import dynamic_marks, functorch_transforms_active, tree_leaves
 
@@ -66,8 +66,7 @@ def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     def add(x: torch.Tensor) -> None:  # a plain tensor's is_cpu: no device object to build
         found.add("cpu" if type(x) in _PLAIN and x.is_cpu else x.device.type)
 
-    _any_tensor(args, add)
-    _any_tensor(kwargs, add)
+    _any_tensor((args, kwargs), add)
     accelerators = sorted(found - {"cpu", "meta"})
     if len(accelerators) > 1:
         raise ValueError(
@@ -103,6 +102,7 @@ class Transform:
         items = list((module_rules or {}).items())
         self.patterns = tuple(pattern for pattern, _ in items)
         self.policies = tuple(get_policy(p) for _, p in items)
+        self.rule_dtypes = frozenset(s[1] for s in map(policy_state, self.policies) if s[0])
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None
         self.warned: set[str] = set()  # the causes of the AutocastWarnings given (once each)
@@ -148,7 +148,7 @@ class Transform:
         if traced_scopes := bool(self.patterns) and not record.track:  # module rules, compiled
             scopes_in_checkpoints(True)
         try:
-            with region(device_type, *record.base, call=True, outer=before):
+            with region(device_type, *record.base, True, before, self.rule_dtypes):
                 if record.intercepts:
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)

@@ -3,12 +3,12 @@ off switch: each op reads casts of the dtype in effect for it, as casts written 
 
 torch's cache is keyed without the dtype. famp clears it where the compute dtype changes: these
 are the switches that go through a state with autocast off (a float32 module rule or call, a
-`torch.autocast(enabled=False)` gap), and a nested call inside a module rule's scope, where
-torch's own state between ops is the outer call's.
+`torch.autocast(enabled=False)` gap), and a nested call inside a module rule's scope.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -301,3 +301,61 @@ def test_a_write_through_data_after_a_write_the_version_showed_reads_a_fresh_cas
     for out, ref in zip(outs, expected, strict=True):
         assert_bitwise_equal(out, ref)
     assert not torch.equal(outs[1], outs[2])
+
+
+class _Pausing(nn.Module):
+    """A linear layer that, in the thread named `pauses`, signals `cast_made` after its product
+    (its weight's cast in torch's cache) and waits for `done` before it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.pauses: int | None = None
+        self.cast_made, self.done = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if threading.get_ident() == self.pauses:
+            self.cast_made.set()
+            self.done.wait(timeout=30)
+        return out
+
+
+@pytest.mark.parametrize("ruled_first", [True, False])
+def test_a_module_rules_dtype_in_one_thread_keeps_its_casts_from_another_threads_call(
+    ruled_first: bool,
+) -> None:
+    # torch's cast cache is one map for all threads. One thread's bfloat16 call runs a layer
+    # under a float16 rule, another thread's bfloat16 call uses the same layer while the first
+    # is inside it, its cast held: the calls differ in dtype, so the later one runs with the
+    # cache off. famp had registered only the calls' own dtypes: with the ruled call first, the
+    # plain call read its float16 cast ("mat1 and mat2 must have the same dtype").
+    torch.manual_seed(0)
+    pausing, x = _Pausing(), torch.randn(4, 8)
+    model = nn.Sequential(pausing)
+    kwargs: dict[str, Any] = {"ruled": {"module_rules": {"0": "c=f16,o=f16"}}, "plain": {}}
+    alone = {name: famp.autocast(model, "c=bf16,o=f32", **kw)(x) for name, kw in kwargs.items()}
+    results: dict[str, Any] = {}
+
+    def worker(name: str, first: bool) -> None:
+        try:
+            if first:
+                pausing.pauses = threading.get_ident()
+            else:
+                pausing.cast_made.wait(timeout=30)  # the first call is inside the layer
+            results[name] = famp.autocast(model, "c=bf16,o=f32", **kwargs[name])(x)
+        except Exception as error:  # reported below
+            results[name] = error
+        finally:
+            if not first:
+                pausing.done.set()
+
+    first = "ruled" if ruled_first else "plain"
+    threads = [threading.Thread(target=worker, args=(name, name == first)) for name in kwargs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for name in kwargs:
+        assert isinstance(results[name], torch.Tensor), results[name]
+        assert_bitwise_equal(results[name], alone[name])

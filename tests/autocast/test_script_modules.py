@@ -140,3 +140,38 @@ def test_a_rule_for_a_module_inside_a_script_module_warns(pattern: str) -> None:
     assert len(messages) == 1, messages
     assert "module rules matching Linear do not apply inside" in messages[0]
     assert_trees_bitwise_equal(y, _by_hand(model, block_in_float32=False))
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+class _CallsScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        with warnings.catch_warnings():  # deprecated, as above
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            self.mm = torch.jit.script(_mm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mm(x, self.w))
+
+
+@pytest.mark.parametrize(("rule", "inner"), [("f32", None), ("c=f16,o=f16", torch.float16)])
+def test_a_scripted_function_inside_a_matched_module_follows_its_rule_eagerly(
+    rule: str, inner: torch.dtype | None
+) -> None:
+    # famp sees no op of a torch.jit.script function; torch's autocast casts them by torch's
+    # state, which eagerly is the matched module's from its entry to its exit.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _CallsScripted())
+    x = torch.randn(4, 8)
+    actual = famp.autocast(model, "c=bf16,o=f32", module_rules={"1": rule})(x)
+    with torch.autocast("cpu", dtype=BF16):
+        h = model[0](x)
+        with torch.autocast("cpu", dtype=inner or BF16, enabled=inner is not None):
+            out = model[1](h.to(inner or torch.float32))
+        expected = out.to(inner or torch.float32).float()
+    assert_trees_bitwise_equal(actual, expected)
