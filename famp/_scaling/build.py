@@ -46,8 +46,10 @@ def init_scaler(
 
     Args:
         init_scale: Initial scale: a number whose float32 value and float32 reciprocal are
-            finite and > 0 (about 2.9e-39 to 3.4e38), so that unscaling can never turn finite
-            gradients into inf silently.
+            finite and > 0 (about 2.9e-39 to 3.4e38), so that the unscale's factor is finite.
+            A scale below 1 can still unscale a finite gradient past its dtype's range to inf,
+            which `found_inf` does not flag (it checks the scaled gradients, as `GradScaler`
+            does): `min_scale=1.0` keeps backoffs from going below 1.
         growth_factor: Multiplier on growth, finite and > 1.
         backoff_factor: Multiplier on overflow, in (0, 1).
         growth_interval: Consecutive finite steps before a growth, an int in [1, 2**31 - 1].
