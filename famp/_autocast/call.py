@@ -30,7 +30,7 @@ from famp._autocast.patterns import (
     warn_unmatched,
 )
 from famp._autocast.policy import Policy
-from famp._autocast.recompute import observe
+from famp._autocast.recompute import calls, observe
 from famp._autocast.region import policy_state, region, swap_state
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
@@ -52,9 +52,8 @@ class CallRecord:
         self.overrides = transform.overrides
         self.patterns = transform.patterns
         self.policies = transform.policies
-        # With FampMode active (overrides or module rules) and eagerly, in-place writes and
-        # autocast dtype switches are watched so that no stale or wrong-dtype weight cast is read;
-        # compiled graphs carry their casts explicitly and have no cache.
+        # Eagerly with FampMode active, in-place writes and dtype switches are watched (no stale
+        # or wrong-dtype weight cast read); compiled graphs carry their casts, with no cache.
         self.track = not torch.compiler.is_compiling()
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
@@ -67,8 +66,8 @@ class CallRecord:
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         # Eagerly, per matched module entered: its depth in `scopes`, torch's state before it.
         self.restores: list[tuple[int, tuple[bool, torch.dtype]]] = []
-        # The policy of each module of the root entered last (by its path there), and per root.
-        # By id: Dynamo fails on dicts keyed by the modules it traces. `held` keeps the ids alive.
+        # Each module's policy, for the root entered last and per root; by id (Dynamo fails on
+        # dicts keyed by the modules it traces), the modules kept alive by `held`.
         self.module_policy: dict[int, Policy | None] = {}
         self.roots: dict[int, dict[int, Policy | None]] = {}
         self.held: list[torch.nn.Module] = []
@@ -82,16 +81,16 @@ class CallRecord:
         self.entering: torch.nn.Module | None = None
         self.replay_matched: list[torch.nn.Module] = []  # a recomputation's, given as it starts
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
-        # Per module entered: the context that leaves it to torch's fast path, or None.
+        # Per module entered: the context that leaves it to torch's fast path, or None; and every
+        # such context opened (closed by the call's region at the latest: a KeyboardInterrupt).
         self.declined: list[contextlib.ExitStack | None] = []
-        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting;
-        # the fast-path modules left unhooked in train mode are checked after the call.
+        self.opened: list[contextlib.ExitStack] = []
+        # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns)
         self.trained: list[torch.nn.Module] = []
         if not self.hooked and self.intercepts and self.track:
             self.hooked, self.trained = may_enter(transform.fn)
-        # Eagerly: op function -> overrides.plain(...) on this device type, for FampMode's fast
-        # path (taken outside the scopes of module rules only).
+        # Eagerly: op function -> overrides.plain(...) for FampMode's fast path (outside scopes).
         self.plain_ops = transform.plain_ops.setdefault(device_type, {}) if self.track else None
 
     # Activation checkpointing (famp._autocast.recompute): a record made again for a recomputation.
@@ -137,8 +136,8 @@ class CallRecord:
             # No scopes, and no hook at exits (hooks.py): modules left to torch till then.
             if isinstance(module, UNREACHED):
                 declined = decline(self, module, args, None)
-                if declined is not None:
-                    hooks.on_exit(module, declined.close)
+                if declined is not None:  # its hook goes with it (closed by the region at last)
+                    declined.callback(hooks.on_exit(module, declined.close).remove)
             return None
         if is_compiled_module(module):
             return None  # `torch.compile(model)`'s wrapper: paths start at the model it wraps
@@ -209,6 +208,8 @@ class CallRecord:
             if threading.get_ident() != thread:
                 return None
             handle.remove()
+            if all(r is not self for r in calls()):  # its call ended (a KeyboardInterrupt left it)
+                return None
             self.late.pop()
             return self.exit_module(left, output, True, kwargs)
 
@@ -234,8 +235,7 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
-        # Keyword inputs no hook of famp's reached (keywords.py): a root's, a TorchScript module's
-        # (a module writing into its input gets them uncast on purpose).
+        # Keyword inputs no hook of famp's reached (keywords.py): a root's, a TorchScript module's.
         unreached = not self.scopes or isinstance(module, torch.jit.ScriptModule)
         uncast = kwargs and unreached and module.__dict__.get("inplace") is not True
         if eager and uncast and "keywords" not in self.transform.warned:

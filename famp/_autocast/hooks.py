@@ -49,8 +49,9 @@ def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any
     return None
 
 
-def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> None:
-    """Call `leave` once, when the call of `module` now starting ends (also by an exception).
+def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> Any:
+    """Call `leave` once, when the call of `module` now starting ends (also by an exception);
+    the hook's handle.
 
     A global forward hook that removes itself: a hook of the module's own would turn torch's
     fast path of `nn.TransformerEncoderLayer` off (torch 2.14 on) where it is set to be kept.
@@ -64,6 +65,7 @@ def on_exit(module: torch.nn.Module, leave: Callable[[], object]) -> None:
             leave()
 
     handle = register_module_forward_hook(hook, always_call=True)
+    return handle
 
 
 def _count(change: int, post: bool, eager: bool) -> None:

@@ -49,6 +49,7 @@ class _EagerRegion:
         "dtype",
         "enabled",
         "entry",
+        "opened",
         "outer",
         "prev",
         "prev_cache",
@@ -64,9 +65,10 @@ class _EagerRegion:
         call: bool,
         outer: tuple[bool, torch.dtype] | None,
         rules: frozenset[torch.dtype],
+        opened: list[Any],
     ) -> None:
         self.device_type, self.enabled, self.dtype, self.call = device_type, enabled, dtype, call
-        self.outer, self.rules = outer, rules
+        self.outer, self.rules, self.opened = outer, rules, opened
         self.switched = False
         self.prev: tuple[bool, torch.dtype] = (False, dtype)
         self.prev_cache = True
@@ -94,6 +96,8 @@ class _EagerRegion:
             torch.clear_autocast_cache()
 
     def __exit__(self, *exc: object) -> None:
+        for opened in reversed(self.opened):  # left open by a KeyboardInterrupt, else no-ops
+            opened.close()
         if torch.autocast_decrement_nesting() == 0 or self.switched:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled(self.device_type, self.prev[0])
@@ -111,14 +115,18 @@ def region(
     call: bool = False,
     outer: tuple[bool, torch.dtype] | None = None,
     rules: frozenset[torch.dtype] = frozenset(),
+    opened: list[Any] | None = None,
 ) -> Any:
     """A context manager that sets the device's autocast state for its body; `outer`: the
     state in effect before a call's region where famp's module scope sets it, not torch;
-    `rules`: the lower dtypes a call's module rules compute in."""
+    `rules`: the lower dtypes a call's module rules compute in; `opened`: the contexts famp
+    opened inside a call's region (`CallRecord.opened`), closed before it at the latest."""
     if torch.compiler.is_compiling():
         # Dynamo records torch.autocast as graph nodes; the cache is off while tracing anyway.
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-    return _EagerRegion(device_type, enabled, dtype, call, outer, rules)
+    return _EagerRegion(
+        device_type, enabled, dtype, call, outer, rules, [] if opened is None else opened
+    )
 
 
 def swap_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool, torch.dtype]:

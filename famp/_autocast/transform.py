@@ -148,7 +148,7 @@ class Transform:
         if traced_scopes := bool(self.patterns) and not record.track:  # module rules, compiled
             scopes_in_checkpoints(True)
         try:
-            with region(device_type, *record.base, True, before, self.rule_dtypes):
+            with region(device_type, *record.base, True, before, self.rule_dtypes, record.opened):
                 if record.intercepts:
                     with FampMode(record):
                         out = self.fn(*args, **kwargs)

@@ -104,6 +104,7 @@ def decline(
             stacklevel=3,
         )
     stack = contextlib.ExitStack()
+    record.opened.append(stack)
     if scope is not None:
         stack.enter_context(region(record.device_type, *scope))
     stack.enter_context(no_torch_function())
@@ -137,6 +138,7 @@ def _script(
     if scope is None:
         return None
     stack = contextlib.ExitStack()
+    record.opened.append(stack)
     stack.enter_context(region(record.device_type, *scope))
     return stack
 

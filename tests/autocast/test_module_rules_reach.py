@@ -158,3 +158,86 @@ def test_module_rules_leave_parametrizations_to_the_module_that_reads_the_weight
     assert not any(g.isnan().any() for g in expected)
     for a, e in zip(actual, expected, strict=True):
         assert_bitwise_equal(a, e)
+
+
+class _Interrupted(nn.Module):
+    """A linear layer that raises KeyboardInterrupt while `fire` is set (Ctrl-C mid-forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fire:
+            raise KeyboardInterrupt
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("rule", ["f32", "c=f16,o=f16"])
+def test_a_keyboard_interrupt_in_a_matched_module_with_hooks_leaves_torch_as_it_was(
+    rule: str,
+) -> None:
+    # torch runs always-call forward hooks on an Exception only: after a KeyboardInterrupt the
+    # hook famp gave the module to leave its scope stays on it till its next call, outside any
+    # famp call. It must do nothing then: it had restored the autocast state the module's entry
+    # had found, turning torch's autocast on for the process (a plain call then ran in bfloat16).
+    torch.manual_seed(0)
+    block = _Interrupted()
+    model = nn.Sequential(block, nn.Linear(4, 4))
+    block.register_forward_hook(lambda m, args, out: out)  # a hook of the user's own
+    x = torch.randn(2, 4)
+    before_state = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    expected = model(x)
+    block.fire = True
+    with pytest.raises(KeyboardInterrupt):
+        famp.autocast(model, "c=bf16,o=f32", module_rules={"0": rule})(x)
+    block.fire = False
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before_state
+    assert_bitwise_equal(model(x), expected)
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before_state
+    assert len(block._forward_hooks) == 1  # famp's own left with that call
+    assert_bitwise_equal(model(x), expected)
+
+
+class _InterruptedLayer(nn.TransformerEncoderLayer):
+    """An encoder layer (torch's inference fast path in eval mode without grad) that raises
+    KeyboardInterrupt while `fire` is set."""
+
+    fire = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.fire:
+            raise KeyboardInterrupt
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"track_casts": True}, {"module_rules": {"1": "c=f16,o=f32"}}, {"module_rules": {"0": "f32"}}],
+)
+def test_a_keyboard_interrupt_in_a_fast_path_module_leaves_no_state_behind(
+    kwargs: dict[str, Any],
+) -> None:
+    # famp leaves the layer to torch's fast path, with torch function handling off (and a rule's
+    # autocast state) till its exit, which torch's always-call hooks do not see after a
+    # KeyboardInterrupt: the call's region now closes what is left. torch function handling had
+    # stayed off in the thread, so a later call's op override did nothing, silently.
+    torch.manual_seed(0)
+    layer = _InterruptedLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(16, 16), layer).eval()
+    x = torch.randn(2, 5, 16)
+    rules = famp.default_rules("cpu").override({"linear": "float32"})
+    overridden = famp.autocast(lambda x: model[0](x), "c=bf16,o=f32", rules=rules)
+    expected = overridden(x)
+    state = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    layer.fire = True
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        famp.autocast(model, "c=bf16,o=f32", **kwargs)(x)
+    layer.fire = False
+    assert torch._C._is_torch_function_enabled()
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == state
+    assert_bitwise_equal(overridden(x), expected)
+    assert expected.dtype == torch.float32
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert not torch.nn.modules.module._global_forward_hooks
