@@ -31,7 +31,7 @@ from famp._autocast.patterns import (
 )
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
-from famp._autocast.region import policy_state, region, swap_state
+from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
 from famp._compat import (
@@ -52,8 +52,7 @@ class CallRecord:
         self.overrides = transform.overrides
         self.patterns = transform.patterns
         self.policies = transform.policies
-        # Eagerly with FampMode active, in-place writes and dtype switches are watched (no stale
-        # or wrong-dtype weight cast read); compiled graphs carry their casts, with no cache.
+        # Eagerly, in-place writes and dtype switches are watched; compiled graphs have no cache.
         self.track = not torch.compiler.is_compiling()
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
@@ -176,7 +175,7 @@ class CallRecord:
         self.scopes.append(inner)
         self._switch(outer or self.base, inner)
         if self.track and not torch.compiler.is_compiling():  # torch's state too, till its exit
-            self.restores.append((len(self.scopes), swap_state(self.device_type, inner)))
+            self.restores.append((len(self.scopes), enter_state(self.device_type, inner)))
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
@@ -255,10 +254,11 @@ class CallRecord:
             switched(self, self.trained)
 
     def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
-        # torch's cast cache ignores the dtype: drop it when a scope changes the compute dtype,
-        # through autocast off too (bfloat16, then float32, then float16: bfloat16 casts held).
-        if self.track and after[0] and before[1] != after[1]:
+        # torch's cast cache ignores the dtype: drop it when a scope computes in another lower
+        # dtype than its casts' (bfloat16, float32, float16); not for bfloat16, float32, bfloat16.
+        if self.track and after[0] and after[1] is not self.seen_dtype:
             torch.clear_autocast_cache()
+            self.seen_dtype = after[1]
 
     # One op call (from FampMode, when there are overrides or module rules).
 

@@ -90,7 +90,8 @@ class _EagerRegion:
                     torch.set_autocast_cache_enabled(False)
                 _ACTIVE.append(self.entry)
         torch.set_autocast_enabled(dev, self.enabled)
-        torch.set_autocast_dtype(dev, self.dtype)
+        if self.enabled or not self.call:  # a call computing in float32 keeps the dtype in effect,
+            torch.set_autocast_dtype(dev, self.dtype)  # as torch.autocast(enabled=False) does
         torch.autocast_increment_nesting()
         if self.switched:
             torch.clear_autocast_cache()
@@ -135,6 +136,14 @@ def swap_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool,
     torch.set_autocast_enabled(device_type, state[0])
     torch.set_autocast_dtype(device_type, state[1])
     return before
+
+
+def enter_state(device_type: str, state: tuple[bool, torch.dtype]) -> tuple[bool, torch.dtype]:
+    """`swap_state`, but a disabled `state` keeps the dtype in effect, as
+    `torch.autocast(enabled=False)` does (its casts stay in torch's cache for after it)."""
+    if state[0]:
+        return swap_state(device_type, state)
+    return swap_state(device_type, (False, torch.get_autocast_dtype(device_type)))
 
 
 def current_state(device_type: str) -> tuple[bool, torch.dtype]:

@@ -359,3 +359,64 @@ def test_a_module_rules_dtype_in_one_thread_keeps_its_casts_from_another_threads
     for name in kwargs:
         assert isinstance(results[name], torch.Tensor), results[name]
         assert_bitwise_equal(results[name], alone[name])
+
+
+class _Child(nn.Module):
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _Float32Gap(nn.Module):
+    """A weight used before and after a module that a float32 rule matches (a shared block
+    around a float32 norm), and inside a lower-dtype child of that module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 8), _Child(self.shared))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(x)
+        return self.shared(self.mid(h).to(h.dtype))
+
+
+@pytest.mark.parametrize("lower", [BF16, F16])
+def test_a_float32_rule_between_two_uses_of_a_weight_keeps_its_cast_as_torch(
+    lower: torch.dtype,
+) -> None:
+    # torch.autocast(enabled=False) between two uses keeps the cast of the first for the second
+    # (the gradients of both uses then sum in the lower dtype). famp had cleared torch's cache on
+    # leaving the float32 scope, and a nested famp call on entering a lower one inside it: the
+    # weight's gradient rounded as with two casts. Rule, nested calls and torch by hand agree.
+    model, x = _Float32Gap(), torch.randn(4, 8)
+    name = {BF16: "bf16", F16: "f16"}[lower]
+    rules = {"mid": "f32", "mid.1": f"c={name},o=f32"}
+    ruled = famp.autocast(model, f"c={name},o=f32", module_rules=rules)
+
+    def nested(x: torch.Tensor) -> torch.Tensor:
+        inner = famp.autocast(model.mid[1], f"c={name},o=f32")
+        mid = famp.autocast(lambda h: inner(model.mid[0](h)), "f32")
+        h = model.shared(x)
+        return model.shared(mid(h).to(h.dtype))
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=lower):
+            h = model.shared(x)
+            with torch.autocast("cpu", enabled=False):
+                g = model.mid[0](h.float())
+                with torch.autocast("cpu", dtype=lower):
+                    g = model.mid[1](g.to(lower)).float()
+            return model.shared(g.to(h.dtype)).float()
+
+    results = []
+    for f in (ruled, famp.autocast(nested, f"c={name},o=f32"), by_hand):
+        out = f(x)
+        results.append([out, *torch.autograd.grad(out.sum(), list(model.parameters()))])
+    for ruled_bits, nested_bits, torch_bits in zip(*results, strict=True):
+        assert_bitwise_equal(ruled_bits, torch_bits)
+        assert_bitwise_equal(nested_bits, torch_bits)
