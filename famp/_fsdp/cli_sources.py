@@ -84,6 +84,7 @@ def read_source(args: argparse.Namespace) -> Source:
     for path in sources:
         if os.path.isdir(path):
             raise ValueError(f"SOURCE {path!r} is a directory: give one DCP checkpoint alone")
+    _check_rank_order(sources)
     objs = [_load_file(path) for path in sources]
     if len(objs) == 1:
         obj, path = objs[0], sources[0]
@@ -111,11 +112,37 @@ def read_source(args: argparse.Namespace) -> Source:
     return Source(full, shapes, f"{len(shards)} FSDP2 rank files {sources[0]} ...")
 
 
+def _check_rank_order(sources: list[str]) -> None:
+    """Refuse rank files whose names number them out of order: a shell glob sorts
+    `optim.rank10.pt` before `optim.rank2.pt`, and shards of one shape would be read in that
+    order silently. Names that differ in one run of digits only are checked."""
+    split = [re.split(r"(\d+)", os.path.basename(path)) for path in sources]
+    if len(sources) < 2 or len({len(parts) for parts in split}) != 1:
+        return
+    varying = [i for i in range(1, len(split[0]), 2) if len({p[i] for p in split}) > 1]
+    fixed = all(p[i] == split[0][i] for p in split for i in range(0, len(p), 2))
+    if len(varying) != 1 or not fixed:
+        return
+    numbers = [int(parts[varying[0]]) for parts in split]
+    for i in range(1, len(numbers)):
+        if numbers[i] <= numbers[i - 1]:
+            raise ValueError(
+                f"SOURCE files must be given in rank order, but {sources[i]!r} comes after "
+                f"{sources[i - 1]!r} "
+                "(a shell glob sorts names as text: rank10 before rank2); pass them sorted by "
+                "rank, as `ls -v` lists them, or name them with zero-padded ranks"
+            )
+
+
 def _load_file(path: str) -> Mapping[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"SOURCE {path!r} does not exist")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
+    except RuntimeError as err:  # not a zip archive torch can read: truncated, not torch.save's
+        raise ValueError(
+            f"SOURCE {path!r} cannot be read by torch.load: {str(err).splitlines()[0]}"
+        ) from err
     except pickle.UnpicklingError as err:
         found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", str(err))
         reason = found.group(1) if found else str(err).splitlines()[0]

@@ -178,6 +178,7 @@ def test_existing_outputs_need_force(
         (["{garbage}", "-n", "2", "-o", "{out}"], "refused it: Unsupported operand"),
         (["{badfqn}", "-n", "2", "-o", "{out}"], "['params'] must hold FQN strings, got 3"),
         (["{badentry}", "-n", "2", "-o", "{out}"], "['state']['w'] must be a dict, got 5"),
+        (["{truncated}", "-n", "2", "-o", "{out}"], "truncated.pt' cannot be read by torch.load"),
     ],
 )
 def test_bad_input_exits_1_naming_it_and_writes_nothing(
@@ -201,6 +202,8 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
     (tmp_path / "garbage").write_bytes(b"garbage")
     torch.save({"state": {}, "param_groups": [{"params": [3]}]}, tmp_path / "f")
     torch.save({"state": {"w": 5}, "param_groups": [{"params": ["w"]}]}, tmp_path / "e")
+    whole = pathlib.Path(full_file).read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(whole[: len(whole) // 2])  # a copy cut short
     paths = {
         "missing": tmp_path / "missing.pt",
         "full": full_file,
@@ -214,6 +217,7 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
         "garbage": tmp_path / "garbage",
         "badfqn": tmp_path / "f",
         "badentry": tmp_path / "e",
+        "truncated": tmp_path / "truncated.pt",
     }
     before = sorted(os.listdir(tmp_path))
     assert main([a.format(**paths) for a in argv]) == 1
@@ -573,3 +577,27 @@ def test_rank_files_record_their_sharding_and_files_without_it_need_assume_dim0(
         capsys.readouterr()
         assert main([*dim1, "--full", str(tmp_path / "bad.pt")]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_rank_files_in_a_shell_globs_order_are_refused(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 12 rank files named as the save recipe names them (optim.rank{rank}.pt): a glob sorts
+    # optim.rank10.pt before optim.rank2.pt, and shards of one shape were read in that order.
+    assert main([full_file, "-n", "12", "-o", str(tmp_path / "w12")]) == 0
+    for rank in range(12):
+        (tmp_path / "w12" / f"rank{rank:05d}.pt").rename(tmp_path / f"optim.rank{rank}.pt")
+    globbed = sorted(str(p) for p in tmp_path.glob("optim.rank*.pt"))
+    assert os.path.basename(globbed[2]) == "optim.rank10.pt"
+    capsys.readouterr()
+    assert main([*globbed, "--full", str(tmp_path / "back.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "must be given in rank order" in err, err
+    assert "optim.rank2.pt' comes after" in err, err
+    assert not (tmp_path / "back.pt").exists()
+    in_order = [str(tmp_path / f"optim.rank{rank}.pt") for rank in range(12)]
+    assert main([*in_order, "--full", str(tmp_path / "back.pt")]) == 0
+    assert_osd_bitwise_equal(load_dict(tmp_path / "back.pt"), trained[1])
