@@ -173,7 +173,7 @@ class CallRecord:
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
-        self._switch(outer or self.base, inner)
+        self._switch(inner)
         if self.track and not torch.compiler.is_compiling():  # torch's state too, till its exit
             self.restores.append((len(self.scopes), enter_state(self.device_type, inner)))
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
@@ -222,14 +222,14 @@ class CallRecord:
             return None  # a wrapper, or a module left from its own last hook
         if eager := self.track and not torch.compiler.is_compiling():
             observe(self, output)
-        depth, inner = len(self.scopes), self.scopes.pop() if self.scopes else None
+        del self.scopes[-1:]  # this module's entry
         if not self.scopes and self.root_hooks:  # the root's exit
             keywords.remove(self.root_hooks)
             self.root_hooks = []
         declined = self.declined.pop() if self.declined else None
         if declined is not None:
             declined.close()  # entered after torch's state was set (enter_module): left first
-        if self.restores and self.restores[-1][0] == depth:
+        if self.restores and self.restores[-1][0] == len(self.scopes) + 1:
             swap_state(self.device_type, self.restores.pop()[1])
         policy = self.module_policy.get(id(module))
         if policy is None:
@@ -241,7 +241,7 @@ class CallRecord:
             where = partial(module_path, self.held, module)
             warn_uncast_keywords(kwargs, policy.compute_dtype, where, self.transform.warned)
         outer = self.scopes[-1] if self.scopes else None
-        self._switch(inner or self.base, outer or self.base)
+        self._switch(outer or self.base)
         return own_cast(policy.cast_to_output, output)
 
     def finish(self) -> None:
@@ -253,7 +253,7 @@ class CallRecord:
         if self.trained:
             switched(self, self.trained)
 
-    def _switch(self, before: tuple[bool, torch.dtype], after: tuple[bool, torch.dtype]) -> None:
+    def _switch(self, after: tuple[bool, torch.dtype]) -> None:
         # torch's cast cache ignores the dtype: drop it when a scope computes in another lower
         # dtype than its casts' (bfloat16, float32, float16); not for bfloat16, float32, bfloat16.
         if self.track and after[0] and after[1] is not self.seen_dtype:
