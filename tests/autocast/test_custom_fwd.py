@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import famp
 from tests.helpers import assert_bitwise_equal
@@ -199,33 +200,48 @@ def _torch_decorated(cast_inputs: torch.dtype | None) -> Any:
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, function: Any) -> None:
+    """`reentrant`: None, or the body checkpointed (reentrant or not), recomputed in backward."""
+
+    def __init__(self, function: Any, reentrant: bool | None) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
         self.function = function
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            return self.body(x)
+        out: torch.Tensor = checkpoint(self.body, x, use_reentrant=self.reentrant)
+        return out
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         # Code that reads the autocast state, as attention kernels' wrappers do.
         if torch.is_autocast_enabled("cpu"):
             x = x * 1.5
         return torch.tanh(self.function.apply(x, self.w))
 
 
+@pytest.mark.parametrize("reentrant", [None, True, False])
 @pytest.mark.parametrize("cast_inputs", [None, torch.float16])
 @pytest.mark.parametrize(("rule", "inner"), [("f32", None), ("c=f16,o=bf16", torch.float16)])
 def test_torch_custom_fwd_and_code_inside_a_matched_module_see_the_modules_state(
-    rule: str, inner: torch.dtype | None, cast_inputs: torch.dtype | None
+    rule: str, inner: torch.dtype | None, cast_inputs: torch.dtype | None, reentrant: bool | None
 ) -> None:
     # Inside a module a rule matches, torch's own autocast state is the rule's: torch's custom_fwd
     # records it (custom_bwd runs backward under it, cast_inputs casts by it) and code reading
     # torch.is_autocast_enabled sees it. famp had set the rule's state around each op only: the
-    # backward ran in bfloat16 where torch.autocast nested by hand runs it in float32.
+    # backward ran in bfloat16 where torch.autocast nested by hand runs it in float32. Also with
+    # the module's body checkpointed: the recomputation sees the same state (torch's checkpoint
+    # restores the state it found, which is the module's).
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Block(_torch_decorated(cast_inputs)))
+    block = _Block(_torch_decorated(cast_inputs), reentrant)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), block)
     x = torch.randn(4, 8)
 
     def grads(out: torch.Tensor) -> list[torch.Tensor]:
-        return [out, *torch.autograd.grad(out.float().sum(), list(model.parameters()))]
+        model.zero_grad(set_to_none=True)
+        out.float().sum().backward()  # reentrant checkpointing refuses autograd.grad
+        return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
 
     function = model[1].function
     function.seen.clear()
@@ -239,5 +255,6 @@ def test_torch_custom_fwd_and_code_inside_a_matched_module_see_the_modules_state
         out = out.to(torch.bfloat16 if inner else torch.float32).float()
     expected = grads(out)
     assert seen == function.seen
+    assert len(actual) == len(expected) == 4  # the output and four gradients
     for a, e in zip(actual, expected, strict=True):
         assert_bitwise_equal(a, e)
