@@ -17,6 +17,11 @@ A root's own keyword inputs are out of a hook's reach: its call has begun when f
 `torch.func.functional_call`, or a function calling a module) keeps them as given, and eagerly
 famp warns (`patterns.warn_uncast_keywords`), as for a TorchScript module, which refuses
 Python hooks of its own.
+
+`nn.TransformerEncoderLayer` takes no inference fast path while a module of its tree has a hook:
+where famp leaves such a layer to that path (`unreached.decline`), its keyword pre-hook takes
+itself out of the layer's dicts once it has run, before the layer's `forward` looks, and is put
+back as the layer is left, for its next call in the root.
 """
 
 from __future__ import annotations
@@ -43,10 +48,35 @@ def cast_keywords(
         return None
     record = stack[-1]
     record.entering = None
+    declined = record.declined[-1] if record.declined else None  # `module`'s, just entered
+    if declined is not None and isinstance(module, torch.nn.TransformerEncoderLayer):
+        _step_aside(record, module, declined)
     policy = record.module_policy.get(id(module))
     if not kwargs or policy is None:
         return None
     return args, own_cast(policy.cast_to_compute, kwargs)
+
+
+def _step_aside(record: Any, module: torch.nn.Module, declined: Any) -> None:
+    """Take this hook out of `module`'s dicts till `declined` (its fast-path context) closes,
+    then put it back if the root's hooks still hold it (a KeyboardInterrupt may have taken them
+    off first: then it stays off)."""
+    own = module.__dict__["_forward_pre_hooks"]
+    with_kwargs = module.__dict__["_forward_pre_hooks_with_kwargs"]
+    keys = [key for key, hook in own.items() if hook is cast_keywords]
+    for key in keys:
+        del own[key]
+        with_kwargs.pop(key, None)
+
+    def back() -> None:
+        held = {entry[3] for entry in record.root_hooks + record.keyword_hooks}
+        for key in reversed(keys):
+            if key in held:
+                own[key] = cast_keywords
+                own.move_to_end(key, last=False)
+                with_kwargs[key] = True
+
+    declined.callback(back)
 
 
 def of_root(record: Any, fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

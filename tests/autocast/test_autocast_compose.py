@@ -369,6 +369,96 @@ def test_inference_fast_path_deep_in_the_module_called_gives_torch_autocast_bits
             assert_bitwise_equal(alone, model.head(x))
 
 
+class _Layers(nn.Module):
+    """Encoder layers called with keyword inputs, the first twice, as nn.TransformerEncoder calls
+    its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, padding: torch.Tensor, layer: Callable[..., Any]
+    ) -> torch.Tensor:
+        for i in (0, 0, 1):
+            x = layer(self.layers[i], x, src_mask=mask, src_key_padding_mask=padding)
+        return x
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("pattern", ["layers.?", "layers.0"])
+def test_inference_fast_path_of_a_layer_a_module_rule_matches_gives_torch_autocast_bits(
+    pattern: str, compute: str
+) -> None:
+    # nn.TransformerEncoderLayer takes no fast path while one of its modules has a hook: famp's
+    # keyword pre-hook on the layer a rule matches must not keep it off that path (it did before
+    # 2026-11-30: the composite path's bits). The reference: each matched layer run by hand
+    # under torch.autocast, its inputs, positional and keyword, cast as the rule casts them.
+    model, dtype = _Layers().eval(), getattr(torch, compute)
+    x = torch.randn(3, 5, 16)
+    mask = torch.triu(torch.full((5, 5), -30.0), diagonal=1)  # float masks: the rule casts them
+    padding = torch.where(_padding_mask(), -30.0, 0.0)
+    matched = {0, 1} if pattern == "layers.?" else {0}  # "*" would match the layers' modules
+
+    def by_hand(layer: nn.Module, h: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        if not any(layer is model.layers[i] for i in matched):
+            return layer(h, **kwargs)  # type: ignore[no-any-return]
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+        with torch.autocast("cpu", dtype=dtype):
+            return layer(h.to(dtype), **cast).float()  # type: ignore[no-any-return]
+
+    hooked: list[bool] = []
+
+    def plain(layer: nn.Module, h: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        hooked.append(bool(layer._forward_pre_hooks))  # famp's hook, for each call of the root
+        return layer(h, **kwargs)  # type: ignore[no-any-return]
+
+    f = famp.autocast(model, "f32", module_rules={pattern: f"c={compute},o=f32"})
+    with torch.no_grad():
+        expected = model(x, mask, padding, by_hand)
+        for _ in range(2):
+            assert_bitwise_equal(f(x, mask, padding, plain), expected)
+        assert hooked == [True, True, len(matched) == 2] * 2  # put back after each call
+        with torch.autocast("cpu", dtype=dtype):  # the composite path's bits differ: on grad
+            composite = _Layers()(x.to(dtype), mask.to(dtype), padding.to(dtype), plain)
+    assert not torch.equal(composite.float(), expected)
+    for layer in model.layers:  # famp's pre-hooks are off the layers again
+        assert not layer._forward_pre_hooks
+        assert not layer._forward_pre_hooks_with_kwargs
+    # With grad the layers run their composite path, where famp's interception casts as torch.
+    assert_bitwise_equal(f(x, mask, padding, plain), model(x, mask, padding, by_hand))
+
+
+def test_a_keyboard_interrupt_in_a_layers_fast_path_leaves_no_hook_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # famp's keyword pre-hook steps aside while a matched layer runs its fast path, and comes
+    # back as the layer is left, unless the call's hooks were taken off first.
+    model, x = _Layers().eval(), torch.randn(3, 5, 16)
+    fused = torch._transformer_encoder_layer_fwd
+
+    def interrupted(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    def plain(layer: nn.Module, h: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return layer(h)  # type: ignore[no-any-return]
+
+    f = famp.autocast(model, "f32", module_rules={"layers.?": "c=bf16,o=f32"})
+    with torch.no_grad():
+        monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            f(x, None, None, plain)
+        monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", fused)
+        for layer in model.layers:
+            assert not layer._forward_pre_hooks
+        with torch.autocast("cpu", dtype=BF16):
+            expected = model.layers[1](model.layers[0](model.layers[0](x.to(BF16))))
+        assert_bitwise_equal(f(x, None, None, plain), expected.float())  # bf16 → f32 → bf16: same
+
+
 def test_inference_fast_path_with_overrides_warns_that_they_do_not_apply_there() -> None:
     x, mask = torch.randn(3, 5, 16), _padding_mask()
     enc = _encoder(nested=False)
