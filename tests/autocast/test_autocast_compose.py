@@ -432,6 +432,37 @@ def test_inference_fast_path_of_a_layer_a_module_rule_matches_gives_torch_autoca
     assert_bitwise_equal(f(x, mask, padding, plain), model(x, mask, padding, by_hand))
 
 
+def test_compiled_rule_on_a_fast_path_layer_runs_its_composite_path() -> None:
+    # Compiled, famp's keyword hook is in the traced hook dicts: the layer takes its composite
+    # path, whose eager bits aot_eager gives. torch traces the fast path of a layer under
+    # torch.autocast by hand and fails when run: there is no compiled reference to match.
+    model, x = _Layers().eval(), torch.randn(3, 5, 16)
+    first = model.layers[0]
+
+    def plain(layer: nn.Module, h: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return layer(h)  # type: ignore[no-any-return]
+
+    def ruled(h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return first(first(h.to(BF16)).to(BF16))  # type: ignore[no-any-return]
+
+    def by_hand(h: torch.Tensor, fast: bool = True) -> torch.Tensor:
+        torch.backends.mha.set_fastpath_enabled(fast)  # for the first layer
+        try:
+            h = ruled(h)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+        return model.layers[1](h.float())  # type: ignore[no-any-return]
+
+    f = famp.autocast(model, "f32", module_rules={"layers.0": "c=bf16,o=f32"})
+    with torch.no_grad():
+        actual = torch.compile(f, fullgraph=True, backend="aot_eager")(x, None, None, plain)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            torch.compile(ruled, fullgraph=True, backend="aot_eager")(x)
+        assert not torch.equal(actual, by_hand(x))  # the eager fast path's bits
+        assert_bitwise_equal(actual, by_hand(x, fast=False))
+
+
 def test_a_keyboard_interrupt_in_a_layers_fast_path_leaves_no_hook_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
