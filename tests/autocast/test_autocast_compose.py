@@ -1033,6 +1033,45 @@ def test_compiled_overrides_and_module_rules_give_eager_bits(mode: str) -> None:
             assert_bitwise_equal(a, e)
 
 
+@pytest.mark.slow
+# Dynamo, compiling famp's frame inside the module with the GRU's non-leaf inputs, reads .grad.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_override_of_an_rnn_op_gives_torchs_traced_rnn_bits() -> None:
+    # Dynamo breaks the graph at nn.GRU by default (allow_rnn=False; with fullgraph=True it
+    # raises, for famp as for torch) and runs the module eagerly. famp's interception is a
+    # Python frame inside it, which Dynamo compiles: the GRU op it calls is traced, and its
+    # gradients round as torch's own trace with allow_rnn=True gives them, not as eager's.
+    torch.manual_seed(0)
+    gru, head = nn.GRU(8, 8, batch_first=True), nn.Linear(8, 5)
+    params = [*gru.parameters(), *head.parameters()]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return head(gru(x)[0])  # type: ignore[no-any-return]
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            with torch.autocast("cpu", enabled=False):
+                out, _ = gru(x.float())
+            return head(out).float()  # type: ignore[no-any-return]
+
+    def loss_and_grads(f: Callable[..., torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+        out = f(x)
+        return [out, *torch.autograd.grad(out.square().sum(), params)]
+
+    rules = famp.default_rules("cpu").override({"gru": "float32"})
+    f = famp.autocast(fn, "c=bf16,o=f32", rules=rules)
+    x = torch.randn(3, 4, 8).to(BF16)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="RNN, GRU, or LSTM"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    actual = loss_and_grads(torch.compile(f, backend="aot_eager"), x)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        expected = loss_and_grads(torch.compile(by_hand, fullgraph=True, backend="aot_eager"), x)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
+    for a, e in zip(loss_and_grads(f, x), loss_and_grads(by_hand, x), strict=True):
+        assert_bitwise_equal(a, e)  # eagerly: torch.autocast by hand
+
+
 def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
     model, x = _mlp(), torch.randn(5, 8)
     wrapped = torch.compile(model, backend="aot_eager")
