@@ -92,6 +92,17 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
             table[_TRACED_HOOK_KEY] = value
 
 
+def remove_global_forward_hook(handle: Any) -> None:
+    """Remove a hook of `register_module_forward_hook(..., with_kwargs=True)`: on torch 2.13-2.15
+    its handle leaves the hook's id in a private dict of such hooks, which would then grow by one
+    entry per famp call with module rules, and make `torch.compile(module)` warn of global hooks
+    ever after (`_has_any_global_hook`)."""
+    import torch.nn.modules.module as torch_module
+
+    handle.remove()
+    torch_module._global_forward_hooks_with_kwargs.pop(handle.id, None)
+
+
 # AOTAutograd traces compiled code's backward under the autocast its forward began in (torch's
 # default "same_as_forward"; eager backward runs without, pytorch/pytorch#179804): famp sets this
 # private config "off" for compiles inside its calls, from Dynamo's private compile callbacks.

@@ -21,7 +21,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils.hooks import RemovableHandle
 
 from famp._autocast.recompute import calls, drop_abandoned_replays, in_block
-from famp._compat import traced_module_hooks
+from famp._compat import remove_global_forward_hook, traced_module_hooks
 
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
@@ -89,7 +89,7 @@ def _count(change: int, post: bool, eager: bool) -> None:
                 else register_module_forward_hook(post_hook, always_call=True, with_kwargs=True)
             )
         elif change < 0 and _users[kind] == 0:
-            _handles.pop(kind).remove()
+            remove_global_forward_hook(_handles.pop(kind))  # the post-hook's: with kwargs
 
 
 def use(change: int, post: bool, eager: bool = False) -> None:

@@ -5,6 +5,7 @@ or a tensor subclass's."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 import pytest
@@ -144,3 +145,22 @@ def _by_hand_first_bf16(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=BF16):
         h = model[0](x.to(BF16))
         return model[3](model[2](model[1](h))).float()
+
+
+def test_calls_with_module_rules_leave_no_global_hook_behind() -> None:
+    # torch 2.13-2.15: removing a global forward hook registered with keyword inputs leaves its
+    # id in torch's private dict of such hooks. famp's calls with module rules register one each:
+    # the dict grew by one entry per call, and `torch.compile(module)` then warned of global
+    # hooks for the rest of the process (before 2026-11-30).
+    import torch.nn.modules.module as torch_module
+
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4)
+    model[0].register_forward_hook(lambda m, args, out: None)  # famp leaves it from its own hook
+    f = famp.autocast(model, "f32", module_rules={"0": "c=bf16,o=f32"})
+    with_kwargs = dict(torch_module._global_forward_hooks_with_kwargs)
+    for _ in range(3):
+        f(x)
+    assert torch_module._global_forward_hooks_with_kwargs == with_kwargs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Using `torch.compile(module)` when there are global …"
+        torch.compile(model, backend="eager")(x)
