@@ -34,10 +34,7 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
-from famp._compat import (
-    forward_hooks,
-    is_compiled_module,
-)
+from famp._compat import forward_hooks, is_compiled_module
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
 
@@ -201,14 +198,16 @@ class CallRecord:
             forward_hooks(module, OrderedDict([*own.items(), (LEAVE_KEY, leave_traced)]))  # undone
             self.late.append(module)
             return
-        thread = threading.get_ident()
+        thread, depth = threading.get_ident(), len(self.scopes)
 
         def leave(left: torch.nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> Any:
             if threading.get_ident() != thread:
                 return None
-            handle.remove()
-            if all(r is not self for r in calls()):  # its call ended (a KeyboardInterrupt left it)
+            if ended := all(r is not self for r in calls()):  # a KeyboardInterrupt left it
+                handle.remove()
+            if ended or len(self.scopes) != depth:  # not yet: a call of itself inside, ending
                 return None
+            handle.remove()
             self.late.pop()
             return self.exit_module(left, output, True, kwargs)
 

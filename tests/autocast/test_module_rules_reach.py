@@ -241,3 +241,52 @@ def test_a_keyboard_interrupt_in_a_fast_path_module_leaves_no_state_behind(
     assert expected.dtype == torch.float32
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert not torch.nn.modules.module._global_forward_hooks
+
+
+class _SelfCalling(nn.Module):
+    """A block whose forward calls the block itself once more (a recursion of depth 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h if inner else self(h, True))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_a_matched_module_that_calls_itself_with_hooks_of_its_own_keeps_its_scope(
+    kind: str, compute: str
+) -> None:
+    # famp leaves a matched module with forward hooks of its own from a hook it adds for that
+    # call. A call of the module inside itself adds a second one: both ran at the inner exit,
+    # and the rest of the outer call ran out of the rule's scope (before 2026-11-30). The
+    # reference: the rule written into the block's forward by hand, for each call of it.
+    torch.manual_seed(0)
+    block, head = _SelfCalling(), nn.Linear(8, 4)
+    model = nn.Sequential(block, head)
+    seen: list[torch.dtype] = []
+    block.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    dtype = {"bf16": BF16, "f16": torch.float16}[compute]
+    x = torch.randn(3, 8)
+    f = famp.autocast(model, "f32", module_rules={"0": f"c={compute},o=f32"})
+    if kind == "compiled":
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    actual = _grads(f(x), model)
+    forward = _SelfCalling.forward
+
+    def by_hand(self: _SelfCalling, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype):
+            return forward(self, x.to(dtype), inner).float()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_SelfCalling, "forward", by_hand)
+        # Compiled, as torch.autocast compiled: no cast cache, each use of a weight casts it.
+        reference = torch.compile(model, backend="aot_eager") if kind == "compiled" else model
+        expected = _grads(reference(x), model)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
+    assert seen[:2] == [dtype, dtype]  # the hooks see each call's output before its cast
+    assert len(block._forward_hooks) == 1  # famp's own gone with the call
