@@ -1061,15 +1061,20 @@ def test_compiled_override_of_an_rnn_op_gives_torchs_traced_rnn_bits() -> None:
     rules = famp.default_rules("cpu").override({"gru": "float32"})
     f = famp.autocast(fn, "c=bf16,o=f32", rules=rules)
     x = torch.randn(3, 4, 8).to(BF16)
+    for a, e in zip(loss_and_grads(f, x), loss_and_grads(by_hand, x), strict=True):
+        assert_bitwise_equal(a, e)  # eagerly: torch.autocast by hand
     with pytest.raises(torch._dynamo.exc.Unsupported, match="RNN, GRU, or LSTM"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(x)
-    actual = loss_and_grads(torch.compile(f, backend="aot_eager"), x)
+    try:
+        actual = loss_and_grads(torch.compile(f, backend="aot_eager"), x)
+    except TypeError as error:  # after an eager famp call in the process: torch 2.15
+        if "argument 'dtype' must be torch.dtype, not int" not in str(error):
+            raise
+        pytest.xfail(f"torch {torch.__version__}: {error} (docs/torch-versions.md)")
     with torch._dynamo.config.patch(allow_rnn=True):
         expected = loss_and_grads(torch.compile(by_hand, fullgraph=True, backend="aot_eager"), x)
     for a, e in zip(actual, expected, strict=True):
         assert_bitwise_equal(a, e)
-    for a, e in zip(loss_and_grads(f, x), loss_and_grads(by_hand, x), strict=True):
-        assert_bitwise_equal(a, e)  # eagerly: torch.autocast by hand
 
 
 def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
