@@ -103,6 +103,17 @@ def remove_global_forward_hook(handle: Any) -> None:
     torch_module._global_forward_hooks_with_kwargs.pop(handle.id, None)
 
 
+def run_frames_eagerly(fn: Callable[..., Any]) -> None:
+    """Have Dynamo run `fn`'s frames, and those it calls, eagerly when it meets them as frames of
+    their own (still inlined where it traces a caller). A module Dynamo refuses (`nn.GRU`) runs
+    eagerly behind a graph break, and torch calls famp's mode from it: Dynamo compiled that call
+    as a graph of its own, which then passed `torch.zeros` a dtype as an int (TypeError on torch
+    2.13-2.15) or traced the RNN op the eager module runs. Private: `set_code_exec_strategy`."""
+    frames, kinds = sys.modules["torch._dynamo.eval_frame"], sys.modules["torch._dynamo.types"]
+    skip = kinds.FrameExecStrategy(kinds.FrameAction.SKIP, kinds.FrameAction.SKIP)
+    frames.set_code_exec_strategy(fn.__code__, skip)
+
+
 # AOTAutograd traces compiled code's backward under the autocast its forward began in (torch's
 # default "same_as_forward"; eager backward runs without, pytorch/pytorch#179804): famp sets this
 # private config "off" for compiles inside its calls, from Dynamo's private compile callbacks.

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from famp._autocast.mode import FampMode
 from famp._autocast.recompute import (
     calls,
     drop_abandoned_replays,
@@ -33,6 +34,7 @@ from famp._compat import (
     compile_callbacks,
     refused_marks,
     relaxed_marks,
+    run_frames_eagerly,
 )
 
 _switched: list[object] = []  # torch's setting while famp set it "off" for this compile
@@ -98,6 +100,7 @@ def watch_compiles() -> bool:
         if not untraced:
             disable = torch.compiler.disable
             untraced.extend([disable(observe_eagerly), disable(in_block)])  # type: ignore[no-untyped-call]
+            run_frames_eagerly(FampMode.__torch_function__)  # from a module run eagerly
         handler = compile_callbacks()
         if _compile_starts not in handler.start_callbacks:  # torch.compiler.reset() drops them
             handler.register_start_callback(_compile_starts)

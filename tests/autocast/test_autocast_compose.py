@@ -1034,47 +1034,91 @@ def test_compiled_overrides_and_module_rules_give_eager_bits(mode: str) -> None:
 
 
 @pytest.mark.slow
-# Dynamo, compiling famp's frame inside the module with the GRU's non-leaf inputs, reads .grad.
+# Dynamo reads .grad of the RNN's non-leaf output, an input of the frame it resumes after it.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_compiled_override_of_an_rnn_op_gives_torchs_traced_rnn_bits() -> None:
-    # Dynamo breaks the graph at nn.GRU by default (allow_rnn=False; with fullgraph=True it
-    # raises, for famp as for torch) and runs the module eagerly. famp's interception is a
-    # Python frame inside it, which Dynamo compiles: the GRU op it calls is traced, and its
-    # gradients round as torch's own trace with allow_rnn=True gives them, not as eager's.
+@pytest.mark.parametrize("rnn", ["GRU", "RNN"])
+@pytest.mark.parametrize("kind", ["override", "module_rule"])
+def test_compiled_call_reaching_an_rnn_module_gives_eager_bits(kind: str, rnn: str) -> None:
+    # Dynamo refuses nn.GRU, nn.LSTM and nn.RNN (allow_rnn=False; with fullgraph=True it raises,
+    # for famp as for torch) and runs the module eagerly behind a graph break. torch calls famp's
+    # mode from there: Dynamo compiled that call as a graph of its own, which raised (a dtype
+    # passed to torch.zeros as an int: a module rule on torch 2.13-2.15, an override after an
+    # eager famp call on 2.15) or traced the RNN op (an override: other gradient bits than
+    # eager's). famp's mode now runs eagerly there, as the module does: eager famp's bits, and
+    # torch.autocast's by hand.
     torch.manual_seed(0)
-    gru, head = nn.GRU(8, 8, batch_first=True), nn.Linear(8, 5)
-    params = [*gru.parameters(), *head.parameters()]
+    module, head = getattr(nn, rnn)(8, 8, batch_first=True), nn.Linear(8, 5)
+    model = nn.ModuleDict({"rnn": module, "head": head})
+    op = rnn.lower() if rnn == "GRU" else "rnn_tanh"
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return head(gru(x)[0])  # type: ignore[no-any-return]
+        return head(module(x)[0])  # type: ignore[no-any-return]
 
     def by_hand(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=BF16):
             with torch.autocast("cpu", enabled=False):
-                out, _ = gru(x.float())
+                out, _ = module(x.float())
             return head(out).float()  # type: ignore[no-any-return]
 
     def loss_and_grads(f: Callable[..., torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
         out = f(x)
-        return [out, *torch.autograd.grad(out.square().sum(), params)]
+        return [out, *torch.autograd.grad(out.square().sum(), list(model.parameters()))]
 
-    rules = famp.default_rules("cpu").override({"gru": "float32"})
-    f = famp.autocast(fn, "c=bf16,o=f32", rules=rules)
+    options: dict[str, Any] = (
+        {"rules": famp.default_rules("cpu").override({op: "float32"})}
+        if kind == "override"
+        else {"module_rules": {"rnn": "f32"}}
+    )
+    f = famp.autocast(
+        fn if kind == "override" else _RnnHead(module, head), "c=bf16,o=f32", **options
+    )
     x = torch.randn(3, 4, 8).to(BF16)
-    for a, e in zip(loss_and_grads(f, x), loss_and_grads(by_hand, x), strict=True):
-        assert_bitwise_equal(a, e)  # eagerly: torch.autocast by hand
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="RNN, GRU, or LSTM"):
+    expected = loss_and_grads(by_hand, x)
+    for a, e in zip(loss_and_grads(f, x), expected, strict=True):
+        assert_bitwise_equal(a, e)  # eagerly
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # the RNN (on 2.15 a rule: its paths)
         torch.compile(f, fullgraph=True, backend="aot_eager")(x)
-    try:
-        actual = loss_and_grads(torch.compile(f, backend="aot_eager"), x)
-    except TypeError as error:  # after an eager famp call in the process: torch 2.15
-        if "argument 'dtype' must be torch.dtype, not int" not in str(error):
-            raise
-        pytest.xfail(f"torch {torch.__version__}: {error} (docs/torch-versions.md)")
-    with torch._dynamo.config.patch(allow_rnn=True):
-        expected = loss_and_grads(torch.compile(by_hand, fullgraph=True, backend="aot_eager"), x)
+    for compiled in (
+        torch.compile(f, backend="aot_eager"),
+        torch.compile(by_hand, backend="aot_eager"),
+    ):
+        for a, e in zip(loss_and_grads(compiled, x), expected, strict=True):
+            assert_bitwise_equal(a, e)
+
+
+class _RnnHead(nn.Module):
+    def __init__(self, rnn: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.head = rnn, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_compiled_dropout_on_a_lower_dtype_gives_torchs_compiled_bits() -> None:
+    # aot_eager's graph gives the gradients before a dropout on a bfloat16 activation other
+    # bits than eager, for torch.autocast too: compiled famp equals compiled torch.autocast.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return model(x).float()  # type: ignore[no-any-return]
+
+    def run(f: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        out = f(x)
+        return [out, *torch.autograd.grad(out.square().sum(), list(model.parameters()))]
+
+    f = famp.autocast(model, "c=bf16,o=f32")
+    expected = run(torch.compile(by_hand, fullgraph=True, backend="aot_eager"))
+    actual = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
     for a, e in zip(actual, expected, strict=True):
         assert_bitwise_equal(a, e)
+    for a, e in zip(run(f), run(by_hand), strict=True):
+        assert_bitwise_equal(a, e)  # eagerly
 
 
 def test_torch_compile_model_keeps_the_models_paths_for_module_rules() -> None:
