@@ -55,6 +55,10 @@ def refused_marks(error: BaseException) -> bool:
 # Types (not public) of `torch.ops.aten.<op>` and `<op>.<overload>`: famp's mode names ops by them.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+# The type of `torch.ops.higher_order.*`. Dynamo hands `torch.utils.checkpoint.checkpoint` to a
+# torch function mode as one (`tag_activation_checkpoint`), which traced code finds `is` the
+# function; the mode's traced fast path (overrides.traced_plain) leaves every one to famp's path.
+HigherOrderOperator = torch._ops.HigherOrderOperator
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:

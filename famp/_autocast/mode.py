@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.op_calls import call, inplace_target, renorms, written
-from famp._autocast.overrides import UNWATCHED, WRITES, plain
+from famp._autocast.overrides import TRACED_CALL, UNWATCHED, WRITES, plain, traced_plain
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly, recomputing_unrun
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
@@ -131,6 +131,12 @@ class FampMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if not owner.track or torch.compiler.is_compiling():  # traced: no eager bookkeeping
+            if torch.compiler.is_compiling() and (not owner.scopes or owner.scopes[-1] is None):
+                how = traced_plain(owner.overrides, func)  # a constant while Dynamo traces
+                if how == TRACED_CALL:  # op_calls.call's work, written out: one frame less
+                    return func(*args, **kwargs)
+                if how:
+                    return call(func, args, kwargs, method=True)
             return self._op(owner, func, args, kwargs, False)
         if owner.recompute_only and saved_tensors_hooks_top() is None:
             return call(func, args, kwargs)  # a custom backward, not the recomputation

@@ -184,21 +184,24 @@ def written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def call(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], memo: bool = False
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    memo: bool = False,
+    method: bool | None = None,
 ) -> Any:
     """Call a torch function; torch's Python `Tensor` methods are called as methods.
 
     Dynamo traces `t.unflatten(...)` but not `Tensor.unflatten(t, ...)`, whose super() call it
     cannot follow into TensorBase. `memo`: eagerly, whether `func` is such a method is
     remembered (`getattr(torch.Tensor, name, None)` costs about a microsecond where there is no
-    such method, as for `F.dropout`); not while Dynamo traces (see `op_name`).
+    such method, as for `F.dropout`); not while Dynamo traces (see `op_name`). `method`: the
+    answer, where the caller knows it.
     """
-    method = recall(_METHODS, func) if memo else None
     if method is None:
-        method = (
-            isinstance(func, types.FunctionType)
-            and getattr(torch.Tensor, func.__name__, None) is func
-        )
+        method = recall(_METHODS, func) if memo else None
+    if method is None:
+        method = is_method(func)
         if memo:
             remember(_METHODS, func, method)
     if method and args and isinstance(args[0], torch.Tensor):
@@ -207,3 +210,10 @@ def call(
 
 
 _METHODS: dict[Any, bool] = {}
+
+
+def is_method(func: Callable[..., Any]) -> bool:
+    """Whether `func` is one of torch's Python `Tensor` methods (`Tensor.unflatten`)."""
+    return (
+        isinstance(func, types.FunctionType) and getattr(torch.Tensor, func.__name__, None) is func
+    )

@@ -13,14 +13,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.defaults import default_rules
 from famp._autocast.entered import calls, copies
-from famp._autocast.op_calls import in_place, op_name, recall, remember, writes_first_arg
+from famp._autocast.op_calls import (
+    in_place,
+    is_method,
+    op_name,
+    recall,
+    remember,
+    writes_first_arg,
+)
 from famp._autocast.ops import covered, functional_overloads, overloads
 from famp._autocast.overloads import resolve_overload
 from famp._autocast.rules import OpRules
-from famp._compat import assume_constant_result
+from famp._compat import HigherOrderOperator, assume_constant_result
 from famp._compat import op_schema as schema
 
 
@@ -142,6 +150,33 @@ def plain(
         )
         remember(memo, func, known)
     return known
+
+
+TRACED_CALL, TRACED_METHOD = 1, 2
+"""`traced_plain`'s answers: call the function, or torch's Python `Tensor` method as a method."""
+
+
+@assume_constant_result  # Dynamo calls it as it traces and takes the answer as a constant
+def traced_plain(overrides: Overrides | None, func: Callable[..., Any]) -> int:
+    """While Dynamo traces a call: whether an op call outside module rules' scopes needs nothing
+    of famp, as `plain` says eagerly. 0 if it does (`func` may be overridden or call an
+    overridden op, or is `checkpoint` or another higher-order operator), else how
+    `op_calls.call` calls it (`TRACED_CALL`, `TRACED_METHOD`): all that famp's general path
+    does with such a call there.
+
+    Tracing that path costs Dynamo hundreds of bytecodes an op call; the answer depends only on
+    `func` and `overrides` (guarded by identity), so Dynamo calls this function instead.
+    """
+    if func is checkpoint or isinstance(func, HigherOrderOperator):
+        return 0  # traced, `checkpoint` arrives as a higher-order operator, and `is` it there
+    if overrides is not None:
+        try:
+            entered = func in overrides.enter
+        except TypeError:  # unhashable: take the general path
+            return 0
+        if entered or op_name(func, memo=False)[0] in overrides.packets:
+            return 0
+    return TRACED_METHOD if is_method(func) else TRACED_CALL
 
 
 @functools.cache

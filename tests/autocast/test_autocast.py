@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -721,14 +722,7 @@ def test_banned_rule_raises_like_torch() -> None:
     assert _autocast_state() == CLEAN
 
 
-def test_override_reaches_the_linears_inside_multihead_attention() -> None:
-    torch.manual_seed(0)
-    mha, x = nn.MultiheadAttention(8, 2), torch.randn(5, 3, 8)
-    rules = _cpu_rules({"linear": "float32"})
-    out = famp.autocast(lambda x: mha(x, x, x, need_weights=False)[0], "c=bf16,o=f32", rules=rules)(
-        x
-    )
-
+def _mha_by_hand(mha: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
     # F.multi_head_attention_forward's steps, written out: projections in float32, attention in
     # bfloat16 (scaled_dot_product_attention is "lower" on CPU).
     length, batch, embed = x.shape
@@ -741,11 +735,25 @@ def test_override_reaches_the_linears_inside_multihead_attention() -> None:
             return t.view(length, batch * 2, 4).transpose(0, 1).view(batch, 2, length, 4)
 
         attn = F.scaled_dot_product_attention(heads(proj[0]), heads(proj[1]), heads(proj[2]))
+        assert attn.dtype == BF16
         attn = attn.permute(2, 0, 1, 3).contiguous().view(batch * length, embed)
         with torch.autocast("cpu", enabled=False):
-            expected = F.linear(attn.float(), mha.out_proj.weight, mha.out_proj.bias)
-    assert attn.dtype == BF16
-    assert_bitwise_equal(out, expected.view(length, batch, embed))
+            out = F.linear(attn.float(), mha.out_proj.weight, mha.out_proj.bias)
+    return out.view(length, batch, embed)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_override_reaches_the_linears_inside_multihead_attention(compiled: bool) -> None:
+    # famp enters its copy of F.multi_head_attention_forward, which calls F.linear; compiled, the
+    # reference is the hand-written steps compiled alike (aot_eager).
+    torch.manual_seed(0)
+    mha, x = nn.MultiheadAttention(8, 2), torch.randn(5, 3, 8)
+    rules = _cpu_rules({"linear": "float32"})
+    f = famp.autocast(lambda x: mha(x, x, x, need_weights=False)[0], "c=bf16,o=f32", rules=rules)
+    by_hand = functools.partial(_mha_by_hand, mha)
+    if compiled:
+        f, by_hand = (torch.compile(g, fullgraph=True, backend="aot_eager") for g in (f, by_hand))
+    assert_bitwise_equal(f(x), by_hand(x))
 
 
 # --- property: random op sequences under random overrides ---------------------------------------
