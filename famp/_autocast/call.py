@@ -166,7 +166,7 @@ class CallRecord:
         self.entering = None
         if policy is None:
             self.scopes.append(outer)
-            self.declined.append(decline(self, module, args, outer))
+            self.declined.append(decline(self, module, args, outer) if self.track else None)
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
@@ -177,7 +177,7 @@ class CallRecord:
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
             self.entering = module  # its keyword inputs: cast by its own pre-hook, next
-        self.declined.append(decline(self, module, args, inner))
+        self.declined.append(decline(self, module, args, inner) if self.track else None)
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
         return args

@@ -28,15 +28,11 @@ _HOOK_LOCK = threading.Lock()
 _handles: dict[str, RemovableHandle] = {}
 
 
-def _acts(record: Any) -> bool:
-    return not record.recompute_only or in_block()
-
-
 def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     drop_abandoned_replays()  # a backward raised in one: its calls are over, modules outside
     stack = calls()
-    if stack and stack[-1].hooked and _acts(stack[-1]):
-        return stack[-1].enter_module(module, args)
+    if stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block()):
+        return record.enter_module(module, args)
     return None
 
 
@@ -44,8 +40,14 @@ def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any
     """Registered with its keyword inputs: (module, args, kwargs, output); torch calls it with
     (module, args, output) after a forward that raised, and while Dynamo traces (`_count`)."""
     stack = calls()
-    if stack and stack[-1].hooked and stack[-1].patterns and _acts(stack[-1]):
-        return stack[-1].exit_module(module, rest[-1], kwargs=rest[0] if len(rest) == 2 else None)
+    record = stack[-1] if stack else None
+    if (
+        record is not None
+        and record.hooked
+        and record.patterns
+        and (not record.recompute_only or in_block())
+    ):
+        return record.exit_module(module, rest[-1], kwargs=rest[0] if len(rest) == 2 else None)
     return None
 
 

@@ -75,6 +75,8 @@ def rule_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     as under `torch.autocast` around that module."""
     paths = module_paths(root)
     lists = [p for p, m in paths if isinstance(m, torch.nn.utils.parametrize.ParametrizationList)]
+    if not lists:
+        return paths
     return [(p, m) for p, m in paths if not any(p == t or p.startswith(t + ".") for t in lists)]
 
 
