@@ -195,12 +195,17 @@ def no_torch_function() -> Any:
     return torch._C.DisableTorchFunction()
 
 
+def compiled_module_type() -> type:
+    """`torch.compile(model)`'s wrapper class (private to Dynamo); before Dynamo is loaded, a
+    class no module is an instance of."""
+    if torch.compiler.is_compiling():  # Dynamo traces `sys.modules.get` slowly (~1.7 ms a call)
+        return torch._dynamo.eval_frame.OptimizedModule
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", type(None))
+
+
 def is_compiled_module(module: object) -> bool:
     """Whether a module is `torch.compile(model)`'s wrapper (its class is private to Dynamo)."""
-    if torch.compiler.is_compiling():  # Dynamo traces `sys.modules.get` slowly (~1.7 ms a call)
-        return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    return isinstance(module, compiled_module_type())
 
 
 # --- autocast op rules: _autocast/tables.py, _autocast/compare.py ---------------------------------

@@ -23,15 +23,16 @@ from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
 from famp._autocast.patterns import (
-    match,
+    MatchedTree,
+    match_tree,
     module_path,
-    rule_paths,
     warn_uncast_keywords,
     warn_unmatched,
 )
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
+from famp._autocast.tree_hooks import hook_tree, unhook_tree
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts
 from famp._compat import forward_hooks, is_compiled_module
@@ -65,13 +66,12 @@ class CallRecord:
         # Each module's policy, for the root entered last and per root; by id (Dynamo fails on
         # dicts keyed by the modules it traces), the modules kept alive by `held`.
         self.module_policy: dict[int, Policy | None] = {}
-        self.roots: dict[int, dict[int, Policy | None]] = {}
+        self.roots: dict[int, MatchedTree] = {}  # root -> `match_tree(root, ...)`
         self.held: list[torch.nn.Module] = []
         self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
-        # Keyword inputs (keywords.py): per root, the modules rules match below it; the hooks
+        # Keyword inputs (keywords.py): the modules rules match below the current root; the hooks
         # given them while a root runs; the module whose scope famp's pre-hook entered last.
-        self.matched: dict[int, list[torch.nn.Module]] = {}
-        self.root_matched: list[torch.nn.Module] = []  # the current root's
+        self.root_matched: list[torch.nn.Module] = []
         self.root_hooks: list[Any] = []
         self.keyword_hooks: list[Any] = []  # a recomputation's, for `replay_matched`
         self.entering: torch.nn.Module | None = None
@@ -83,6 +83,7 @@ class CallRecord:
         self.opened: list[contextlib.ExitStack] = []
         # Module hooks: for module rules, and eagerly for torch's fast paths while intercepting.
         self.hooked = bool(self.patterns)
+        self.tree: list[Any] | None = None  # traced: the matched modules' hooks (tree_hooks.py)
         self.trained: list[torch.nn.Module] = []
         if not self.hooked and self.intercepts and self.track:
             self.hooked, self.trained = may_enter(transform.fn)
@@ -117,6 +118,9 @@ class CallRecord:
         return FampMode(self)
 
     def use_hooks(self, change: int, eager: bool = False) -> None:
+        if change > 0 and self.patterns and not self.track:  # traced: the matched modules' own
+            self.tree = hook_tree(self, self.transform.fn)
+            self.hooked = self.tree is None
         if self.hooked:
             hooks.use(change, post=bool(self.patterns), eager=eager)
         if change > 0 and self.replay_matched:
@@ -124,6 +128,8 @@ class CallRecord:
         elif change < 0 and (self.keyword_hooks or self.root_hooks):
             keywords.remove(self.keyword_hooks + self.root_hooks)  # a root's: if it never left
             self.keyword_hooks, self.root_hooks = [], []
+        if change < 0 and self.tree is not None:
+            unhook_tree(self.tree)
 
     # Module scopes (called from the global forward hooks while this call is innermost).
 
@@ -140,26 +146,7 @@ class CallRecord:
         if self.track and not torch.compiler.is_compiling():
             observe(self, args)
         if not self.scopes:  # `module` is a root: its paths start here, each time it is one
-            policies = self.roots.get(id(module))
-            if policies is None:
-                policies = self.roots[id(module)] = {}
-                self.held.append(module)
-                paths = rule_paths(module)
-                for path, sub in paths:
-                    i = match(self.patterns, path)
-                    policies[id(sub)] = self.policies[i] if i >= 0 else None
-                self.matched[id(module)] = [  # the modules a hook of their own can be given
-                    sub
-                    for _, sub in paths
-                    if sub is not module
-                    and policies[id(sub)]
-                    and not is_compiled_module(sub)
-                    and not isinstance(sub, torch.jit.ScriptModule)  # refuses Python hooks
-                ]
-                if self.track:  # eagerly: which patterns match, for the warning on the others
-                    self.paths.extend(path for path, _ in paths)
-            self.module_policy = policies
-            self.root_matched = self.matched[id(module)]
+            self.enter_root(module)
             self.root_hooks.extend(keywords.add(self.root_matched))  # off at its exit
         policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
@@ -181,6 +168,15 @@ class CallRecord:
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)
         return args
+
+    def enter_root(self, module: torch.nn.Module) -> None:
+        """Take `module` as the root (its tree matched once per root: `patterns.match_tree`)."""
+        if id(module) not in self.roots:
+            self.held.append(module)
+            self.roots[id(module)] = tree = match_tree(module, self.patterns, self.policies)
+            if self.track:  # eagerly: which patterns match, for the warning on the others
+                self.paths.extend(path for path, _ in tree[2])
+        self.module_policy, self.root_matched, _ = self.roots[id(module)]
 
     def _leave_last(self, module: torch.nn.Module) -> None:
         """torch runs global forward hooks (famp's) before a module's own: leave the scope of a

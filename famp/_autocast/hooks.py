@@ -7,7 +7,8 @@ their scopes there, and such modules run as `unreached.decline` says
 present only while a call with module rules runs: any global hook sends every module call through
 torch's slower hook path, and each one costs it more. All are registered with torch's public
 functions. Dynamo cannot trace the creation of their handles: while tracing they go through
-famp._compat (their additions and removals cancel out in a graph).
+famp._compat (their additions and removals cancel out in a graph). A compiled call of a module
+with module rules needs none: its matched modules get hooks of their own (`tree_hooks.py`).
 """
 
 from __future__ import annotations

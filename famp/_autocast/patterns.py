@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from famp._autocast.policy import CASTABLE
-from famp._compat import assume_constant_result, is_compiled_module
+from famp._compat import assume_constant_result, compiled_module_type
 from famp._compat import torch_pytree as pytree
 
 
@@ -55,7 +55,10 @@ def module_paths(root: torch.nn.Module, unique: bool = True) -> list[tuple[str, 
     root's paths are the model's own); the wrapper, which famp passes over, keeps `2`. `unique`:
     a module held twice once, as `named_modules`'s `remove_duplicate`."""
     named = list(root.named_modules(remove_duplicate=unique))
-    wrappers = sorted((p for p, m in named if is_compiled_module(m)), key=len, reverse=True)
+    kind = compiled_module_type()
+    wrappers = sorted((p for p, m in named if isinstance(m, kind)), key=len, reverse=True)
+    if not wrappers:
+        return named
     found = []
     for path, module in named:
         for wrapper in wrappers:  # the innermost first
@@ -78,6 +81,31 @@ def rule_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if not lists:
         return paths
     return [(p, m) for p, m in paths if not any(p == t or p.startswith(t + ".") for t in lists)]
+
+
+MatchedTree = tuple[dict[int, Any], list[torch.nn.Module], list[tuple[str, torch.nn.Module]]]
+
+
+def match_tree(
+    root: torch.nn.Module, patterns: tuple[str, ...], policies: tuple[Any, ...]
+) -> MatchedTree:
+    """The module rules `patterns` (with their `policies`) over the tree of `root`: each module's
+    policy by id (None where no rule matches), the modules below `root` a rule matches that a
+    hook of their own can be given (not a compiled wrapper, not a TorchScript module, which
+    refuses Python hooks), and `rule_paths(root)`."""
+    by_id: dict[int, Any] = {}
+    matched, wrapper = [], compiled_module_type()
+    paths = rule_paths(root)
+    for path, sub in paths:  # one loop: Dynamo traces each pass over the tree
+        i = match(patterns, path)
+        by_id[id(sub)] = policy = policies[i] if i >= 0 else None
+        if (
+            policy is not None
+            and sub is not root
+            and not isinstance(sub, (wrapper, torch.jit.ScriptModule))
+        ):
+            matched.append(sub)
+    return by_id, matched, paths
 
 
 def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:

@@ -261,15 +261,20 @@ def test_checkpoint_mode_fsdp2(mode: str, kind: str, one_rank_mesh: Any) -> None
 
 
 @functools.cache
-def _compiled_run(mode: str | None, kind: str) -> Any:
+def _compiled_run(mode: str | None, kind: str, of_module: bool = False) -> Any:
     """Loss and gradients of `Net` under `mode`'s checkpoint and `kind`'s rules, compiled, on
-    `_x()`: computed once per (mode, kind) and shared by the tests below (a trace of a
-    checkpointed block costs a second or two)."""
+    `_x()`: computed once per (mode, kind, of_module) and shared by the tests below (a trace of a
+    checkpointed block costs a second or two). `of_module`: the call of `Net` itself is compiled
+    (module rules give hooks to the matched modules only), not a function calling it."""
     x = _x()
     net = Net(None if mode is None else MODES[mode])
     params = [x, *net.parameters()]
-    f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules(kind))
-    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    if of_module:
+        f = famp.autocast(net, "c=bf16,o=f32", **_rules(kind))
+        loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x).float().pow(2).sum()
+    else:
+        f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules(kind))
+        loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     return loss, list(torch.autograd.grad(loss, params))
 
 
@@ -322,10 +327,13 @@ def _grads_of(
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_checkpoint_compiled_module_rules_as_torch_autocast_by_hand(mode: str) -> None:
+@pytest.mark.parametrize("of_module", [False, True], ids=["a function", "the module"])
+def test_checkpoint_compiled_module_rules_as_torch_autocast_by_hand(
+    mode: str, of_module: bool
+) -> None:
     # Dynamo traces a checkpointed block as a subgraph that may not change state outside it, as
     # module scopes do (entered and left inside the block): famp lets it while it traces the call.
-    actual = _compiled_run(mode, "module_rules")
+    actual = _compiled_run(mode, "module_rules", of_module)
     net = Net(None)
     compiled = torch.compile(
         lambda x: _by_hand(net, x, MODES[mode]), fullgraph=True, backend="aot_eager"
@@ -335,12 +343,21 @@ def test_checkpoint_compiled_module_rules_as_torch_autocast_by_hand(mode: str) -
 
 
 @pytest.mark.parametrize("dynamic", [True, None])  # None: static, then a recompile (batch 6)
-def test_checkpoint_compiled_module_rules_dynamic_shapes_and_a_recompile(dynamic: bool) -> None:
+@pytest.mark.parametrize("of_module", [False, True], ids=["a function", "the module"])
+def test_checkpoint_compiled_module_rules_dynamic_shapes_and_a_recompile(
+    dynamic: bool, of_module: bool
+) -> None:
     net, reference = Net(MODES["nonreentrant"]), Net(None)
-    f = famp.autocast(
-        lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules("module_rules")
-    )
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    rules = _rules("module_rules")
+    if of_module:
+        f = famp.autocast(net, "c=bf16,o=f32", **rules)
+    else:
+        f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **rules)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        return traced(x).float().pow(2).sum() if of_module else traced(x)  # type: ignore[no-any-return]
+
     by_hand = torch.compile(
         lambda x: _by_hand(reference, x, MODES["nonreentrant"]),
         fullgraph=True,
