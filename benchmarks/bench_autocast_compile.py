@@ -11,7 +11,8 @@ inductor's C++ (`--backend inductor` adds it, `--backend eager` leaves only Dyna
 - `override`: `softmax` and `rms_norm` overridden to "lower" (no dtype changes): every op call
   reaches famp's torch function mode while Dynamo traces.
 - `module rules`: each model's linear and convolution layers under a rule of the call's own
-  policy (no dtype changes): famp's global module hooks and scopes are traced too.
+  policy (no dtype changes): the model's paths, and famp's hooks and scopes on the matched
+  layers, are traced too (a call of the model itself: no global hook, `tree_hooks.py`).
 
 One process per model and round compiles every variant, in an order rotated each round, after
 `torch.compiler.reset()` and on a fresh model; it first compiles a small function and runs each
