@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -191,7 +190,7 @@ class CallRecord:
                 self.late.pop()
                 return self.exit_module(left, output, last=True)
 
-            forward_hooks(module, OrderedDict([*own.items(), (LEAVE_KEY, leave_traced)]))  # undone
+            forward_hooks(module, {**own, LEAVE_KEY: leave_traced})  # undone in `leave_traced`
             self.late.append(module)
             return
         thread, depth = threading.get_ident(), len(self.scopes)

@@ -23,7 +23,7 @@ import torch
 from famp._autocast.mode import own_cast
 from famp._autocast.recompute import calls
 from famp._autocast.region import policy_state
-from famp._compat import is_compiled_module
+from famp._compat import add_pre_hook, forward_hooks, is_compiled_module, remove_pre_hook
 
 _KEY = -0xFA50  # famp's hooks among a module's own (handle ids count up from 0)
 
@@ -65,23 +65,15 @@ def hook_tree(record: Any, root: Any) -> list[Any] | None:
     hooked = [root] if record.module_policy.get(id(root)) is not None else []
     hooked += record.root_matched
     undo = []
-    for module in hooked:
-        own = module.__dict__
-        pre, pre_kw, post = (
-            own["_forward_pre_hooks"],
-            own["_forward_pre_hooks_with_kwargs"],
-            own["_forward_hooks"],
-        )
-        own["_forward_pre_hooks"] = {_KEY: partial(_enter, record, root), **pre}
-        own["_forward_pre_hooks_with_kwargs"] = {**pre_kw, _KEY: True}
-        own["_forward_hooks"] = {**post, _KEY: partial(_leave, record)}
-        undo.append((module, pre, pre_kw, post))
+    for module in hooked:  # entry first among its pre-hooks, exit last among its forward hooks
+        post = forward_hooks(module)
+        forward_hooks(module, {**post, _KEY: partial(_leave, record)})
+        undo.append((add_pre_hook(module, partial(_enter, record, root)), post))
     return undo
 
 
 def unhook_tree(undo: list[Any]) -> None:
     """Put the modules' own hook dicts back (the last first)."""
-    for module, pre, pre_kw, post in reversed(undo):
-        own = module.__dict__
-        own["_forward_pre_hooks"], own["_forward_pre_hooks_with_kwargs"] = pre, pre_kw
-        own["_forward_hooks"] = post
+    for added, post in reversed(undo):
+        remove_pre_hook(*added)
+        forward_hooks(added[0], post)
