@@ -33,7 +33,7 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.tree_hooks import hook_tree, unhook_tree
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
-from famp._autocast.weights import WeightCasts
+from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts, unwatched
 from famp._compat import forward_hooks, is_compiled_module
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
@@ -53,11 +53,12 @@ class CallRecord:
         self.track = not torch.compiler.is_compiling()
         self.intercepts = transform.track_casts or self.overrides is not None or bool(self.patterns)
         self.suspended = 0  # > 0 while a nested famp.autocast call runs
+        self.proxy: CallRecord | None = None  # no mode: the call whose mode watches its ops
         self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
         self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
         self.recompute_only = False  # a replay that acts only inside a recomputation
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
-        self.casts = WeightCasts()  # eagerly: the weight-cast caches, kept fresh
+        self.casts = WeightCasts(device_type)  # eagerly: the weight-cast caches, kept fresh
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         # Eagerly, per matched module entered: its depth in `scopes`, torch's state before it.
@@ -105,6 +106,8 @@ class CallRecord:
         held: list[torch.nn.Module],
         matched: list[torch.nn.Module],
     ) -> CallRecord:
+        if not calls():
+            replay_starts()
         record = CallRecord(transform, device_type)
         record.track = True  # a recomputation runs eagerly, in backward
         record.module_policy, record.held = module_policy, held  # the ids' modules kept alive
@@ -117,6 +120,8 @@ class CallRecord:
         return FampMode(self)
 
     def use_hooks(self, change: int, eager: bool = False) -> None:
+        if self.recompute_only:  # its ops outside the recomputation are not watched
+            unwatched()
         if change > 0 and self.patterns and not self.track:  # traced: the matched modules' own
             self.tree = hook_tree(self, self.transform.fn)
             self.hooked = self.tree is None
@@ -248,10 +253,10 @@ class CallRecord:
             switched(self, self.trained)
 
     def _switch(self, after: tuple[bool, torch.dtype]) -> None:
-        # torch's cast cache ignores the dtype: drop it when a scope computes in another lower
-        # dtype than its casts' (bfloat16, float32, float16); not for bfloat16, float32, bfloat16.
+        # torch's cast cache ignores the dtype: a scope computing in another lower dtype than the
+        # casts' (bfloat16, float32, float16; not bfloat16, float32, bfloat16) is a switch.
         if self.track and after[0] and after[1] is not self.seen_dtype:
-            torch.clear_autocast_cache()
+            dtype_switched(calls())
             self.seen_dtype = after[1]
 
     # One op call (from FampMode, when there are overrides or module rules).
@@ -281,7 +286,7 @@ class CallRecord:
         packet, overload = op_name(func, memo=track)  # `track` is False while compiling
         # In a compiled region an eager call reaches (`track` False) casts are explicit: no watch.
         if track:
-            self.casts.watch(args, kwargs)
+            self.casts.watch(args, kwargs, lower if enabled else None)
         inplace = inplace_target(func, args, kwargs)  # an in-place op: no rule (torch casts none)
         rule = None
         if self.overrides is not None and enabled and inplace is None:

@@ -32,6 +32,7 @@ from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import TRACED_CALL, UNWATCHED, WRITES, plain, traced_plain
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly, recomputing_unrun
+from famp._autocast.weights import dtype_switched, unwatched
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
 
 
@@ -48,7 +49,7 @@ def run_plain(
     can read no weight's cast, and catches a write: into its first argument for an in-place
     op (`WRITES`), via `out=` or an `inplace` flag."""
     if kind != UNWATCHED:  # in-place ops too: torch casts none, but a Python one may compute
-        owner.casts.watch(args, kwargs)
+        owner.casts.watch(args, kwargs, owner.seen_dtype)
     if kind == WRITES:
         out = call(func, args, kwargs or {}, memo=True)
         owner.casts.invalidate(written(args, kwargs))
@@ -90,6 +91,24 @@ def own_cast(cast: Callable[[Any], Any], tree: Any) -> Any:
         with no_torch_function():
             return cast(tree)
     return cast(tree)
+
+
+def watch_nested(owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """An op of a nested `famp.autocast` call without a mode of its own (no overrides, module
+    rules or `track_casts`) reaches the mode of the nearest call below that has one, `owner`'s:
+    `owner` watches the weights it reads, in the dtype it runs in, so that a call nested in
+    another dtype needs no clear of torch's cast cache (weights.py)."""
+    top = calls()[-1]
+    if top.intercepts or not top.track:
+        return
+    if top.proxy is None:
+        top.proxy = next(r for r in reversed(calls()) if r.intercepts)
+    if top.device_type != owner.device_type:
+        unwatched()
+    elif top.proxy is owner:
+        dev = top.device_type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        owner.casts.watch(args, kwargs, dtype)
 
 
 class FampMode(TorchFunctionMode):
@@ -156,13 +175,15 @@ class FampMode(TorchFunctionMode):
     ) -> Any:
         """One op call; `track`: eager bookkeeping (the call tracks, and nothing is compiling)."""
         if owner.suspended:
+            if track:
+                watch_nested(owner, args, kwargs)
             return call(func, args, kwargs)  # a nested famp.autocast call governs this op
         if track:
             # Code inside may enter its own torch.autocast with another dtype: torch's weight-cast
-            # cache ignores the dtype, so it is dropped whenever the dtype in effect changes.
+            # cache ignores the dtype (weights.py).
             dtype = torch.get_autocast_dtype(owner.device_type)
             if dtype is not owner.seen_dtype:
-                torch.clear_autocast_cache()
+                dtype_switched(calls())
                 owner.seen_dtype = dtype
         if func is checkpoint and func not in self.inside:
             # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)

@@ -9,6 +9,7 @@ import torch
 
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls
+from famp._autocast.weights import dtype_switched, emptied, forget_casts, unwatched
 
 # --- autocast regions -----------------------------------------------------------------------------
 
@@ -92,15 +93,24 @@ class _EagerRegion:
         torch.set_autocast_enabled(dev, self.enabled)
         if self.enabled or not self.call:  # a call computing in float32 keeps the dtype in effect,
             torch.set_autocast_dtype(dev, self.dtype)  # as torch.autocast(enabled=False) does
-        torch.autocast_increment_nesting()
+        nesting = torch.autocast_increment_nesting()
+        if self.call and nesting == 1:
+            emptied()  # torch empties its cache as the outermost autocast state ends
+        elif self.call and len(calls()) == 1:
+            unwatched()  # the outermost call, in a torch.autocast: casts famp did not see
         if self.switched:
-            torch.clear_autocast_cache()
+            dtype_switched(calls())
 
     def __exit__(self, *exc: object) -> None:
         for opened in reversed(self.opened):  # left open by a KeyboardInterrupt, else no-ops
             opened.close()
-        if torch.autocast_decrement_nesting() == 0 or self.switched:
-            torch.clear_autocast_cache()
+        nesting = torch.autocast_decrement_nesting()
+        if nesting == 0:
+            forget_casts()
+        elif self.switched:
+            dtype_switched(calls())
+        if self.call and nesting and len(calls()) == 1:
+            unwatched()  # ops after the call, in its torch.autocast
         torch.set_autocast_enabled(self.device_type, self.prev[0])
         torch.set_autocast_dtype(self.device_type, self.prev[1])
         torch.set_autocast_cache_enabled(self.prev_cache)

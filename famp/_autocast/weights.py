@@ -6,15 +6,79 @@ version: an in-place update of a weight inside a call (an optimizer or EMA step 
 watches the weights read by its ops that may read a cast and drops every cached cast (torch's
 and famp's own, which op overrides use) when one of them is written. Compiled graphs have no
 cast cache.
+
+torch's cache is also keyed without the dtype. Where module rules or nested calls compute in
+two lower dtypes, the watch knows the dtype each weight was last read in since the cache was
+last emptied, and empties it before an op reads a weight in another one: casts of weights read
+on one side of a switch only stay cached, as in `torch.autocast` nested by hand. That needs every
+op that may have cached a cast to have been watched (`dtype_switched`); else a switch empties the
+cache as it happens.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
+from famp._autocast.recompute import calls
 from famp._compat import is_view, tensor_version
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        # The lower dtype each weight was last read in by a watched op since famp last emptied
+        # torch's cache, and whether every op that may have cached a cast since was watched.
+        self.read_in: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        self.complete = True
+
+
+_LOCAL = _ThreadState()
+
+
+def dtype_switched(stack: list[Any]) -> None:
+    """The lower dtype in effect changes: empty torch's weight-cast cache unless each weight is
+    checked as it is read (`WeightCasts.watch`). That holds while every op since the cache was
+    last emptied was watched: each call on the stack tracks eagerly and the outermost intercepts
+    (a nested call without a mode of its own is watched by the call below: `mode.watch_nested`)."""
+    if not (
+        _LOCAL.complete
+        and stack
+        and stack[0].intercepts
+        and all(r.track and not r.recompute_only for r in stack)
+    ):
+        forget_casts()
+
+
+def unwatched() -> None:
+    """Ops famp does not watch may cache casts now (outside famp's calls, in a call without a
+    mode, TorchScript, torch's inference fast paths): the next switch empties the cache."""
+    _LOCAL.complete = False
+
+
+def emptied() -> None:
+    """torch's cache is empty here (the outermost autocast state starts or ends)."""
+    _LOCAL.read_in.clear()
+    _LOCAL.complete = True
+
+
+def replay_starts() -> None:
+    """A recomputation in backward starts outside any call: torch's cache is empty unless an
+    autocast state is open around the backward."""
+    if torch.autocast_increment_nesting() == 1:
+        emptied()
+    else:
+        unwatched()
+    torch.autocast_decrement_nesting()
+
+
+def forget_casts() -> None:
+    """Empty torch's weight-cast cache; every call on this thread forgets what it watched."""
+    torch.clear_autocast_cache()
+    emptied()
+    for record in calls():
+        record.casts.forget()
 
 
 class CastCache:
@@ -48,17 +112,22 @@ class CastCache:
 class WeightCasts:
     """One call's cast caches and the weights they hold casts of, with the version each had."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
         self.cache = CastCache()
         # The cacheable weights the ops have read since the caches were last cleared, with the
-        # version each had then; their storages catch writes through `.data`, each weight's
-        # looked up once, at the first write after its first read (`pending` till then).
-        self.weights: dict[int, tuple[torch.Tensor, int]] = {}
+        # version each had then and the lower dtype of the last read (None: autocast off); their
+        # storages catch writes through `.data`, each weight's looked up once, at the first
+        # write after its first read (`pending` till then).
+        self.weights: dict[int, tuple[torch.Tensor, int, torch.dtype | None]] = {}
         self.storages: set[int] = set()
         self.pending: list[torch.Tensor] = []
 
-    def watch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Before an op: drop every weight cast if a weight it reads was written since its cast.
+    def watch(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype | None
+    ) -> None:
+        """Before an op that runs in the lower dtype `dtype` (None: autocast off): drop every
+        weight cast if a weight it reads was written since its cast, or read in another dtype.
 
         torch's version counter is shared by a tensor's views and `detach()`es, so this sees
         writes through any of them, wherever they were made (inside C++ ops, other threads).
@@ -73,7 +142,7 @@ class WeightCasts:
                     continue
                 if kind in _TENSORS or isinstance(v, torch.Tensor):
                     if v.requires_grad and not is_view(v) and v.is_leaf and v.dtype is _F32:
-                        self._read(v)
+                        self._read(v, dtype)
                 elif kind is tuple or kind is list or isinstance(v, (list, tuple)):
                     for t in v:
                         if (
@@ -81,17 +150,33 @@ class WeightCasts:
                             and isinstance(t, torch.Tensor)
                             and _cacheable(t)
                         ):
-                            self._read(t)
+                            self._read(t, dtype)
 
-    def _read(self, t: torch.Tensor) -> None:
-        """An op reads the cacheable weight `t`: watch it, or clear if it was written since."""
-        seen = self.weights.get(id(t))
+    def _read(self, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+        """An op reads the cacheable weight `t` in `dtype`: watch it, or clear if it was written
+        since, or read in another lower dtype (by this call or another on the thread)."""
+        key = id(t)
+        seen = self.weights.get(key)
         if seen is not None and seen[0] is t:
-            if seen[1] == tensor_version(t):
+            if seen[1] != tensor_version(t):
+                self.clear()
+                seen = None
+            elif dtype is None or seen[2] is dtype:
                 return
-            self.clear()
-        self.weights[id(t)] = (t, tensor_version(t))
-        self.pending.append(t)
+        else:
+            seen = None
+        if dtype is not None and not torch.is_autocast_enabled(self.device_type):
+            dtype = None  # the op casts nothing (FampMode's fast path passes the dtype in effect)
+        if dtype is not None:
+            read_in = _LOCAL.read_in
+            last = read_in.get(key)
+            if last is not None and last[0] is t and last[1] is not dtype:
+                forget_casts()
+                seen = None
+            read_in[key] = (t, dtype)
+        self.weights[key] = (t, tensor_version(t), dtype)
+        if seen is None:
+            self.pending.append(t)
 
     def invalidate(self, target: object) -> None:
         """After an in-place write: drop every weight cast if it wrote into a watched weight.
@@ -113,8 +198,12 @@ class WeightCasts:
 
     def clear(self) -> None:
         """Drop every weight cast, torch's and famp's."""
-        torch.clear_autocast_cache()
         self.cache.entries.clear()
+        self.forget()
+        forget_casts()
+
+    def forget(self) -> None:
+        """torch's cache was emptied: nothing read so far needs watching."""
         self.weights.clear()
         self.storages.clear()
         self.pending.clear()

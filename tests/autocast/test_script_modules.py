@@ -175,3 +175,20 @@ def test_a_scripted_function_inside_a_matched_module_follows_its_rule_eagerly(
             out = model[1](h.to(inner or torch.float32))
         expected = out.to(inner or torch.float32).float()
     assert_trees_bitwise_equal(actual, expected)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_torchscript_casts_leave_nothing_in_torchs_cast_cache(how: str) -> None:
+    # famp does not watch a TorchScript module's ops (its module rules' switches between lower
+    # dtypes empty torch's cache only where a weight read in one is read in the other): it
+    # relies on TorchScript's autocast casting without torch's cache, checked here on the
+    # installed torch. A float16 read of a weight a TorchScript module read in bfloat16 gets a
+    # float16 cast, not the bfloat16 one.
+    lin = nn.Linear(8, 8)
+    scripted = _torchscript(lin, how)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):  # the profiling executor optimizes after its first runs
+            assert scripted(x).dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert lin(x.half()).dtype == torch.float16
