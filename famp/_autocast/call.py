@@ -33,7 +33,7 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.tree_hooks import hook_tree, unhook_tree
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
-from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts, unwatched
+from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts
 from famp._compat import forward_hooks, is_compiled_module
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
@@ -120,8 +120,6 @@ class CallRecord:
         return FampMode(self)
 
     def use_hooks(self, change: int, eager: bool = False) -> None:
-        if self.recompute_only:  # its ops outside the recomputation are not watched
-            unwatched()
         if change > 0 and self.patterns and not self.track:  # traced: the matched modules' own
             self.tree = hook_tree(self, self.transform.fn)
             self.hooked = self.tree is None

@@ -38,10 +38,10 @@ class _EagerRegion:
 
     It also works for device types whose hardware is absent (fake CUDA tensors on a CPU machine,
     as in famp's tests), where `torch.autocast` warns and turns itself off. A call's region
-    (`call=True`) clears torch's weight-cast cache on entry and exit when the dtype in effect
-    before it (`outer`, famp's view of it inside a module rule's scope, else torch's) is another
-    one, on or off: `torch.autocast(enabled=False)` keeps the dtype whose casts the cache holds.
-    It turns the cache off while another thread computes in another dtype.
+    (`call=True`) is a dtype switch on entry and exit (`weights.dtype_switched`) when the dtype
+    in effect before it (`outer`, famp's view of it inside a module rule's scope, else torch's)
+    is another one, on or off: `torch.autocast(enabled=False)` keeps the dtype whose casts the
+    cache holds. It turns the cache off while another thread computes in another dtype.
     """
 
     __slots__ = (
@@ -109,8 +109,6 @@ class _EagerRegion:
             forget_casts()
         elif self.switched:
             dtype_switched(calls())
-        if self.call and nesting and len(calls()) == 1:
-            unwatched()  # ops after the call, in its torch.autocast
         torch.set_autocast_enabled(self.device_type, self.prev[0])
         torch.set_autocast_dtype(self.device_type, self.prev[1])
         torch.set_autocast_cache_enabled(self.prev_cache)

@@ -192,7 +192,7 @@ def autocast(
     autocast off, as torch does for those dtypes. float64 and non-floating tensors are never cast.
     The floating outputs are cast to `policy.output_dtype` (float64 outputs excepted). Nothing
     leaks: the autocast state is restored after the call or an exception, and a nested transform
-    with another dtype works (torch's weight-cast cache is cleared at the switch).
+    with another dtype works (no op reads a cast of the other dtype from torch's cast cache).
 
     `rules` may override ops (`famp.default_rules(d).override({"rms_norm": "lower"})`): an op
     whose rule differs from the default is cast per its rule and run with autocast off inside it.

@@ -52,8 +52,9 @@ def dtype_switched(stack: list[Any]) -> None:
 
 
 def unwatched() -> None:
-    """Ops famp does not watch may cache casts now (outside famp's calls, in a call without a
-    mode, TorchScript, torch's inference fast paths): the next switch empties the cache."""
+    """Ops famp does not watch may have cached casts (the user's own `torch.autocast` around a
+    call or a recomputation, a nested call on another device type): the next switch empties
+    the cache."""
     _LOCAL.complete = False
 
 

@@ -40,8 +40,8 @@ class _Inner(nn.Module):
 
 class _Around(nn.Module):
     """`a` (bfloat16) read before and after two calls of `inner` (float16 by a rule or a nested
-    call), which reads `b` twice and, with `cross`, `a` too; with `reentrant` set, all after the
-    first read of `a` is checkpointed."""
+    call), which reads `b` twice and, with `cross`, `a` too; with `reentrant` set, checkpointed
+    (the recomputation reads `a` before the first switch and after the last)."""
 
     def __init__(self, cross: bool = False, reentrant: bool | None = None) -> None:
         super().__init__()
@@ -52,12 +52,12 @@ class _Around(nn.Module):
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
         if self.reentrant is None:
-            return self.rest(h)
-        return checkpoint(self.rest, h, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+            return self.body(x)
+        return checkpoint(self.body, x, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
 
-    def rest(self, h: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
         inner = self.inner if self.nested is None else self.nested
         return self.a(inner(h).to(h.dtype) + inner(h.tanh()).to(h.dtype))  # type: ignore[no-any-return]
 
@@ -88,7 +88,8 @@ def _by_hand(
             torch.clear_autocast_cache()
         return g
 
-    def rest(h: torch.Tensor) -> torch.Tensor:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        h = model.a(x)
         g = inner(h, 1).to(BF16) + inner(h.tanh(), 2).to(BF16)
         if "last" in clears:
             torch.clear_autocast_cache()
@@ -97,10 +98,9 @@ def _by_hand(
     with torch.autocast("cpu", dtype=BF16):
         if first:
             model.a(x)
-        h = model.a(x)
         if model.reentrant is None:
-            return rest(h).float()
-        return checkpoint(rest, h, use_reentrant=model.reentrant).float()  # type: ignore[no-any-return]
+            return body(x).float()
+        return checkpoint(body, x, use_reentrant=model.reentrant).float()  # type: ignore[no-any-return]
 
 
 def _grads(out: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
@@ -153,8 +153,10 @@ def test_casts_of_weights_read_on_one_side_of_a_switch_stay_cached_as_torch(
     # `a` and `b` rounded as with one cast per stretch (0.002-0.016 off torch's). Checkpointed,
     # the recomputation casts as the forward did.
     model = _Around(reentrant=reentrant)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     f = SWITCHES[case](model)
+    with torch.autocast("cpu", dtype=BF16):  # a call inside torch.autocast first: no trace left
+        famp.autocast(model.a, "c=bf16,o=f32", track_casts=True)(x)
     expected = _grads(_by_hand(model, x), model)
     for a, e in zip(_grads(f(x), model), expected, strict=True):
         assert_bitwise_equal(a, e)
@@ -173,7 +175,7 @@ def test_a_weight_read_in_both_dtypes_gets_a_cast_in_each_emptied_before_the_rea
     # cast there (a dtype error). famp empties the cache just before a read of `a` in the other
     # dtype than its last, no sooner: `b`'s first float16 cast goes with it, its second stays.
     model = _Around(cross=True, reentrant=reentrant)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     f = SWITCHES[case](model)
     expected = _grads(_by_hand(model, x, ("cross 1", "last")), model)
     for a, e in zip(_grads(f(x), model), expected, strict=True):
@@ -222,3 +224,26 @@ def test_a_call_without_a_mode_around_a_switch_empties_the_cache_at_each_switch(
     expected = _grads(_by_hand(model, x, AT_SWITCHES), model)
     for a, e in zip(_grads(_outer_call_without_a_mode(model)(x), model), expected, strict=True):
         assert_bitwise_equal(a, e)
+
+
+def test_a_read_with_autocast_off_leaves_no_dtype_to_switch_from() -> None:
+    # A weight read with autocast off (its dtype in effect stays float16 there) has no cast in
+    # torch's cache: its next read in bfloat16 empties nothing, and `b`'s cast serves both reads.
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = b(x)
+        with torch.autocast("cpu", dtype=F16), torch.autocast("cpu", enabled=False):
+            g = a(x)
+        return b(a(h) + g.to(h.dtype)).float()  # type: ignore[no-any-return]
+
+    params = [*a.parameters(), *b.parameters()]
+    out = famp.autocast(f, "c=bf16,o=f32", track_casts=True)(x)
+    got = [out, *torch.autograd.grad(out.pow(2).sum(), params)]
+    with torch.autocast("cpu", dtype=BF16):
+        out = f(x)
+    expected = [out, *torch.autograd.grad(out.pow(2).sum(), params)]
+    for g, e in zip(got, expected, strict=True):
+        assert_bitwise_equal(g, e)
