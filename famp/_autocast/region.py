@@ -109,6 +109,8 @@ class _EagerRegion:
             forget_casts()
         elif self.switched:
             dtype_switched(calls())
+        if self.call and nesting and len(calls()) == 1:
+            unwatched(forget=True)  # the outermost call ends in the user's torch.autocast
         torch.set_autocast_enabled(self.device_type, self.prev[0])
         torch.set_autocast_dtype(self.device_type, self.prev[1])
         torch.set_autocast_cache_enabled(self.prev_cache)

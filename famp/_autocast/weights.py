@@ -51,11 +51,14 @@ def dtype_switched(stack: list[Any]) -> None:
         forget_casts()
 
 
-def unwatched() -> None:
+def unwatched(forget: bool = False) -> None:
     """Ops famp does not watch may have cached casts (the user's own `torch.autocast` around a
     call or a recomputation, a nested call on another device type): the next switch empties
-    the cache."""
+    the cache. `forget`: the outermost call ends inside such an autocast; the weights read in it
+    are let go (a functional loop makes new ones each step)."""
     _LOCAL.complete = False
+    if forget:
+        _LOCAL.read_in.clear()
 
 
 def emptied() -> None:

@@ -12,6 +12,7 @@ written where famp empties it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -247,3 +248,23 @@ def test_a_read_with_autocast_off_leaves_no_dtype_to_switch_from() -> None:
     expected = [out, *torch.autograd.grad(out.pow(2).sum(), params)]
     for g, e in zip(got, expected, strict=True):
         assert_bitwise_equal(g, e)
+
+
+def test_calls_inside_a_torch_autocast_let_go_of_the_weights_they_read() -> None:
+    # A functional loop makes new weights each step; run inside the user's torch.autocast, whose
+    # cast cache lives on, famp's record of the dtype each weight was read in must not keep the
+    # old ones alive.
+    x = torch.randn(4, 8)
+    f = famp.autocast(lambda w: x @ w, "c=bf16,o=f32", track_casts=True)
+    with torch.autocast("cpu", dtype=BF16):
+        w = torch.randn(8, 8, requires_grad=True)
+        assert f(w).dtype == torch.float32
+        gone = weakref.ref(w)
+        del w
+        torch.clear_autocast_cache()  # torch's own reference to its cast
+        assert gone() is None
+    w = torch.randn(8, 8, requires_grad=True)  # and outside one
+    f(w)
+    gone = weakref.ref(w)
+    del w
+    assert gone() is None
