@@ -485,14 +485,17 @@ def test_a_graph_break_in_a_checkpointed_block_of_a_compiled_call_raises_not_wro
 ) -> None:
     # Dynamo runs the checkpoint eagerly around the block's compiled pieces, which famp's eager
     # bookkeeping does not see: torch may recompute them without famp's state, and says so.
-    def run(mode: str | None) -> tuple[Callable[[torch.Tensor], torch.Tensor], Net]:
+    # torch 2.15 recomputes the block eagerly with the state it ran in: its numbers are then the
+    # eager call's (`block.out`'s float16 cast read from torch's cache at its second call), as
+    # `torch.autocast` by hand gives there, compiled or not.
+    def run(mode: str | None, compiled: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], Net]:
         net = Net(None if mode is None else MODES[mode])
         net.block = _BreakingBlock()
         f = famp.autocast(lambda x: net(x).float().pow(2).sum(), "c=bf16,o=f32", **_rules(kind))
-        return torch.compile(f, backend="aot_eager"), net
+        return (torch.compile(f, backend="aot_eager") if compiled else f), net
 
-    expected = _grads_of(*run(None), _x())
-    _raises_or_equals(*run("nonreentrant"), expected)
+    expected = _grads_of(*run(None, compiled=False), _x())
+    _raises_or_equals(*run("nonreentrant", compiled=True), expected)
 
 
 def _side_effects_setting() -> bool:
