@@ -156,6 +156,8 @@ class CallRecord:
         if policy is None:
             self.scopes.append(outer)
             self.declined.append(decline(self, module, args, outer) if self.track else None)
+            if len(self.scopes) == 1 and forward_hooks(module):  # a root: its hooks inside it
+                self._leave_last(module)
             return None
         inner = policy_state(policy)
         self.scopes.append(inner)
