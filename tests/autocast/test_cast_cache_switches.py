@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -268,3 +270,68 @@ def test_calls_inside_a_torch_autocast_let_go_of_the_weights_they_read() -> None
     gone = weakref.ref(w)
     del w
     assert gone() is None
+
+
+_NAMES = {BF16: "bf16", F16: "f16", torch.float32: "f32"}
+
+
+class _Stretches(nn.Module):
+    """Linear layers called in `order` (with repeats), each in its own dtype."""
+
+    def __init__(self, n: int, order: list[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+        self.order = order
+        self.calls: list[Callable[[torch.Tensor], torch.Tensor]] | None = None  # nested calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self.layers if self.calls is None else self.calls
+        for i in self.order:
+            x = torch.tanh(calls[i](x))
+        return x
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtypes=st.lists(st.sampled_from([BF16, F16, torch.float32]), min_size=2, max_size=4),
+    picks=st.lists(st.integers(0, 3), min_size=2, max_size=8),
+    call=st.sampled_from([BF16, F16]),
+    nested=st.booleans(),
+)
+def test_random_stretches_of_dtypes_keep_torchs_casts(
+    dtypes: list[torch.dtype], picks: list[int], call: torch.dtype, nested: bool
+) -> None:
+    # Each weight is read in one dtype only, in stretches of module rules (or nested calls)
+    # in any order: famp's outputs and gradients equal torch.autocast nested by hand, bit for
+    # bit, its cache keeping every cast for the whole call.
+    order = [i % len(dtypes) for i in picks]
+    model, x = _Stretches(len(dtypes), order), torch.randn(4, 8)
+    if nested:
+        model.calls = [
+            famp.autocast(layer, f"c={_NAMES[d]},o=f32")
+            for layer, d in zip(model.layers, dtypes, strict=True)
+        ]
+        f = famp.autocast(model, f"c={_NAMES[call]},o=f32", track_casts=True)
+    else:
+        rules = {f"layers.{i}": f"c={_NAMES[d]},o=f32" for i, d in enumerate(dtypes)}
+        f = famp.autocast(model, f"c={_NAMES[call]},o=f32", module_rules=rules)
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=call):
+            for i in order:
+                d = dtypes[i]
+                with torch.autocast("cpu", dtype=d, enabled=d is not torch.float32):
+                    x = torch.tanh(model.layers[i](x.to(d)).float())
+        return x
+
+    got = [f(x)]
+    got += torch.autograd.grad(got[0].pow(2).sum(), list(model.parameters()), allow_unused=True)
+    expected = [by_hand(x)]
+    expected += torch.autograd.grad(
+        expected[0].pow(2).sum(), list(model.parameters()), allow_unused=True
+    )
+    for a, e in zip(got, expected, strict=True):
+        assert (a is None) == (e is None)
+        if a is not None:
+            assert_bitwise_equal(a, e)
