@@ -33,7 +33,7 @@ from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.tree_hooks import hook_tree, unhook_tree
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
-from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts
+from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts, unwatched
 from famp._compat import forward_hooks, is_compiled_module
 
 LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
@@ -57,6 +57,7 @@ class CallRecord:
         self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
         self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
         self.recompute_only = False  # a replay that acts only inside a recomputation
+        self.group = 0  # a replay's: how many calls below it on the stack (famp's modes off)
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw
         self.casts = WeightCasts(device_type)  # eagerly: the weight-cast caches, kept fresh
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
@@ -106,13 +107,11 @@ class CallRecord:
         held: list[torch.nn.Module],
         matched: list[torch.nn.Module],
     ) -> CallRecord:
-        if not calls():
-            replay_starts()
         record = CallRecord(transform, device_type)
+        record.group = replay_starts()  # the records below this replay's, in `calls()`
         record.track = True  # a recomputation runs eagerly, in backward
         record.module_policy, record.held = module_policy, held  # the ids' modules kept alive
-        record.scopes = list(scopes)
-        record.replay_matched = matched
+        record.scopes, record.replay_matched = list(scopes), matched
         record.hooked = bool(record.patterns) or record.intercepts
         return record
 
@@ -120,6 +119,8 @@ class CallRecord:
         return FampMode(self)
 
     def use_hooks(self, change: int, eager: bool = False) -> None:
+        if eager:  # a replay ends (`eager` only then): custom backwards ran without famp's modes
+            unwatched()
         if change > 0 and self.patterns and not self.track:  # traced: the matched modules' own
             self.tree = hook_tree(self, self.transform.fn)
             self.hooked = self.tree is None
@@ -256,7 +257,7 @@ class CallRecord:
         # torch's cast cache ignores the dtype: a scope computing in another lower dtype than the
         # casts' (bfloat16, float32, float16; not bfloat16, float32, bfloat16) is a switch.
         if self.track and after[0] and after[1] is not self.seen_dtype:
-            dtype_switched(calls())
+            dtype_switched(calls(), pushed=True)
             self.seen_dtype = after[1]
 
     # One op call (from FampMode, when there are overrides or module rules).

@@ -183,7 +183,7 @@ class FampMode(TorchFunctionMode):
             # cache ignores the dtype (weights.py).
             dtype = torch.get_autocast_dtype(owner.device_type)
             if dtype is not owner.seen_dtype:
-                dtype_switched(calls())
+                dtype_switched(calls(), pushed=False)
                 owner.seen_dtype = dtype
         if func is checkpoint and func not in self.inside:
             # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)

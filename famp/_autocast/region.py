@@ -99,7 +99,7 @@ class _EagerRegion:
         elif self.call and len(calls()) == 1:
             unwatched()  # the outermost call, in a torch.autocast: casts famp did not see
         if self.switched:
-            dtype_switched(calls())
+            dtype_switched(calls(), pushed=False)
 
     def __exit__(self, *exc: object) -> None:
         for opened in reversed(self.opened):  # left open by a KeyboardInterrupt, else no-ops
@@ -108,7 +108,7 @@ class _EagerRegion:
         if nesting == 0:
             forget_casts()
         elif self.switched:
-            dtype_switched(calls())
+            dtype_switched(calls(), pushed=False)
         if self.call and nesting and len(calls()) == 1:
             unwatched(forget=True)  # the outermost call ends in the user's torch.autocast
         torch.set_autocast_enabled(self.device_type, self.prev[0])

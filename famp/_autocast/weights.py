@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from famp._autocast.recompute import calls
-from famp._compat import is_view, tensor_version
+from famp._compat import is_view, tensor_version, torch_function_modes
 
 
 class _ThreadState(threading.local):
@@ -37,16 +37,26 @@ class _ThreadState(threading.local):
 _LOCAL = _ThreadState()
 
 
-def dtype_switched(stack: list[Any]) -> None:
+def dtype_switched(stack: list[Any], pushed: bool) -> None:
     """The lower dtype in effect changes: empty torch's weight-cast cache unless each weight is
     checked as it is read (`WeightCasts.watch`). That holds while every op since the cache was
-    last emptied was watched: each call on the stack tracks eagerly and the outermost intercepts
-    (a nested call without a mode of its own is watched by the call below: `mode.watch_nested`)."""
+    last emptied was watched: each call on the stack tracks eagerly, the outermost intercepts
+    (a nested call without a mode of its own is watched by the call below: `mode.watch_nested`)
+    and their modes are in effect here (the autograd engine runs a custom backward without
+    them), from the innermost replay's on (a replay's backward runs with its own modes only).
+    `pushed`: whether the innermost call's own mode is on torch's stack here (not as its region
+    starts or ends, nor inside its own handler)."""
+    if torch.compiler.is_compiling():  # a block compiled inside an eager call: no cast cache
+        return
+    modes = sum(1 for r in stack[max((r.group for r in stack), default=0) :] if r.intercepts)
+    if stack and not pushed and stack[-1].intercepts:
+        modes -= 1
     if not (
         _LOCAL.complete
         and stack
         and stack[0].intercepts
         and all(r.track and not r.recompute_only for r in stack)
+        and torch_function_modes() >= modes
     ):
         forget_casts()
 
@@ -67,14 +77,17 @@ def emptied() -> None:
     _LOCAL.complete = True
 
 
-def replay_starts() -> None:
-    """A recomputation in backward starts outside any call: torch's cache is empty unless an
-    autocast state is open around the backward."""
-    if torch.autocast_increment_nesting() == 1:
-        emptied()
-    else:
-        unwatched()
-    torch.autocast_decrement_nesting()
+def replay_starts() -> int:
+    """A recomputation in backward starts: the number of calls below its records. Outside any
+    call, torch's cache is empty unless an autocast state is open around the backward."""
+    below = len(calls())
+    if not below:
+        if torch.autocast_increment_nesting() == 1:
+            emptied()
+        else:
+            unwatched()
+        torch.autocast_decrement_nesting()
+    return below
 
 
 def forget_casts() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -335,3 +336,70 @@ def test_random_stretches_of_dtypes_keep_torchs_casts(
         assert (a is None) == (e is None)
         if a is not None:
             assert_bitwise_equal(a, e)
+
+
+def _custom_backward(inner: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor) -> Any:
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            b = inner(g.float())  # reads `w` in float16
+            a = (g @ w).float()  # in the forward's bfloat16: torch caches `w`'s bfloat16 cast
+            return g * 2 + (a + b) / 64
+
+    return Twice.apply
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["backward after", "backward inside"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_custom_backward_run_without_famps_modes_gets_its_cache_emptied_at_the_switch(
+    reentrant: bool, inside: bool
+) -> None:
+    # torch's autograd engine runs a custom backward inside a checkpointed block without famp's
+    # modes, though famp's replay of the call is entered: its ops go unwatched. A nested float16
+    # call there empties the cache as it starts and ends, as by hand; famp had read the bfloat16
+    # cast of `w` there (a dtype error) once switches stopped emptying it. The backward runs
+    # after the call, or inside it, and then the call's next switch empties the cache too.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward(inner: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        twice = _custom_backward(inner, w)
+        return checkpoint(lambda x: twice(x).tanh(), x, use_reentrant=reentrant).sum()  # type: ignore[no-any-return]
+
+    def run(inner: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        out = forward(inner)
+        if not inside:
+            return [out]
+        # Back in the call after the backward: `w`'s bfloat16 cast, made without famp's modes,
+        # is still in torch's cache; a float16 read of `w` must not get it.
+        return [*_backward(out, x), inner(x.detach())]
+
+    def by_hand(g: torch.Tensor) -> torch.Tensor:
+        torch.clear_autocast_cache()
+        with torch.autocast("cpu", dtype=F16):
+            h = (g.half() @ w).float()
+        torch.clear_autocast_cache()
+        return h
+
+    inner = famp.autocast(lambda g: g @ w, "c=f16,o=f32", track_casts=True)
+    got = famp.autocast(lambda x: run(inner), "c=bf16,o=f32", track_casts=True)(x)
+    got = got if inside else _backward(got[0], x)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = run(by_hand)
+    expected = expected if inside else _backward(expected[0], x)
+    for a, e in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
+def _backward(out: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+    x.grad = None
+    out.backward()  # a reentrant checkpoint refuses `torch.autograd.grad`
+    assert x.grad is not None
+    return [out, x.grad]
