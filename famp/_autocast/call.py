@@ -24,7 +24,6 @@ from famp._autocast.overrides import plain
 from famp._autocast.patterns import (
     MatchedTree,
     match_tree,
-    module_path,
     warn_uncast_keywords,
     warn_unmatched,
 )
@@ -62,6 +61,7 @@ class CallRecord:
         self.casts = WeightCasts(device_type)  # eagerly: the weight-cast caches, kept fresh
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
+        self.entered: list[torch.nn.Module] = []  # the modules entered in this record, in order
         # Eagerly, per matched module entered: its depth in `scopes`, torch's state before it.
         self.restores: list[tuple[int, tuple[bool, torch.dtype]]] = []
         # Each module's policy, for the root entered last and per root; by id (Dynamo fails on
@@ -154,6 +154,7 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
         self.entering = None
+        self.entered.append(module)
         if policy is None:
             self.scopes.append(outer)
             self.declined.append(decline(self, module, args, outer) if self.track else None)
@@ -220,6 +221,9 @@ class CallRecord:
     ) -> Any:
         if is_compiled_module(module) or (not last and self.late and self.late[-1] is module):
             return None  # a wrapper, or a module left from its own last hook
+        if not self.entered or self.entered[-1] is not module:
+            return None  # not entered: a global pre-hook before famp's raised (caught outside)
+        del self.entered[-1]
         if eager := self.track and not torch.compiler.is_compiling():
             observe(self, output)
         del self.scopes[-1:]  # this module's entry
@@ -234,12 +238,8 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
-        # Keyword inputs no hook of famp's reached (keywords.py): a root's, a TorchScript module's.
-        unreached = not self.scopes or isinstance(module, torch.jit.ScriptModule)
-        uncast = kwargs and unreached and module.__dict__.get("inplace") is not True
-        if eager and uncast and "keywords" not in self.transform.warned:
-            where = partial(module_path, self.held, module)
-            warn_uncast_keywords(kwargs, policy.compute_dtype, where, self.transform.warned)
+        if eager and kwargs:  # keyword inputs no hook of famp's may have reached (keywords.py)
+            warn_uncast_keywords(self, module, kwargs, policy.compute_dtype)
         outer = self.scopes[-1] if self.scopes else None
         self._switch(outer or self.base)
         return own_cast(policy.cast_to_output, output)

@@ -40,6 +40,7 @@ def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
     """Registered with its keyword inputs: (module, args, kwargs, output); torch calls it with
     (module, args, output) after a forward that raised, and while Dynamo traces (`_count`)."""
+    drop_abandoned_replays()  # a backward raised in one, caught inside the module now ending
     stack = calls()
     record = stack[-1] if stack else None
     if (

@@ -31,7 +31,13 @@ from torch.utils.checkpoint import checkpoint
 from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import TRACED_CALL, UNWATCHED, WRITES, plain, traced_plain
 from famp._autocast.policy import FLAT_LEAVES
-from famp._autocast.recompute import bracket_outputs, calls, observe_eagerly, recomputing_unrun
+from famp._autocast.recompute import (
+    bracket_outputs,
+    calls,
+    drop_abandoned_replays,
+    observe_eagerly,
+    recomputing_unrun,
+)
 from famp._autocast.weights import dtype_switched, unwatched
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
 
@@ -174,6 +180,8 @@ class FampMode(TorchFunctionMode):
         track: bool,
     ) -> Any:
         """One op call; `track`: eager bookkeeping (the call tracks, and nothing is compiling)."""
+        if owner.suspended and track:
+            drop_abandoned_replays()  # a backward raised in one (caught): its records go
         if owner.suspended:
             if track:
                 watch_nested(owner, args, kwargs)

@@ -137,13 +137,18 @@ def warn_unmatched(patterns: tuple[str, ...], paths: list[str]) -> bool:
 
 
 def warn_uncast_keywords(
-    kwargs: dict[str, Any], dtype: torch.dtype, where: Callable[[], str], warned: set[str]
+    record: Any, module: torch.nn.Module, kwargs: dict[str, Any], dtype: torch.dtype
 ) -> None:
-    """Warn if a cast to the compute `dtype` would change a tensor of keyword inputs `kwargs`
-    of a matched module (`where()` names it) that famp left as given: a root reached otherwise
-    than as the transformed function, whose call had begun when famp found it, or a TorchScript
-    module, which refuses Python hooks of its own (keywords.py).
-    Once it has warned, `"keywords"` is in `warned` (the transform's causes warned)."""
+    """Warn, as `record`'s call leaves `module`, if a cast to the compute `dtype` would change a
+    tensor of keyword inputs `kwargs` of that matched module that famp left as given: a root
+    (no scope left in `record`) reached otherwise than as the transformed function, whose call
+    had begun when famp found it, or a TorchScript module, which refuses Python hooks of its own
+    (keywords.py); not a module that writes into its input. Once it has warned, `"keywords"` is
+    in the transform's causes warned."""
+    warned = record.transform.warned
+    unreached = not record.scopes or isinstance(module, torch.jit.ScriptModule)
+    if not unreached or module.__dict__.get("inplace") is True or "keywords" in warned:
+        return
     names = [
         name
         for name, value in kwargs.items()
@@ -156,7 +161,8 @@ def warn_uncast_keywords(
         return
     warned.add("keywords")
     warnings.warn(
-        f"famp.autocast: the keyword inputs {', '.join(map(repr, names))} of {where()} are not "
+        f"famp.autocast: the keyword inputs {', '.join(map(repr, names))} of "
+        f"{module_path(record.held, module)} are not "
         f"cast to its compute dtype {dtype} (its positional inputs are): no hook of famp's reaches "
         "them (a TorchScript module, or the outermost module of the call reached otherwise than "
         "as the transformed function, whose call has begun when famp finds it); the ops inside "

@@ -3,6 +3,7 @@ whichever root the call enters it from."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,56 @@ def test_a_submodule_called_from_the_roots_own_forward_hook_keeps_its_rule(
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
         by_hand = torch.compile(by_hand, fullgraph=True, backend="aot_eager")
     for a, e in zip(_grads(f(x), model), _grads(by_hand(x), model), strict=True):
+        assert_bitwise_equal(a, e)
+
+
+class _CatchesChild(nn.Module):
+    """Calls `child`, which a global pre-hook refuses, catches that, and goes on (`lin`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child, self.lin = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with contextlib.suppress(LookupError):
+            self.child(x)
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("of", ["module", "function"])
+def test_a_global_pre_hook_that_raises_for_a_child_caught_in_the_parent_keeps_the_parents_rule(
+    of: str,
+) -> None:
+    # A global pre-hook registered before famp's raises, so famp's entry hook never runs for the
+    # child; torch still runs famp's forward hook (always called). famp left the parent's scope
+    # there: the parent's `lin` ran in bfloat16, not its rule's float16 (0.004 off). famp now
+    # leaves only a module it entered.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _CatchesChild(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        if module is model[1].child:
+            raise LookupError("refused")
+
+    fn = model if of == "module" else (lambda x: model(x))
+    f: Callable[..., Any] = famp.autocast(fn, "c=bf16,o=f32", module_rules={"1": "c=f16,o=f32"})
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(refuse)
+    params = [p for name, p in model.named_parameters() if "child" not in name]  # used ones
+
+    def used(out: torch.Tensor) -> list[torch.Tensor]:
+        return [out, *torch.autograd.grad(out.float().pow(2).sum(), params)]
+
+    try:
+        actual = used(f(x))
+    finally:
+        handle.remove()
+    with torch.autocast("cpu", dtype=BF16):
+        h = model[0](x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            h = model[1].lin(h.half()).float()
+        out = model[2](h).float()
+    for a, e in zip(actual, used(out), strict=True):
         assert_bitwise_equal(a, e)
 
 
