@@ -9,8 +9,9 @@
   torch's autocast state (`region`); for overrides and module rules, `mode` hands each op call
   (`op_calls`; torch's Python functions are entered through the copies of `entered`) to the
   record, which casts it per its rule (`overrides`, the overload it reaches: `overloads`;
-  `casts`), keeps weight casts fresh (`weights`) and enters module scopes through global
-  `hooks`; `recompute` restores the record while torch recomputes a checkpointed block.
+  `casts`), keeps weight casts fresh (`weights`; the dtypes each thread computes in:
+  `threads`) and enters module scopes through global `hooks`; `recompute` restores the record
+  while torch recomputes a checkpointed block.
 - On top of the transform: `custom_fwd` and `explain` (with its `recorder` and `trace`).
 
 Data flows one way: policy and rules → transform → custom_fwd and explain.

@@ -38,6 +38,7 @@ from famp._autocast.recompute import (
     observe_eagerly,
     recomputing_unrun,
 )
+from famp._autocast.threads import computes_in, done
 from famp._autocast.weights import dtype_switched, unwatched
 from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
 
@@ -193,6 +194,7 @@ class FampMode(TorchFunctionMode):
             if dtype is not owner.seen_dtype:
                 dtype_switched(calls(), pushed=False)
                 owner.seen_dtype = dtype
+                done(computes_in(owner.device_type, frozenset((dtype,))))  # other threads'
         if func is checkpoint and func not in self.inside:
             # Dynamo hands the checkpoint of a block to the mode (eagerly it is no torch function)
             # and traces the block with the mode popped: trace it with the mode pushed again.

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from famp._autocast.threads import recomputed, recomputes
 from famp._compat import (
     CHECKPOINT_FUNCTION_ATTR,
     in_backward,
@@ -257,19 +258,18 @@ class _Replay:
         self.recompute_only = recompute_only
         # A reentrant checkpoint's node, weakly (it holds this replay through its hooks).
         self.reentrant: Callable[[], Any] | None = reentrant
-        self.active: list[tuple[int, list[Any], list[Any]]] = []
+        self.active: list[tuple[int, list[Any], list[Any], Any]] = []
 
     def enter(self, grad_outputs: Any) -> None:
         stack = calls()
         records = [make() for make in self.snapshot]
-        for record in records:
-            record.recompute_only = self.recompute_only
         for outer in stack:  # calls running on this thread while backward runs: suspended
             outer.suspended += len(records)
         for i, record in enumerate(records):
-            record.suspended = len(records) - 1 - i
+            record.recompute_only, record.suspended = self.recompute_only, len(records) - 1 - i
         depth = len(stack)
         stack.extend(records)
+        threads = recomputes(records)  # the cache off where another thread's dtypes differ
         modes = []
         for record in records:
             record.use_hooks(+1)
@@ -277,7 +277,7 @@ class _Replay:
                 mode = record.new_mode()
                 mode.__enter__()
                 modes.append(mode)
-        self.active.append((depth, records, modes))
+        self.active.append((depth, records, modes, threads))
         _LOCAL.replays.append(self)
         node = self.reentrant() if self.reentrant is not None else None
         block = getattr(node, CHECKPOINT_FUNCTION_ATTR, None)
@@ -296,7 +296,8 @@ class _Replay:
         self._leave()
 
     def _leave(self) -> None:
-        depth, records, _ = self.active.pop()
+        depth, records, _, threads = self.active.pop()
+        recomputed(threads)
         if _LOCAL.replays and _LOCAL.replays[-1] is self:
             _LOCAL.replays.pop()
         for record in records:

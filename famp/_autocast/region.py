@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from famp._autocast.policy import Policy
 from famp._autocast.recompute import calls
-from famp._autocast.weights import dtype_switched, emptied, forget_casts, unwatched
+from famp._autocast.threads import computes_in, done
+from famp._autocast.weights import dtype_switched, emptied, ends_in, forget_casts, unwatched
 
 # --- autocast regions -----------------------------------------------------------------------------
 
@@ -23,14 +23,6 @@ def policy_state(policy: Policy) -> tuple[bool, torch.dtype]:
     other dtypes; a float32 or float64 compute dtype therefore means autocast off.
     """
     return policy.compute_dtype in _LOWER, policy.compute_dtype
-
-
-# torch's weight-cast cache is one map for all threads, keyed without the dtype. famp registers
-# the (thread, device type, dtypes) of every eager call that computes in a lower dtype (its own,
-# its module rules'); a call that starts while another thread's call is registered on the same
-# device type runs with the cache off if the two calls' dtypes are not one and the same.
-_ACTIVE: list[tuple[int, str, frozenset[torch.dtype]]] = []
-_ACTIVE_LOCK = threading.Lock()
 
 
 class _EagerRegion:
@@ -73,7 +65,7 @@ class _EagerRegion:
         self.switched = False
         self.prev: tuple[bool, torch.dtype] = (False, dtype)
         self.prev_cache = True
-        self.entry: tuple[int, str, frozenset[torch.dtype]] | None = None
+        self.entry: list[Any] | None = None
 
     def __enter__(self) -> None:
         dev = self.device_type
@@ -81,15 +73,8 @@ class _EagerRegion:
         self.prev_cache = torch.is_autocast_cache_enabled()
         if self.call and self.enabled:
             self.switched = (self.outer or self.prev)[1] != self.dtype
-        dtypes = self.rules | {self.dtype} if self.enabled else self.rules
-        if self.call and dtypes:
-            self.entry = (threading.get_ident(), dev, dtypes)
-            with _ACTIVE_LOCK:
-                if any(
-                    t != self.entry[0] and d == dev and len(x | dtypes) > 1 for t, d, x in _ACTIVE
-                ):
-                    torch.set_autocast_cache_enabled(False)
-                _ACTIVE.append(self.entry)
+        if self.call:  # another thread's casts in another dtype: the cache off (threads.py)
+            self.entry = computes_in(dev, self.rules | {self.dtype} if self.enabled else self.rules)
         torch.set_autocast_enabled(dev, self.enabled)
         if self.enabled or not self.call:  # a call computing in float32 keeps the dtype in effect,
             torch.set_autocast_dtype(dev, self.dtype)  # as torch.autocast(enabled=False) does
@@ -109,14 +94,12 @@ class _EagerRegion:
             forget_casts()
         elif self.switched:
             dtype_switched(calls(), pushed=False)
-        if self.call and nesting and len(calls()) == 1:
-            unwatched(forget=True)  # the outermost call ends in the user's torch.autocast
+        if self.call and nesting and len(calls()) == 1:  # it ends in the user's torch.autocast
+            ends_in(self.prev[1])
         torch.set_autocast_enabled(self.device_type, self.prev[0])
         torch.set_autocast_dtype(self.device_type, self.prev[1])
         torch.set_autocast_cache_enabled(self.prev_cache)
-        if self.entry is not None:
-            with _ACTIVE_LOCK:
-                _ACTIVE.remove(self.entry)
+        done(self.entry)
 
 
 def region(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from famp._autocast.recompute import calls
+from famp._autocast.threads import crowded
 from famp._compat import is_view, tensor_version, torch_function_modes
 
 
@@ -43,7 +44,8 @@ def dtype_switched(stack: list[Any], pushed: bool) -> None:
     last emptied was watched: each call on the stack tracks eagerly, the outermost intercepts
     (a nested call without a mode of its own is watched by the call below: `mode.watch_nested`)
     and their modes are in effect here (the autograd engine runs a custom backward without
-    them), from the innermost replay's on (a replay's backward runs with its own modes only).
+    them), from the innermost replay's on (a replay's backward runs with its own modes only),
+    and no other thread computes in a dtype this thread's casts may meet (`threads.crowded`).
     `pushed`: whether the innermost call's own mode is on torch's stack here (not as its region
     starts or ends, nor inside its own handler)."""
     if torch.compiler.is_compiling():  # a block compiled inside an eager call: no cast cache
@@ -57,6 +59,7 @@ def dtype_switched(stack: list[Any], pushed: bool) -> None:
         and stack[0].intercepts
         and all(r.track and not r.recompute_only for r in stack)
         and torch_function_modes() >= modes
+        and not crowded(stack[-1].device_type)
     ):
         forget_casts()
 
@@ -69,6 +72,16 @@ def unwatched(forget: bool = False) -> None:
     _LOCAL.complete = False
     if forget:
         _LOCAL.read_in.clear()
+
+
+def ends_in(dtype: torch.dtype) -> None:
+    """The outermost call ends inside the user's `torch.autocast`, whose ops, which famp does not
+    watch, go on in `dtype`: torch's cache is emptied if a weight's cast in it is of another
+    dtype (the user's next read of it would take that cast), and the weights read are let go of
+    (a functional loop makes new ones each step)."""
+    if any(read is not dtype for _, read in _LOCAL.read_in.values()):
+        forget_casts()
+    unwatched(forget=True)
 
 
 def emptied() -> None:

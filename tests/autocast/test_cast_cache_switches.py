@@ -12,6 +12,7 @@ written where famp empties it.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -403,3 +404,230 @@ def _backward(out: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
     out.backward()  # a reentrant checkpoint refuses `torch.autograd.grad`
     assert x.grad is not None
     return [out, x.grad]
+
+
+# A call inside the user's own `torch.autocast`, and calls in two threads: torch's cache outlives
+# the call there, and other threads share it. Found by a differential hunt on 2026-11-30 (famp
+# raised "mat1 and mat2 must have the same dtype" where each computation alone by hand runs).
+
+
+@pytest.mark.parametrize("then", ["a famp call", "the user's op"])
+@pytest.mark.parametrize("user", [BF16, F16])
+def test_a_call_ending_in_the_users_autocast_leaves_no_cast_of_another_dtype(
+    user: torch.dtype, then: str
+) -> None:
+    # The user's region goes on after the call, so torch does not empty its cache there: famp
+    # empties it as the call ends if a weight's cast in it is of another dtype than the user's.
+    torch.manual_seed(0)
+    w, x = nn.Linear(8, 8), torch.randn(2, 8)
+    other, pre = F16 if user == BF16 else BF16, nn.Linear(8, 8)
+    # W under a float16 rule in a bfloat16 call (its cast stays past the rule), or a bfloat16
+    # call with a mode (it watches W) in the user's float16 region.
+    ruled = famp.autocast(nn.Sequential(pre, w), "c=bf16,o=f32", module_rules={"1": "c=f16"})
+    call = ruled if other == F16 else famp.autocast(w, "c=bf16,o=f32", track_casts=True)
+    second = famp.autocast(w, f"c={'bf16' if user == BF16 else 'f16'},o=f32")
+    with torch.autocast("cpu", dtype=user):
+        first = call(x)
+        out = second(x) if then == "a famp call" else w(x).float()
+    with torch.autocast("cpu", dtype=user):
+        if other == F16:
+            with torch.autocast("cpu", dtype=BF16):
+                h = pre(x)
+                with torch.autocast("cpu", dtype=F16):
+                    ref_first = w(h.half()).float()
+        else:
+            with torch.autocast("cpu", dtype=BF16):
+                ref_first = w(x).float()
+        torch.clear_autocast_cache()  # W's cast: of `other`, read next in `user`
+        ref_out = w(x).float()
+    assert_bitwise_equal(first, ref_first)
+    assert_bitwise_equal(out, ref_out)
+
+
+def _two_threads(first: Callable[[Any], Any], second: Callable[[], Any]) -> dict[str, Any]:
+    """Run `first(pause)` and `second()` in two threads: `first` calls `pause()` where `second`
+    runs, whole, before `first` goes on. What each returned or raised."""
+    results: dict[str, Any] = {}
+    inside, finished = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        inside.set()
+        finished.wait(timeout=30)
+
+    def run(name: str, fn: Callable[[], Any], before: Any, after: Any) -> None:
+        try:
+            if before is not None:
+                before.wait(timeout=30)
+            results[name] = fn()
+        except Exception as error:  # reported by the test
+            results[name] = error
+        finally:
+            if after is not None:
+                after.set()
+            inside.set()
+
+    threads = [
+        threading.Thread(target=run, args=("first", lambda: first(pause), None, None)),
+        threading.Thread(target=run, args=("second", second, inside, finished)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_a_nested_calls_casts_kept_in_one_thread_meet_no_other_threads_call() -> None:
+    # Thread one: a bfloat16 call with a mode, whose nested float16 call reads W; its float16
+    # cast stays cached past the nested call. Thread two's bfloat16 call then read it: famp
+    # counted only thread one's own dtype. A thread's nested calls' dtypes now count till its
+    # outermost call ends, and thread two runs with the cache off.
+    torch.manual_seed(0)
+    w, xa, xb = nn.Linear(8, 8), torch.randn(2, 8), torch.randn(2, 8)
+    nested = famp.autocast(w, "c=f16,o=f32")
+
+    def first(pause: Callable[[], None]) -> torch.Tensor:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = nested(x)
+            pause()
+            return h
+
+        return famp.autocast(fn, "c=bf16,o=f32", track_casts=True)(xb)
+
+    results = _two_threads(first, lambda: famp.autocast(w, "c=bf16,o=f32")(xa))
+    with torch.autocast("cpu", dtype=F16):
+        ref_first = w(xb.half()).float()
+    with torch.autocast("cpu", dtype=BF16):
+        ref_second = w(xa).float()
+    assert_bitwise_equal(results["first"], ref_first)
+    assert_bitwise_equal(results["second"], ref_second)
+
+
+@pytest.mark.parametrize("own_first", [True, False])
+def test_the_functions_own_autocast_in_one_thread_meets_no_other_threads_casts(
+    own_first: bool,
+) -> None:
+    # A call with a mode whose function enters its own torch.autocast(float16) and reads W, and
+    # a plain bfloat16 call in another thread reading W, either first: the later reader took the
+    # other's cast. famp's mode sees the switch and counts float16 for its thread.
+    torch.manual_seed(0)
+    w, xa, xb = nn.Linear(8, 8), torch.randn(2, 8), torch.randn(2, 8)
+
+    def own(pause: Callable[[], None] | None) -> torch.Tensor:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=F16):
+                h = w(x)
+            if pause is not None:
+                pause()
+            return h
+
+        return famp.autocast(fn, "c=bf16,o=f32", track_casts=True)(xb)
+
+    def plain(pause: Callable[[], None] | None) -> torch.Tensor:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = w(x)
+            if pause is not None:
+                pause()
+            return h
+
+        return famp.autocast(fn, "c=bf16,o=f32")(xa)
+
+    if own_first:
+        results = _two_threads(own, lambda: plain(None))
+        got = {"own": results["first"], "plain": results["second"]}
+    else:
+        results = _two_threads(plain, lambda: own(None))
+        got = {"own": results["second"], "plain": results["first"]}
+    with torch.autocast("cpu", dtype=F16):
+        ref_own = w(xb).float()
+    with torch.autocast("cpu", dtype=BF16):
+        ref_plain = w(xa).float()
+    assert_bitwise_equal(got["own"], ref_own)
+    assert_bitwise_equal(got["plain"], ref_plain)
+
+
+class _CheckpointedRule(nn.Module):
+    def __init__(self, w: nn.Linear, reentrant: bool) -> None:
+        super().__init__()
+        self.pre, self.sub, self.reentrant = nn.Linear(8, 8), nn.Sequential(w), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.sub, self.pre(x), use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_recomputation_in_one_thread_meets_no_other_threads_casts(reentrant: bool) -> None:
+    # Thread one is inside a bfloat16 call that read W; thread two's backward recomputes a
+    # checkpointed block whose float16 rule reads W: it read thread one's bfloat16 cast (torch's
+    # checkpoint turns the cache back on as its forward ran). A recomputation now counts its
+    # dtypes, and empties the cache at its switches while another thread computes in another.
+    torch.manual_seed(0)
+    w = nn.Linear(8, 8)
+    model, xa, xb = _CheckpointedRule(w, reentrant), torch.randn(2, 8), torch.randn(2, 8)
+    loss = famp.autocast(model, "c=bf16,o=f32", module_rules={"sub": "c=f16,o=f32"})(xb).sum()
+
+    def first(pause: Callable[[], None]) -> torch.Tensor:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = w(x)
+            pause()
+            return h
+
+        return famp.autocast(fn, "c=bf16,o=f32")(xa)
+
+    params = [*model.parameters()]
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:  # reentrant: .backward(), not .grad()
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [p.grad for p in params if p.grad is not None]
+
+    results = _two_threads(first, lambda: grads(loss))
+    with torch.autocast("cpu", dtype=BF16):
+        h = model.pre(xb)
+        with torch.autocast("cpu", dtype=F16):
+            ref_loss = w(h.half()).float().sum()
+        torch.clear_autocast_cache()  # W: read next in bfloat16 (the other thread's call)
+        ref_first = w(xa).float()
+    assert_bitwise_equal(results["first"], ref_first)
+    assert not isinstance(results["second"], Exception), results["second"]
+    for a, e in zip(results["second"], grads(ref_loss), strict=True):
+        assert_bitwise_equal(a, e)
+
+
+class _UsesTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.sub = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sub(self.a(self.a(x)))  # type: ignore[no-any-return]
+
+
+def test_a_float32_call_in_another_thread_leaves_the_cache_on() -> None:
+    # A float32 call reads no cast: a call in two lower dtypes (a float16 rule in a bfloat16
+    # call) beside it keeps torch's cache on, and `a`, used twice, keeps one cast, its gradient
+    # summed in bfloat16 as by hand (with the cache off it would round as two casts).
+    model, x = _UsesTwice(), torch.randn(2, 8)
+    ruled = famp.autocast(model, "c=bf16,o=f32", module_rules={"sub": "c=f16,o=f32"})
+
+    def float32(pause: Callable[[], None]) -> torch.Tensor:
+        return famp.autocast(lambda x: (pause(), x * 2)[1], "f32")(x)
+
+    def twice() -> list[torch.Tensor]:
+        return list(torch.autograd.grad(ruled(x).sum(), [model.a.weight]))
+
+    results = _two_threads(float32, twice)
+    with torch.autocast("cpu", dtype=BF16):
+        h = model.a(model.a(x))
+        with torch.autocast("cpu", dtype=F16):
+            ref = model.sub(h.half()).float()
+    (expected,) = torch.autograd.grad(ref.sum(), [model.a.weight])
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        h = model.a(model.a(x))
+        with torch.autocast("cpu", dtype=F16, cache_enabled=False):
+            uncached = model.sub(h.half()).float()
+    assert not torch.equal(torch.autograd.grad(uncached.sum(), [model.a.weight])[0], expected)
+    assert_bitwise_equal(results["second"][0], expected)
+    assert_bitwise_equal(results["first"], x * 2)
