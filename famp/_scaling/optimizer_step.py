@@ -73,7 +73,8 @@ def _check(grads: list[Tensor], state: ScalerState, group: Any) -> Tensor:
             unscale_in_place(same_dtype, found_inf, one)
         return found_inf
     unit = dataclasses.replace(state, scale=torch.ones_like(state.scale))
-    return unscale_and_check(unit, grads, group=group, donate=True)[1]
+    with torch.no_grad():  # grads of `backward(create_graph=True)` require grad
+        return unscale_and_check(unit, grads, group=group, donate=True)[1]
 
 
 def _check_optimizer(optimizer: object) -> None:
@@ -251,7 +252,10 @@ def optimizer_step(
     if scaled:
         assert state is not None
         params = with_grads(optimizer)
-        unscaled, computed = unscale_and_check(state, _grads_of(params), group=group, donate=True)
+        with torch.no_grad():  # in place, as GradScaler's, also grads that require grad
+            unscaled, computed = unscale_and_check(
+                state, _grads_of(params), group=group, donate=True
+            )
         for p, grad in zip(params, unscaled, strict=True):
             if grad is not p.grad:  # a float16 sparse gradient, coalesced (as GradScaler does)
                 p.grad = grad

@@ -7,11 +7,11 @@ param group other than `'params'` (optimizers that keep counters there: timm's L
 FusedLAMB, several Lion and Adan ports), also tensors inside lists, tuples and dicts (SOAP and
 Shampoo ports keep per-parameter lists of preconditioner statistics, written in place). A group's
 tensors are copied in one multi-tensor clone. Every tensor a choice can restore is selected back,
-written or not: version counters miss writes (foreach ops on DTensors, FSDP2's optimizer state,
-leave the DTensor's as it was; so does a write through `.data`). What a
-tensor choice cannot restore (state created lazily on a first step, Python numbers such as
-`SparseAdam`'s count or a group's `group['step'] += 1`, keys added or removed, lists grown) is
-restored after one host read of `skip`, on the steps that changed it only.
+written or not: version counters miss writes (foreach ops on DTensors, FSDP2's state, leave the
+DTensor's as it was; so does a write through `.data`). What a tensor choice cannot restore
+(state created on a first step, Python numbers such as `SparseAdam`'s count or `group['step']
++= 1`, keys added or removed, lists grown, sparse tensors written in place: SGD's momentum and
+sparse grads) is restored after one host read of `skip`, on the steps that changed it only.
 
 State outside the parameters' entries is undone alike: `optimizer.state` keys that are no
 parameter (MADGRAD's `state['k']`), the optimizer's own attributes (Ranger21's iteration count;
@@ -158,6 +158,8 @@ class _Entries:
         for t, version, copy in zip(self.tensors, self.versions, self.copies, strict=True):
             if _tensor_like(t, copy):
                 t.detach().copy_(copy)
+            elif t.layout != torch.strided:  # sparse (SGD's momentum, sparse grads): put back
+                t.copy_(copy)
             elif _compat.tensor_version(t) != version:  # reshaped in place: put back
                 t.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
         for g, state in self.generators:
@@ -257,9 +259,8 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         attributes = [_entries(_attributes(o), held, generators=True) for o in optimizers]
         generators = [(g, _generator_state(g)) for g in _default_generators(params)]
         before_params = [p.detach().clone() for p in params]
-        # Some implementations write into .grad (foreach SGD with nesterov adds the momentum);
-        # a skipped GradScaler step leaves the unscaled gradients as they were.
-        before_grads = [g.clone() if g is not None and _tensor_like(g, g) else None for g in grads]
+        # Some write into .grad (foreach SGD with nesterov); a skipped GradScaler step does not.
+        before_grads = _Entries(dict(enumerate(grads)))
     optimizer.step()
     skips: dict[torch.device, Tensor] = {}
 
@@ -280,9 +281,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
             torch.where(on(new.device), old, new, out=new)
-        for grad, old_grad in zip(grads, before_grads, strict=True):
-            if grad is not None and old_grad is not None:
-                torch.where(on(grad.device), old_grad, grad, out=grad)
+        untensorlike |= before_grads.select(dict(enumerate(grads)), on)
         for s, olds in zip(states, before, strict=True):
             for p, old_state in zip(params, olds, strict=True):
                 new_state = s.get(p)
@@ -291,6 +290,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                 else:
                     untensorlike |= old_state.select(new_state, on, held)
         if untensorlike and bool(skip):  # the one host sync, on a step that created state
+            before_grads.restored()  # a sparse one written in place
             for group, old_group in zip(all_groups, groups, strict=True):
                 entries = old_group.restored()
                 for k in [k for k in group if k != "params" and k not in entries]:

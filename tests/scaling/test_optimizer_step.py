@@ -207,16 +207,33 @@ def test_optimizer_step_equals_a_gradscaler_loop_for_every_optimizer(
         assert_optimizer_states_equal(famp_opt, opt)
 
 
+SPARSE: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "sparse_adam": lambda ps: torch.optim.SparseAdam(ps, lr=0.1),
+    # Its momentum buffer is a sparse tensor that a step writes in place (a skipped step once
+    # raised there: the undo put it back by its storage, which a sparse tensor has none of, and
+    # left the buffer written, infinities in).
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+    "sgd_nesterov_foreach": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True
+    ),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+# torch's own Adagrad and foreach SGD build sparse tensors that warn once (torch's warning).
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+@pytest.mark.parametrize("name", list(SPARSE))
 @settings(max_examples=8)
 @given(pattern=overflows)
 @example(pattern=[math.inf, None, math.nan, None])
-def test_optimizer_step_sparse_adam_with_sparse_gradients_equals_gradscaler(
-    pattern: list[float | None],
+@example(pattern=[None, math.inf, None])  # skipped once the state exists
+def test_optimizer_step_with_sparse_gradients_equals_gradscaler(
+    name: str, pattern: list[float | None]
 ) -> None:
     def build() -> tuple[torch.nn.Embedding, torch.optim.Optimizer]:
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 3, sparse=True)
-        return emb, torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+        return emb, SPARSE[name](emb.parameters())
 
     def backward(emb: torch.nn.Embedding, step: int, scale: Any, bad: float | None) -> None:
         index = torch.tensor([step % 10, (3 * step + 1) % 10, step % 10])
@@ -247,6 +264,58 @@ def test_optimizer_step_sparse_adam_with_sparse_gradients_equals_gradscaler(
         assert_bitwise_equal(state.scale, scaler._scale)
         assert_models_equal(famp_emb, emb)
         assert_optimizer_states_equal(famp_opt, opt)
+
+
+@pytest.mark.parametrize(
+    ("name", "impl"),
+    [("adam", "for-loop"), ("adam", "foreach"), ("adam", "fused"), ("sgd_momentum", "for-loop")],
+)
+@pytest.mark.parametrize("grouped", [False, True], ids=["no group", "a one-rank group"])
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's
+def test_optimizer_step_after_a_backward_with_create_graph_equals_gradscaler(
+    name: str, impl: str, grouped: bool
+) -> None:
+    # `backward(create_graph=True)` (a gradient penalty, a Hessian-based method) leaves grads that
+    # require grad. GradScaler unscales them in place; famp's non-fused path refused them
+    # ("donate=True cannot unscale in place ... which requires grad", words the caller never
+    # used) and now unscales them as GradScaler does.
+    model, famp_model = make_model(), make_model()
+    opt, famp_opt = make(name, impl, model.parameters()), make(name, impl, famp_model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    state = famp.init_scaler(2.0**10, growth_interval=2)
+    for step, bad in enumerate([None, math.inf, None, None]):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step)).backward(create_graph=True)
+        with torch.no_grad():
+            inject(model, bad)
+        scaler.step(opt)
+        scaler.update()
+
+        famp_opt.zero_grad()
+        famp.scale(state, loss_of(famp_model, step)).backward(create_graph=True)
+        assert all(p.grad is not None and p.grad.requires_grad for p in famp_model.parameters())
+        with torch.no_grad():
+            inject(famp_model, bad)
+        if grouped:  # found_inf max-reduced across a group: the general check
+            torch.distributed.init_process_group(
+                "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+            )
+            try:
+                found_inf = famp.optimizer_step(
+                    famp_opt, state, group=torch.distributed.group.WORLD
+                )
+            finally:
+                torch.distributed.destroy_process_group()
+        else:
+            found_inf = famp.optimizer_step(famp_opt, state)
+        state = famp.update_scale(state, found_inf)
+
+        assert found_inf.item() == float(bad is not None)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_models_equal(famp_model, model)
+        assert_optimizer_states_equal(famp_opt, opt)
+    for p in [*model.parameters(), *famp_model.parameters()]:
+        p.grad = None  # the grads' graphs hold their parameters: a reference cycle
 
 
 class HostSyncs(TorchFunctionMode):
