@@ -129,6 +129,8 @@ def canonical(raw: dict[str, Any], where: str) -> dict[str, Any]:
         out_groups.append({**hyper, "params": list(params)})
     order = group_fqns(out_groups, f"{where}.param_groups")
     state = raw.get("state", {})
+    if not isinstance(state, dict):  # an int path element made it a list
+        raise ValueError(f"{where}.state must be a dict keyed by FQN, got {type(state).__name__}")
     for fqn, entry in state.items():
         if fqn not in order:
             raise ValueError(f"{where}.state.{fqn}: parameter {fqn!r} is in no param group")

@@ -127,6 +127,11 @@ def _check_metadata(metadata: Metadata, where: str) -> None:
             or not isinstance(path[0], str)
         ):
             raise ValueError(f"DCP metadata {where!r}: the path of {key!r} is malformed: {path!r}")
+        if (joined := ".".join(map(str, path))) != key:  # DCP's flattening: the path, joined
+            raise ValueError(
+                f"DCP metadata {where!r}: entry {key!r} has the path {tuple(path)!r}, which DCP "
+                f"stores under {joined!r}: the metadata's paths do not match its keys"
+            )
         if isinstance(md, TensorStorageMetadata):
             _check_tensor_md(key, md, where)
         elif not isinstance(md, BytesStorageMetadata):

@@ -164,7 +164,16 @@ class Checkpoint:
         rel = record.relative_path
         if rel not in self._sizes:
             self._sizes[rel] = _file_size(self.root, rel)
-        end = record.offset + record.length
+        end, md = record.offset + record.length, self.metadata.state_dict_metadata.get(key)
+        if isinstance(md, TensorStorageMetadata):  # before any allocation of what it claims
+            held = (math.prod(c.sizes) for c in md.chunks if tuple(c.offsets) == index.offset)
+            need = next(held, 0) * md.properties.dtype.itemsize
+            if record.length < need:
+                raise ValueError(
+                    f"DCP file {rel!r}: the record of {key!r} at {tuple(index.offset or ())} "
+                    f"holds {record.length} bytes, fewer than the {need} its chunk's metadata "
+                    "claims: the metadata does not describe the file"
+                )
         if end > self._sizes[rel]:
             raise ValueError(
                 f"DCP file {rel!r}: the record of {key!r} spans bytes {record.offset}..{end}, "
@@ -223,13 +232,12 @@ class _Window(io.RawIOBase):
 
 def _file_size(root: str, rel: str) -> int:
     path = os.path.join(root, rel)
-    if os.path.islink(path):
-        target = os.path.realpath(path)
-        if os.path.commonpath([target, os.path.realpath(root)]) != os.path.realpath(root):
-            raise ValueError(
-                f"DCP file {rel!r} is a symlink to {target!r}, outside the checkpoint directory; "
-                "famp does not follow it"
-            )
+    target, top = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([target, top]) != top:  # a symlink on the way: the file or a folder
+        raise ValueError(
+            f"DCP file {rel!r} resolves to {target!r}, outside the checkpoint directory "
+            "(through a symlink); famp does not follow it"
+        )
     if not os.path.isfile(path):
         raise ValueError(f"DCP file {rel!r} named by the metadata is missing from {root!r}")
     return os.path.getsize(path)

@@ -34,8 +34,12 @@ def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], 
     if not isinstance(groups, Sequence) or isinstance(groups, str):
         raise ValueError(f"{what}['param_groups'] must be a list, got {type(groups).__name__}")
     for i, group in enumerate(groups):
-        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
-            raise ValueError(f"{what}['param_groups'][{i}] must be a dict with a 'params' list")
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, Sequence) or isinstance(params, str):  # a str: not its letters
+            raise ValueError(
+                f"{what}['param_groups'][{i}] must be a dict with a 'params' list, got "
+                f"params={params!r}"
+            )
     return state, groups
 
 
@@ -151,13 +155,22 @@ def same(a: object, b: object) -> bool:
             isinstance(a, torch.Tensor)
             and isinstance(b, torch.Tensor)
             and (a.dtype, a.shape) == (b.dtype, b.shape)
-            and bool(torch.equal(a, b))
+            and bool(torch.equal(_bits(a), _bits(b)))  # NaNs too: a diverged run's replicas
         )
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN (a diverged run's lr, loss scale): the same on every rank
     return type(a) is type(b) and bool(a == b)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A floating or complex tensor's bytes (NaN equals NaN, -0.0 differs from 0.0)."""
+    if (t.is_floating_point() or t.is_complex()) and not is_dtensor(t):
+        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+    return t
 
 
 def check_shards(shards: object, layout: Layout, what: str) -> tuple[list[State], Groups, Kinds]:

@@ -34,7 +34,8 @@ def assert_same_osd(actual: Any, expected: Any, where: str = "osd") -> None:
             assert_same_osd(a, e, f"{where}[{i}]")
     else:
         assert type(actual) is type(expected), (where, actual, expected)
-        assert actual == expected, (where, actual, expected)
+        nans = isinstance(expected, float) and expected != expected and actual != actual
+        assert nans or actual == expected, (where, actual, expected)
 
 
 def assert_same_tree(actual: Any, expected: Any, where: str = "") -> None:

@@ -240,10 +240,91 @@ def test_a_distcp_symlink_out_of_the_checkpoint_is_not_followed(
     outside = tmp_path / "elsewhere.distcp"
     (ckpt / "__0_0.distcp").rename(outside)
     (ckpt / "__0_0.distcp").symlink_to(outside)
-    message = "DCP file '__0_0.distcp' is a symlink to"
-    with pytest.raises(ValueError, match="outside the checkpoint directory; famp does not follow"):
+    message = "DCP file '__0_0.distcp' resolves to"
+    with pytest.raises(ValueError, match=r"outside the checkpoint directory \(through a symlink"):
         famp.load_dcp_optim_state(ckpt)
     _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_folder_symlink_out_of_the_checkpoint_is_not_followed(
+    ckpt: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A record's path through a symlinked folder ("sub/__0_0.distcp", sub -> elsewhere) read a
+    # file outside the checkpoint: only the file's own name was checked for a symlink.
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (ckpt / "__0_0.distcp").rename(outside / "__0_0.distcp")
+    (ckpt / "sub").symlink_to(outside)
+
+    def through_sub(metadata: Any) -> None:
+        for record in metadata.storage_data.values():
+            record.relative_path = "sub/__0_0.distcp"
+
+    _tamper(ckpt, through_sub)
+    message = "DCP file 'sub/__0_0.distcp' resolves to"
+    with pytest.raises(ValueError, match=r"outside the checkpoint directory \(through a symlink"):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_chunk_claiming_more_bytes_than_its_record_holds_is_refused_before_allocation(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Chunks tiling a (2e11, 3) tensor, the second's record the first's few bytes: famp allocated
+    # the claimed 2.4 TB (torch's allocator error, no file or key named; a claim of a few GB
+    # would be allocated for real). A record must hold its chunk's bytes.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    rows = 2 * 10**11
+
+    def huge(metadata: Any) -> None:
+        md = metadata.state_dict_metadata[KEY]
+        height, width = md.size
+        md.size = torch.Size([rows, width])
+        md.chunks = [
+            md.chunks[0],
+            ChunkStorageMetadata(torch.Size([height, 0]), torch.Size([rows - height, width])),
+        ]
+        first = metadata.storage_data[MetadataIndex(KEY, torch.Size([0, 0]))]
+        metadata.storage_data[MetadataIndex(KEY, torch.Size([height, 0]))] = first
+
+    _tamper(ckpt, huge)
+    message = f"DCP file '__0_0.distcp': the record of '{KEY}' at "
+    with pytest.raises(ValueError, match=r"fewer than the \d+ its chunk's metadata claims") as info:
+        famp.load_dcp_optim_state(ckpt)
+    assert message in str(info.value)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_metadata_paths_that_are_not_their_keys_are_refused(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two entries' paths swapped in planner_data: famp returned one tensor as the other (torch's
+    # dcp.load reads by key and returned the real one). DCP stores each entry under its path
+    # joined with dots.
+    def swapped(metadata: Any) -> None:
+        planner = metadata.planner_data
+        other = "optim.state.b.exp_avg"
+        planner[KEY], planner[other] = planner[other], planner[KEY]
+
+    _tamper(ckpt, swapped)
+    message = f"entry '{KEY}' has the path ('optim', 'state', 'b', 'exp_avg')"
+    with pytest.raises(ValueError, match="the metadata's paths do not match its keys") as info:
+        famp.load_dcp_optim_state(ckpt)
+    assert message in str(info.value)
+    _cli_refuses(ckpt, capsys, message)
+
+
+def test_an_optimizer_state_keyed_by_position_is_refused_by_name(tmp_path: pathlib.Path) -> None:
+    # `state` saved as a list (its paths' keys ints): famp failed with "'list' object has no
+    # attribute 'items'", naming nothing.
+    osd = two_group_osd()
+    listed = {"state": list(osd["state"].values()), "param_groups": osd["param_groups"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"optim": listed}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    with pytest.raises(ValueError, match=r"optim\.state must be a dict keyed by FQN, got list"):
+        famp.load_dcp_optim_state(tmp_path / "ckpt")
 
 
 def test_a_distcp_symlink_inside_the_checkpoint_is_read(ckpt: pathlib.Path) -> None:

@@ -151,6 +151,13 @@ SHARD_CASES = [
         r"'b'.*'exp_avg'",
     ),
     ("unknown name in a group", ("param_groups", 1, "params"), ["b", "z"], KeyError, "'z'"),
+    (  # it was read as its letters, ["a", "b"]
+        "params a str",
+        ("param_groups", 1, "params"),
+        "ab",
+        ValueError,
+        r"\['param_groups'\]\[1\] must be a dict with a 'params' list, got params='ab'",
+    ),
     (
         "parameter in two groups",
         ("param_groups", 1, "params"),
@@ -184,6 +191,30 @@ def test_shard_rejects_bad_full_state(
     with pytest.raises(error, match=match):
         famp.optim_state_dict_to_load(full, LAYOUT, 0)
     assert_same_osd(full, before)
+
+
+@pytest.mark.parametrize("where", ["a 0-d state", "a hyperparameter"])
+def test_replicated_nans_of_a_diverged_run_round_trip(where: str) -> None:
+    # A NaN on every rank (a diverged run's rank files) was refused as "differs from rank 0's":
+    # replicated values are compared bit for bit, NaN equal to itself.
+    full = _full()
+    if where == "a 0-d state":
+        full["state"]["a"]["mu"] = torch.tensor(float("nan"))
+    else:
+        full["param_groups"][0]["lr"] = float("nan")
+    shards = [famp.shard_optim_state(full, LAYOUT, r, copy=True) for r in range(2)]
+    assert_same_osd(famp.unshard_optim_state(shards, LAYOUT), full)
+    wider = famp.fsdp2_layout({"a": (5, 4), "b": (3,)}, 3)
+    expected = [famp.shard_optim_state(full, wider, r) for r in range(3)]
+    for got, want in zip(famp.reshard_optim_state(shards, LAYOUT, wider), expected, strict=True):
+        assert_same_osd(got, want)
+    shards[1] = copy.deepcopy(shards[1])
+    if where == "a 0-d state":  # a real difference is still one
+        shards[1]["state"]["a"]["mu"] = torch.tensor(0.0)
+    else:
+        shards[1]["param_groups"][0]["lr"] = 0.1
+    with pytest.raises(ValueError, match="differ"):
+        famp.unshard_optim_state(shards, LAYOUT)
 
 
 @pytest.mark.parametrize("rank", [-1, 2, 1.0, True])
