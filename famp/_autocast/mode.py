@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import FunctionType
+from types import FunctionType, MethodWrapperType
 from typing import Any
 
 import torch
@@ -166,7 +166,10 @@ class FampMode(TorchFunctionMode):
             return self._op(owner, func, args, kwargs, False)
         if owner.recompute_only and saved_tensors_hooks_top() is None:
             return call(func, args, kwargs)  # a custom backward, not the recomputation
-        block = observe_eagerly(owner, args)  # is this op inside a checkpointed block?
+        # Is this op inside a checkpointed block? Not asked of a tensor attribute's read or write
+        # (`t._backward_hooks = ...`): torch sets one as it regenerates a view's grad_fn, holding
+        # the view's lock, which reading that grad_fn here would wait for forever.
+        block = None if type(func) is MethodWrapperType else observe_eagerly(owner, args)
         out = self._op(owner, func, args, kwargs, True)
         if block is not None and not recomputing_unrun():
             bracket_outputs(out, block, args, kwargs)

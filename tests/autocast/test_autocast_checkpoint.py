@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -722,6 +726,67 @@ def test_overrides_apply_after_a_backward_that_raised_in_a_recomputation_was_cau
     out = famp.autocast(fn, "c=bf16,o=f32", rules=rules)(x)
     assert recompute.calls() == []
     assert_bitwise_equal(out, F.linear(x, w))
+
+
+# A view of a non-leaf written through another view of its base, then handed to a custom Function
+# (a reentrant checkpoint's too) after an op under no_grad (an EMA step). torch regenerates the
+# view's grad_fn holding the view's lock and sets its `_backward_hooks` through Python, which
+# reached famp's mode; famp read that grad_fn (looking for a reentrant checkpoint's node after a
+# grad-free op) and waited for the lock forever. Run in a process of its own: a deadlock in C++
+# outlasts pytest's timeout.
+_VIEW_WRITTEN_THEN_APPLIED = """
+import sys, torch, torch.nn.functional as F, famp
+from torch.utils.checkpoint import checkpoint
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+torch.manual_seed(0)
+w = torch.nn.Parameter(torch.randn(8, 8) * 0.4)
+x = torch.randn(4, 8, requires_grad=True)
+
+def f(x):
+    v = (x * 2).reshape(4, 8)
+    with torch.no_grad():
+        w.mul_(1.0)
+    v.t()[2:5] = x.t()[:3]
+    h = Double.apply(v)
+    return checkpoint(lambda t: F.linear(t, w), h, use_reentrant=True).float()
+
+def grads(out):
+    x.grad = w.grad = None
+    out.pow(2).sum().backward()
+    return [out, x.grad, w.grad]
+
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    expected = grads(f(x))
+rules = famp.default_rules("cpu").override({"tanh": "float32"})
+for kwargs in ({"track_casts": True}, {"rules": rules}):
+    actual = grads(famp.autocast(f, "c=bf16,o=f32", **kwargs)(x))
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected)), kwargs
+print("equal")
+"""
+
+
+def test_a_view_written_through_another_view_then_applied_after_a_grad_free_op() -> None:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", _VIEW_WRITTEN_THEN_APPLIED],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "equal"
 
 
 def test_a_compiled_call_after_a_recomputation_that_raised_cleans_up() -> None:
