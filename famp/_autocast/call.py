@@ -287,7 +287,7 @@ class CallRecord:
         packet, overload = op_name(func, memo=track)  # `track` is False while compiling
         # In a compiled region an eager call reaches (`track` False) casts are explicit: no watch.
         if track:
-            self.casts.watch(args, kwargs, lower if enabled else None)
+            self.casts.watch_call(func, packet, args, kwargs, lower if enabled else None)
         inplace = inplace_target(func, args, kwargs)  # an in-place op: no rule (torch casts none)
         rule = None
         if self.overrides is not None and enabled and inplace is None:

@@ -55,7 +55,9 @@ def run_plain(
     torch's kernels do it all; the call record `owner` watches the weights it reads unless it
     can read no weight's cast, and catches a write: into its first argument for an in-place
     op (`WRITES`), via `out=` or an `inplace` flag."""
-    if kind != UNWATCHED:  # in-place ops too: torch casts none, but a Python one may compute
+    if kind == WRITES and type(func) is not FunctionType:  # torch casts nothing of its target
+        owner.casts.watch(args[1:], kwargs, owner.seen_dtype)  # (`op_calls.read_args`)
+    elif kind != UNWATCHED:  # a Python in-place function may compute with its target too
         owner.casts.watch(args, kwargs, owner.seen_dtype)
     if kind == WRITES:
         out = call(func, args, kwargs or {}, memo=True)

@@ -110,6 +110,16 @@ def in_place(packet: str) -> bool:
     return packet[-1:] == "_" and packet[-2:] != "__"
 
 
+def read_args(func: Callable[..., Any], packet: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments an op call may read a weight's cast from: not the target of torch's own
+    in-place op or write (`U.mul_(0.9)`, `U[0] = x`), of which torch's autocast casts nothing
+    (watching it made a write into a weight no op had read empty the whole cache). A Python
+    function may compute with its target too: all of them."""
+    if type(func) is not types.FunctionType and (in_place(packet) or packet in _WRITES):
+        return args[1:]
+    return args
+
+
 def writes_first_arg(packet: str, kwargs: dict[str, Any]) -> bool:
     """Whether a call writes into its first argument (in-place op, `out=`, setitem, `.data =`)."""
     if in_place(packet):

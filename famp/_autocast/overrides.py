@@ -188,13 +188,14 @@ def reads_no_cast(packet: str, device_type: str) -> bool:
     (`einsum`'s `bmm`). An op reads none when each of its functional overloads that takes a
     tensor has a rule other than `"lower"` and computes nothing such an op would: it returns
     views of its inputs (`view`, `transpose`, `split`, `to`) or no tensor (`size`, `dim`), or
-    torch tags it pointwise (`add`, `relu`). Read off the installed torch's schemas and tags;
-    of the names no aten op has (`__getitem__`, `float`), only `__get__`, a tensor attribute's
-    read (`x.shape`, `x.T`). The weight watch, which runs before the ops that may read a cast,
+    torch tags it pointwise (`add`, `relu`) or a reduction (`sum`, `amax`). Read off the
+    installed torch's schemas and tags; of the names no aten op has (`__getitem__`, `float`),
+    only `__get__`, a tensor attribute's read (`x.shape`, `x.T`), and `__getitem__`, an indexing
+    (views, `index`, `select`). The weight watch, which runs before the ops that may read a cast,
     may skip these: a weight is still watched at the first op that may read its cast.
     """
     if packet[:2] == "__":  # a Python method no aten op is named after (`__getitem__`)...
-        return packet == "__get__"  # ...but a tensor attribute's read
+        return packet in ("__get__", "__getitem__")  # ...but an attribute's read, an indexing
     names = covered(packet) if overloads(packet) is not None else frozenset()
     defaults = default_rules(device_type)
     ops = getattr(torch.ops.aten, packet) if names else None
@@ -203,6 +204,7 @@ def reads_no_cast(packet: str, device_type: str) -> bool:
         returns = schema(op).returns
         computes = not (
             torch.Tag.pointwise in op.tags
+            or torch.Tag.reduction in op.tags  # `sum`, `mean`, `amax`: no matmul inside
             or not any("Tensor" in str(r.type) for r in returns)
             or all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
         )

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from famp._autocast.op_calls import read_args
 from famp._autocast.recompute import calls
 from famp._autocast.threads import crowded
 from famp._compat import is_view, tensor_version, torch_function_modes
@@ -181,6 +182,17 @@ class WeightCasts:
                             and _cacheable(t)
                         ):
                             self._read(t, dtype)
+
+    def watch_call(
+        self,
+        func: Any,
+        packet: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dtype: torch.dtype | None,
+    ) -> None:
+        """`watch` before an op call, of the arguments it may read a cast from (`read_args`)."""
+        self.watch(read_args(func, packet, args), kwargs, dtype)
 
     def _read(self, t: torch.Tensor, dtype: torch.dtype | None) -> None:
         """An op reads the cacheable weight `t` in `dtype`: watch it, or clear if it was written

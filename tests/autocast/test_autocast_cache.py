@@ -196,8 +196,13 @@ NO_CAST_CALLS: dict[str, Callable[[torch.Tensor], object]] = {
     "gelu": torch.nn.functional.gelu,
     "tanh": torch.tanh,
     "pow": lambda w: w.pow(2),
+    "sum": lambda w: w.sum(),  # reductions, indexing: since 2026-11-30
+    "mean": lambda w: w.mean(0),
+    "amax": lambda w: w.amax(),
+    "getitem": lambda w: w[0],
+    "getitem_index": lambda w: w[_INDEX],
 }
-_ONES = torch.ones(2, 8)
+_ONES, _INDEX = torch.ones(2, 8), torch.tensor([0, 2])
 CAST_CALLS: dict[str, Callable[[torch.Tensor], object]] = {
     "linear": lambda w: torch.nn.functional.linear(_ONES, w),
     "mm": lambda w: torch.mm(w, w),
@@ -247,6 +252,56 @@ def test_the_ops_the_weight_watch_skips_leave_no_cast_in_torchs_cache(name: str)
     assert skipped == [name in NO_CAST_CALLS] * len(functions), [op_name(f) for f in functions]
     assert functions
     assert _torch_caches_a_cast(call) == (name in CAST_CALLS)
+
+
+WRITES_OF_AN_UNCAST_WEIGHT: dict[str, Callable[[torch.Tensor], object]] = {
+    "mul_": lambda u: u.mul_(0.9),
+    "lerp_": lambda u: u.lerp_(u.detach() * 2, 0.5),
+    "a view's mul_": lambda u: u[0].mul_(0.5),
+    "setitem": lambda u: u.__setitem__(0, 1.0),
+    "after a sum": lambda u: (u.sum(), u.mul_(0.9)),
+}
+
+
+@pytest.mark.parametrize("kind", ["track_casts", "override"])
+@pytest.mark.parametrize("write", list(WRITES_OF_AN_UNCAST_WEIGHT))
+def test_a_write_into_a_weight_torch_holds_no_cast_of_keeps_the_cache(
+    write: str, kind: str
+) -> None:
+    # An EMA-style write into a weight `u` that no op read in the lower dtype (torch caches no
+    # cast of it) emptied torch's whole cache: the in-place op counted as a read of its own
+    # target (and indexing, reductions as reads). `v`, used before and after, was cast twice:
+    # its gradient 0.03 off torch.autocast's.
+    g = torch.Generator().manual_seed(0)
+    v = nn.Parameter(torch.randn(8, 8, generator=g) * 0.4)
+    u = nn.Parameter(torch.randn(8, 8, generator=g) * 0.4)
+    x, c = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y1 = torch.nn.functional.linear(x, v)
+        with torch.no_grad():
+            WRITES_OF_AN_UNCAST_WEIGHT[write](u)
+        return y1 + torch.nn.functional.linear(x * 2, v)
+
+    def v_grad(y: torch.Tensor) -> torch.Tensor:
+        v.grad = None
+        (y.float() * c).sum().backward()
+        assert v.grad is not None
+        return v.grad
+
+    with torch.autocast("cpu", dtype=BF16):
+        expected = f(x)
+    expected_grad = v_grad(expected).clone()
+    rules = (
+        {"track_casts": True}
+        if kind == "track_casts"
+        else {
+            "rules": famp.default_rules("cpu").override({"kron": "float32"})  # no op of the call
+        }
+    )
+    actual = famp.autocast(f, "c=bf16", **rules)(x)
+    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(v_grad(actual), expected_grad)
 
 
 @pytest.mark.parametrize("first", ["shape", "t", "view", "relu", "size"])
