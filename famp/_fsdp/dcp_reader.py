@@ -48,6 +48,7 @@ class Checkpoint:
         self.root = _existing_dir(checkpoint_id)
         self.metadata = read_metadata(self.root)
         self._sizes: dict[str, int] = {}
+        self._chunk_bytes: dict[str, dict[tuple[int, ...], int]] = {}  # key -> offsets -> bytes
 
     def entries(
         self, prefixes: Iterable[Path]
@@ -166,8 +167,12 @@ class Checkpoint:
             self._sizes[rel] = _file_size(self.root, rel)
         end, md = record.offset + record.length, self.metadata.state_dict_metadata.get(key)
         if isinstance(md, TensorStorageMetadata):  # before any allocation of what it claims
-            held = (math.prod(c.sizes) for c in md.chunks if tuple(c.offsets) == index.offset)
-            need = next(held, 0) * md.properties.dtype.itemsize
+            if key not in self._chunk_bytes:  # once per key: a tensor may have many chunks
+                size = md.properties.dtype.itemsize
+                self._chunk_bytes[key] = {
+                    tuple(c.offsets): math.prod(c.sizes) * size for c in md.chunks
+                }
+            need = self._chunk_bytes[key].get(tuple(index.offset or ()), 0)
             if record.length < need:
                 raise ValueError(
                     f"DCP file {rel!r}: the record of {key!r} at {tuple(index.offset or ())} "
