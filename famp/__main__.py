@@ -11,6 +11,9 @@ USAGE = (
 )
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(USAGE)
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] != "reshard":
         print(USAGE, file=sys.stderr)
         sys.exit(2)

@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("sources", nargs="+", metavar="SOURCE", help="checkpoint to read")
     parser.add_argument(
-        "-n", "--world-size", type=_positive_int, help="number of ranks to reshard to"
+        "-n", "--world-size", type=_world_size, help="number of ranks to reshard to"
     )
     parser.add_argument("-o", "--out", metavar="DIR", help="write rank00000.pt ... here (new dir)")
     parser.add_argument(
@@ -172,6 +172,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+_MAX_WORLD_SIZE = 2**20  # a bound far above any FSDP job, below what a rank's index holds
+
+
+def _world_size(text: str) -> int:
+    value = _positive_int(text)
+    if value > _MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_WORLD_SIZE}, got {text!r}")
     return value
 
 

@@ -28,10 +28,29 @@ def check_targets(args: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"{kind} {path!r}: directory {parent!r} does not exist")
+        if kind == "--full":
+            _check_outside_sources(path, args.sources)
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".famp-reshard-probe-", dir=parent))
+        except OSError as err:
+            raise OSError(f"{kind} {path!r}: cannot write in {parent!r}: {err.strerror}") from err
         if os.path.lexists(path) and not args.force:
             raise FileExistsError(f"{kind} {path!r} exists; pass --force to replace it")
         if kind == "--out" and os.path.lexists(path):
             _check_replaceable(path)
+
+
+def _check_outside_sources(path: str, sources: Sequence[str]) -> None:
+    """`--full` is written after its sources are read, or while a DCP checkpoint streams: it
+    must not replace a SOURCE file, nor a file inside a SOURCE directory."""
+    target = os.path.realpath(path)
+    for source in sources:
+        real = os.path.realpath(source)
+        if target == real or target.startswith(os.path.join(real, "")):
+            raise ValueError(
+                f"--full {path!r} is SOURCE {source!r} or inside it: famp-reshard never writes "
+                "over the checkpoint it reads; give another path"
+            )
 
 
 def _check_replaceable(out: str) -> None:

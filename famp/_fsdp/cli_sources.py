@@ -86,16 +86,15 @@ def read_source(args: argparse.Namespace) -> Source:
             raise ValueError(f"SOURCE {path!r} is a directory: give one DCP checkpoint alone")
     _check_rank_order(sources)
     objs = [_load_file(path) for path in sources]
-    if len(objs) == 1:
-        obj, path = objs[0], sources[0]
-        full = _pick_optim(obj, args.key, path)
+    shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
+    if len(objs) == 1 and SHARDING not in shards[0]:  # one rank's file is read as rank files
+        obj, path, full = objs[0], sources[0], shards[0]
         model = obj.get(args.model_key) if "state" not in obj else None
         from_model = _shapes_from_model(full, model)
         if from_model is not None:
             return Source(full, from_model, f"full state dict {path}")
         shapes = _shapes_from_state(full, path)
         return Source(full, shapes, f"full state dict {path}", set(shapes))
-    shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
     shapes, dims, unknown = _shapes_from_shards(shards, sources)
     layout = fsdp2_layout(shapes, len(shards), shard_dims=dims)
     if unknown and not args.assume_dim0:
@@ -108,7 +107,16 @@ def read_source(args: argparse.Namespace) -> Source:
             f"file with a {SHARDING!r} entry (docs/fsdp.md), or pass --assume-dim0 if every "
             "parameter was sharded on dim 0 (FSDP2's default)"
         )
-    full = unshard_optim_state(shards, layout)
+    try:
+        full = unshard_optim_state(shards, layout)
+    except ValueError as err:
+        if len(shards) > 1:
+            raise
+        raise ValueError(
+            f"SOURCE {sources[0]!r} has a {SHARDING!r} entry, so it is one rank's file, and its "
+            f"state is not the whole of the parameters that entry records ({err}): give every "
+            "rank's file, in rank order"
+        ) from err
     return Source(full, shapes, f"{len(shards)} FSDP2 rank files {sources[0]} ...")
 
 
@@ -150,6 +158,9 @@ def _load_file(path: str) -> Mapping[str, Any]:
             f"SOURCE {path!r} is not a torch.save file of plain data; "
             f"torch.load(weights_only=True) refused it: {reason}"
         ) from err
+    except (EOFError, KeyError, ValueError, TypeError, AttributeError) as err:  # not torch.save's
+        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        raise ValueError(f"SOURCE {path!r} is not a torch.save file (torch.load: {what})") from err
     if not isinstance(obj, Mapping):
         raise ValueError(f"SOURCE {path!r} holds a {type(obj).__name__}, not a state dict")
     return obj

@@ -179,6 +179,9 @@ def test_existing_outputs_need_force(
         (["{badfqn}", "-n", "2", "-o", "{out}"], "['params'] must hold FQN strings, got 3"),
         (["{badentry}", "-n", "2", "-o", "{out}"], "['state']['w'] must be a dict, got 5"),
         (["{truncated}", "-n", "2", "-o", "{out}"], "truncated.pt' cannot be read by torch.load"),
+        (["{text}", "-n", "2", "-o", "{out}"], "text.txt' is not a torch.save file (torch.load:"),
+        (["{empty}", "-n", "2", "-o", "{out}"], "empty.pt' is not a torch.save file (torch.load:"),
+        (["{full}", "-n", "2", "-o", "/proc/famp-out"], "--out '/proc/famp-out': cannot write in"),
     ],
 )
 def test_bad_input_exits_1_naming_it_and_writes_nothing(
@@ -202,6 +205,8 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
     (tmp_path / "garbage").write_bytes(b"garbage")
     torch.save({"state": {}, "param_groups": [{"params": [3]}]}, tmp_path / "f")
     torch.save({"state": {"w": 5}, "param_groups": [{"params": ["w"]}]}, tmp_path / "e")
+    (tmp_path / "text.txt").write_text("hello world\n")
+    (tmp_path / "empty.pt").write_bytes(b"")
     whole = pathlib.Path(full_file).read_bytes()
     (tmp_path / "truncated.pt").write_bytes(whole[: len(whole) // 2])  # a copy cut short
     paths = {
@@ -218,6 +223,8 @@ def test_bad_input_exits_1_naming_it_and_writes_nothing(
         "badfqn": tmp_path / "f",
         "badentry": tmp_path / "e",
         "truncated": tmp_path / "truncated.pt",
+        "text": tmp_path / "text.txt",
+        "empty": tmp_path / "empty.pt",
     }
     before = sorted(os.listdir(tmp_path))
     assert main([a.format(**paths) for a in argv]) == 1
@@ -278,6 +285,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["x", "-n", "0"])
     assert exit_info.value.code == 2
     assert "must be an int >= 1, got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # an OverflowError deep inside before
+        main(["x", "-n", "99999999999999999999", "--dry-run"])
+    assert exit_info.value.code == 2
+    assert "must be at most 1048576, got '99999999999999999999'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
@@ -319,6 +330,19 @@ def test_python_m_famp_needs_the_reshard_subcommand(
         runpy.run_module("famp", run_name="__main__")
     assert exit_info.value.code == 2
     assert "python -m famp reshard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_python_m_famp_help_prints_the_usage_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["famp", flag])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("famp", run_name="__main__")
+    assert exit_info.value.code == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: python -m famp reshard")
+    assert err == ""
 
 
 def test_console_script_points_at_main() -> None:
@@ -601,3 +625,53 @@ def test_rank_files_in_a_shell_globs_order_are_refused(
     in_order = [str(tmp_path / f"optim.rank{rank}.pt") for rank in range(12)]
     assert main([*in_order, "--full", str(tmp_path / "back.pt")]) == 0
     assert_osd_bitwise_equal(load_dict(tmp_path / "back.pt"), trained[1])
+
+
+def test_one_rank_file_alone_is_read_as_rank_files_not_as_the_full_state(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    trained: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A rank file records its parameters' global shapes (`sharding`). Given alone, it was read
+    as a full state: resharded, its 3 rows of 0.weight were written as the whole (3, 6) where
+    the job's parameter is (5, 6), and the output's `sharding` said so, silently."""
+    assert main([full_file, "-n", "2", "-o", str(tmp_path / "w2")]) == 0
+    rank0 = str(tmp_path / "w2" / "rank00000.pt")
+    capsys.readouterr()
+    assert main([rank0, "-n", "3", "-o", str(tmp_path / "w3")]) == 1
+    err = capsys.readouterr().err
+    assert f"SOURCE {rank0!r} has a 'sharding' entry, so it is one rank's file" in err, err
+    assert "has shape (3, 6), but the layout gives rank 0 the chunk (5, 6)" in err, err
+    assert not (tmp_path / "w3").exists()
+    # the file of a one-rank job is the whole state, and reads as such
+    assert main([full_file, "-n", "1", "-o", str(tmp_path / "w1")]) == 0
+    one = str(tmp_path / "w1" / "rank00000.pt")
+    assert main([one, "-n", "3", "-o", str(tmp_path / "w3")]) == 0
+    layout = famp.fsdp2_layout(_shapes(trained[1]), 3)
+    for rank in range(3):
+        shard = load_dict(tmp_path / "w3" / f"rank{rank:05d}.pt")
+        assert_osd_bitwise_equal(shard, famp.shard_optim_state(trained[1], layout, rank))
+
+
+@pytest.mark.parametrize("inside", ["", ".metadata", "__0_0.distcp", "sub.pt"])
+def test_full_never_writes_over_or_into_its_source(
+    tmp_path: pathlib.Path,
+    dcp_dir: str,
+    full_file: str,
+    capsys: pytest.CaptureFixture[str],
+    inside: str,
+) -> None:
+    """`--full ck/.metadata --force` streamed the checkpoint into a file that replaced its own
+    metadata: the source could not be read again."""
+    before = {p: pathlib.Path(dcp_dir, p).read_bytes() for p in os.listdir(dcp_dir)}
+    target = os.path.join(dcp_dir, inside) if inside else dcp_dir
+    assert main([dcp_dir, "--full", target, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert f"--full {target!r} is SOURCE {dcp_dir!r} or inside it" in err, err
+    assert {p: pathlib.Path(dcp_dir, p).read_bytes() for p in os.listdir(dcp_dir)} == before
+    link = tmp_path / "link"
+    link.symlink_to(full_file)  # the same file by another name
+    assert main([full_file, "--full", str(link), "--force"]) == 1
+    assert "famp-reshard never writes over the checkpoint it reads" in capsys.readouterr().err
+    assert main([dcp_dir, "-n", "2", "--dry-run"]) == 0
