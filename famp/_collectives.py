@@ -21,15 +21,21 @@ import torch.distributed as dist  # loaded by `import torch` itself; light
 # --- found_inf reduction across ranks (unscale_and_check's `group=`) and DTensors ---------------
 
 
+def check_group(group: Any) -> None:
+    """Refuse a `group=` that is not a process group (None: no group), before anything runs."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__} "
+            f"{group!r}"
+        )
+
+
 def all_reduce_max(found_inf: torch.Tensor, group: Any) -> torch.Tensor:
     """Max-reduce a one-element `found_inf` across `group`, out of place (every rank agrees).
 
     Max rather than torch's `ShardedGradScaler` sum, so the result stays exactly 0.0 or 1.0.
     """
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
-        )
+    check_group(group)
     reduced = found_inf.clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return reduced
@@ -134,10 +140,7 @@ def all_gather_report(
     one int64 vector (exact: no float conversion of a count or an amax); entry r of each
     returned 1-d tensor is rank r's. `found_inf` is the max over ranks, as `all_reduce_max`.
     """
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
-        )
+    check_group(group)
     n = len(counts)
     device = found_inf.device
     packed = torch.cat(

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from famp import _compat
+from famp import _collectives, _compat
 from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.kernels import unscale_in_place
 from famp._scaling.state import ScalerState
@@ -204,9 +204,10 @@ def optimizer_step(
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer`, its `step()` requires a
             closure (`LBFGS`) or takes `GradScaler`'s deprecated `grad_scaler=` argument,
-            `state` is not a `famp.ScalerState`, or `found_inf` is not a float32 tensor.
+            `state` is not a `famp.ScalerState`, `found_inf` is not a float32 tensor, or
+            `group` is not a process group or None.
         ValueError: Neither `state` nor `found_inf` is given, or `found_inf` has more than one
-            element.
+            element or is on the meta device. Every check comes before anything is changed.
 
     Examples:
         >>> import famp, torch
@@ -237,6 +238,9 @@ def optimizer_step(
             raise ValueError(
                 f"found_inf must have exactly one element, got shape {tuple(found_inf.shape)}"
             )
+        if found_inf.is_meta:
+            raise ValueError("found_inf must hold a value, got a tensor on the meta device")
+    _collectives.check_group(group)
     scaled = state is not None and state.enabled
     if _compat.step_supports_amp_scaling(optimizer):
         if found_inf is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from famp import _collectives
 from famp._compat import torch_pytree
 from famp._scaling.choice import readable, select
 from famp._scaling.grad import eager_grad
@@ -78,9 +79,10 @@ def value_and_grad(
 
     Raises:
         TypeError: `fn` is not callable, `argnums` is not an int or a non-empty tuple of
-            ints, `has_aux` is not a bool; when called: `state` is not a
-            `famp.ScalerState`, the loss is not a floating tensor with one element, or `fn`
-            does not return a pair with `has_aux`, or the aux holds a non-tensor leaf.
+            ints, `has_aux` is not a bool, `group` is not a process group or None; when
+            called: `state` is not a `famp.ScalerState`, the loss is not a floating tensor
+            with one element, or `fn` does not return a pair with `has_aux`, or the aux holds
+            a non-tensor leaf.
 
     Examples:
         >>> import famp, torch
@@ -97,6 +99,7 @@ def value_and_grad(
     _check_argnums(argnums)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
+    _collectives.check_group(group)  # here, not after fn's forward and backward have run
 
     def scaled_loss(state: ScalerState, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         # torch.func.grad's aux must hold tensors only, so "no aux" is the empty tuple here.

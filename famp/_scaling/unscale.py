@@ -77,7 +77,8 @@ def unscale_and_check(
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState` (the message says when the arguments
-            are swapped), `donate` is not a bool, or a leaf is not a floating tensor, is a
+            are swapped), `donate` is not a bool, `group` is not a process group or None (both
+            checked before anything is unscaled), or a leaf is not a floating tensor, is a
             nested tensor or has an unsupported layout; the message names its path.
         ValueError: A leaf is on the meta device while the scale is not; or, with
             `donate=True`, leaves share memory with different dtypes, a leaf overlaps itself,
@@ -95,6 +96,7 @@ def unscale_and_check(
     check_state_first("unscale_and_check", state, "grads", grads)
     if not isinstance(donate, bool):
         raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
+    _collectives.check_group(group)  # before donated grads are unscaled in place
     if not state.enabled:
         return grads, _no_overflow(state)
     leaves, rebuild = leaves_and_rebuild(grads)

@@ -35,7 +35,8 @@ def update_scale(state: ScalerState, found_inf: Tensor, *, donate: bool = False)
     Args:
         state: The current `famp.ScalerState`.
         found_inf: A one-element tensor (the `found_inf` of `famp.unscale_and_check`, or a sum
-            or max of several); non-zero means overflow.
+            or max of several); non-zero means overflow. One that requires grad is read
+            detached: the new state never carries its graph.
         donate: `True` consumes `state`: eagerly and without guards, torch's kernel updates its
             scale and tracker in place, as `GradScaler.update` does, and the returned state
             holds those same tensors (no copies: the speed of `GradScaler.update`). Do not use
@@ -79,6 +80,8 @@ def update_scale(state: ScalerState, found_inf: Tensor, *, donate: bool = False)
         )
     if not (state.enabled and state.dynamic):
         return state
+    if found_inf.requires_grad:  # a decision, not a value: the scale must not carry its graph
+        found_inf = found_inf.detach()
     scale = state.scale
     if not (found_inf.is_cpu and scale.is_cpu) and found_inf.device != scale.device:
         found_inf = _moved(found_inf, scale)  # device objects only off the CPU: 0.2 µs each

@@ -394,6 +394,21 @@ def test_optimizer_step_skips_on_any_nonzero_or_nan_found_inf(
     assert_optimizer_states_equal(opt, expected_opt)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_meta_found_inf_is_refused_before_the_step(fused: bool) -> None:
+    """A found_inf on the meta device was found only where the skip read it: the grads were
+    unscaled, the state made, and a non-fused Adam had moved its parameter by then."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.1, fused=fused)
+    w.grad = torch.full((3,), 1024.0)
+    meta = torch.zeros((), device="meta")
+    with pytest.raises(ValueError, match="found_inf must hold a value, got a tensor on the meta"):
+        famp.optimizer_step(opt, famp.init_scaler(1024.0), found_inf=meta)
+    assert w.grad.eq(1024.0).all()
+    assert w.eq(1.0).all()
+    assert not opt.state
+
+
 def test_optimizer_step_refuses_closure_optimizers_in_public_terms() -> None:
     w = torch.nn.Parameter(torch.ones(2))
     w.grad = torch.ones(2)

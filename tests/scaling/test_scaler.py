@@ -306,6 +306,29 @@ def test_donating_the_scale_before_the_scaled_loss_backward_raises(dtype: torch.
         scaled.backward()
 
 
+@pytest.mark.parametrize("guard", [{}, {"hysteresis": 2}])
+def test_a_found_inf_that_requires_grad_leaves_the_scale_out_of_the_graph(
+    guard: dict[str, Any],
+) -> None:
+    """A found_inf computed from values that require grad gave the new scale a grad_fn torch's
+    kernel cannot differentiate, and the next scaled loss's backward raised."""
+    w = torch.ones(2, requires_grad=True)
+    for flag in (0.0, 1.0):
+        found_inf = (w * 0 + flag).amax()
+        assert found_inf.requires_grad
+        state = famp.update_scale(famp.init_scaler(8.0, growth_interval=1, **guard), found_inf)
+        expected = famp.update_scale(
+            famp.init_scaler(8.0, growth_interval=1, **guard), torch.tensor(flag)
+        )
+        assert not state.scale.requires_grad
+        assert not state.growth_tracker.requires_grad
+        assert_bitwise_equal(state.scale, expected.scale)
+        assert_bitwise_equal(state.growth_tracker, expected.growth_tracker)
+        famp.scale(state, (w * 2).sum()).backward()  # raised: no derivative for the kernel
+        assert_bitwise_equal(w.grad, torch.full((2,), 2.0) * expected.scale)
+        w.grad = None
+
+
 def test_update_scale_refuses_a_non_bool_donate() -> None:
     state = famp.init_scaler(8.0)
     with pytest.raises(TypeError, match=r"donate must be a bool, got 'yes'"):

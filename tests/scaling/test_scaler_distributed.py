@@ -145,3 +145,30 @@ def test_group_must_be_a_process_group() -> None:
 
     with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup"):
         famp.unscale_and_check(famp.init_scaler(), [torch.ones(1)], group="world")
+
+
+def test_a_bad_group_is_refused_before_anything_is_changed_or_run() -> None:
+    """A bad `group` was found only at the reduction: donated grads and an optimizer's grads
+    were unscaled in place by then, and value_and_grad had run fn's forward and backward."""
+    import famp
+
+    message = r"group must be a torch\.distributed\.ProcessGroup or None, got str 'world'"
+    state = famp.init_scaler(1024.0)
+    grads = [torch.full((3,), 1024.0), torch.full((2,), 2048.0)]
+    with pytest.raises(TypeError, match=message):
+        famp.unscale_and_check(state, grads, donate=True, group="world")
+    assert grads[0].eq(1024.0).all()
+    assert grads[1].eq(2048.0).all()
+    for fused, found_inf in [(False, None), (True, None), (True, torch.zeros(()))]:
+        w = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.Adam([w], lr=0.1, fused=fused)
+        w.grad = torch.full((3,), 1024.0)
+        with pytest.raises(TypeError, match=message):
+            famp.optimizer_step(optimizer, state, found_inf=found_inf, group="world")
+        assert w.grad.eq(1024.0).all()
+        assert w.eq(1.0).all()
+        assert not optimizer.state
+    ran = []
+    with pytest.raises(TypeError, match=message):
+        famp.value_and_grad(lambda w: ran.append(1) or w.sum(), group="world")
+    assert ran == []
