@@ -77,9 +77,8 @@ def unscale_and_check(
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState` (the message says when the arguments
-            are swapped), `donate` is not a bool, `group` is not a process group or None (both
-            checked before anything is unscaled), or a leaf is not a floating tensor, is a
-            nested tensor or has an unsupported layout; the message names its path.
+            are swapped), `donate` is not a bool, `group` is not a process group or None, or a
+            leaf is not a floating tensor, is nested or has an unsupported layout (its path).
         ValueError: A leaf is on the meta device while the scale is not; or, with
             `donate=True`, leaves share memory with different dtypes, a leaf overlaps itself,
             or a leaf requires grad; the message names the paths.
