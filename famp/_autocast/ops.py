@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -98,6 +99,19 @@ def covered(packet: str) -> frozenset[str]:
         for name in functional_overloads(packet)
         if any("Tensor" in str(a.type) for a in schema(getattr(ops, name)).arguments)
     )
+
+
+def rule_pairs(rules: object) -> list[tuple[Any, Any]]:
+    """`OpRules`' first argument as `(op, rule)` pairs: a mapping's items, or an iterable of
+    pairs; anything else raises `TypeError` naming it."""
+    if isinstance(rules, Mapping):
+        return list(rules.items())
+    pairs = list(rules) if isinstance(rules, Iterable) and not isinstance(rules, str) else None
+    bad = [p for p in pairs or () if not (isinstance(p, tuple | list) and len(p) == 2)]
+    if pairs is None or bad:
+        what = f"{bad[0]!r} among them" if bad else f"{type(rules).__name__} {rules!r}"
+        raise TypeError(f"rules must be a mapping or (op, rule) pairs, got {what}")
+    return [(p[0], p[1]) for p in pairs]
 
 
 def check_op(name: object) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from famp._autocast.ops import check_applies, check_op, check_view, covered
+from famp._autocast.ops import check_applies, check_op, check_view, covered, rule_pairs
 
 Rule = Literal[
     "lower",
@@ -121,9 +121,8 @@ class OpRules(Mapping[str, str]):
     def __init__(
         self, rules: Mapping[str, str] | Iterable[tuple[str, str]] = (), *, device_type: str
     ) -> None:
-        items = rules.items() if isinstance(rules, Mapping) else rules
         checked: dict[str, Rule] = {}
-        for op, rule in items:
+        for op, rule in rule_pairs(rules):
             checked[check_op(op)] = check_rule(op, rule)
             check_applies(op, checked[op])
         self._device_type = check_device_type(device_type)

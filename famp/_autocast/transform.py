@@ -77,7 +77,7 @@ def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return accelerators[0]
     if "cpu" in found:
         return "cpu"
-    raise ValueError("device_type=None needs a tensor among the arguments; pass device_type='cpu'")
+    raise ValueError("device_type=None needs a tensor not on meta among the args; pass device_type")
 
 
 class Transform:

@@ -42,7 +42,7 @@ def fsdp2_layout(
         A frozen `famp.FSDP2Layout`.
 
     Raises:
-        TypeError: `params` is not a mapping, or `world_size` is not an int.
+        TypeError: `params` or `shard_dims` is not a mapping, or `world_size` is not an int.
         ValueError: a world size < 1, a bad name or shape, an out-of-range dim, or uneven
             sharding on dim > 0.
         KeyError: `shard_dims` names a parameter that is not in `params`.
@@ -57,6 +57,8 @@ def fsdp2_layout(
     """
     fqns, shapes = _shapes(params, "params")
     dims = dict.fromkeys(fqns, 0)
+    if shard_dims is not None and not isinstance(shard_dims, Mapping):
+        raise TypeError(f"shard_dims must be a dict {{fqn: dim}}, got {shard_dims!r}")
     for fqn, dim in (shard_dims or {}).items():
         if fqn not in dims:
             raise KeyError(f"shard_dims names {fqn!r}, which is not in params")

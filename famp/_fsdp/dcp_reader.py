@@ -279,7 +279,9 @@ def read_entries(
 
 
 def _existing_dir(checkpoint_id: str | os.PathLike[str]) -> str:
-    path = os.fspath(checkpoint_id)
+    path = os.fspath(checkpoint_id) if isinstance(checkpoint_id, str | os.PathLike) else None
+    if not isinstance(path, str):
+        raise TypeError(f"checkpoint_id must be a str or os.PathLike path, got {checkpoint_id!r}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint_id {path!r} does not exist")
     if not os.path.isdir(path):

@@ -42,14 +42,14 @@ def _check_world_size(world_size: object) -> int:
     return world_size
 
 
-def check_rank(rank: object, world_size: int) -> int:
+def check_rank(rank: object, world_size: int, name: str = "rank") -> int:
     """`rank` as an int in `[0, world_size)`: a TypeError or ValueError naming it."""
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(
-            f"rank must be an int in [0, {world_size}), got {type(rank).__name__} {rank!r}"
+            f"{name} must be an int in [0, {world_size}), got {type(rank).__name__} {rank!r}"
         )
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        raise ValueError(f"{name} must be an int in [0, {world_size}), got {rank!r}")
     return rank
 
 
@@ -246,7 +246,7 @@ class FSDP1Layout:
 
     def flat_numel(self, unit: int) -> int:
         """Elements of unit `unit`'s flat parameter on each rank (padding included)."""
-        return self._flat[unit][1]
+        return self._flat[check_rank(unit, len(self._flat), "unit")][1]
 
     def param_slice(self, fqn: str, rank: int) -> tuple[int, int]:
         """`(start, stop)` of `fqn`'s flattened elements in `rank`'s shard; equal if none.

@@ -192,9 +192,10 @@ def optim_state_dict_to_load(
             than `Shard(dim)` with the layout's dim or of other global or local shape, an
             FSDP1 unit whose parameters have differing state names or values. The message names
             the parameter; nothing is built.
-        TypeError: `layout` is not a layout, `rank` is not an int, `optimizer` has no
-            `param_groups` list, `model` is not a module, or a state tensor is sparse
-            or a DTensor (famp runs no collective: pass its `.to_local()` chunk).
+        TypeError: `layout` is not a layout (or is an FSDP1 layout for DTensor parameters),
+            `rank` is not an int, `optimizer` has no `param_groups` list, `model` is not a
+            module, or a state tensor is sparse or a DTensor (famp runs no collective: pass
+            its `.to_local()` chunk).
 
     Examples:
         >>> import famp, torch

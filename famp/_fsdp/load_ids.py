@@ -134,7 +134,12 @@ def optimizer_ids(
         for i, (label, fqns, shapes) in enumerate(group_entries):
             param = None if opt is None else opt[g][i]
             if param is not None and is_dtensor(param):  # FSDP2: local shape, placement, mesh
-                assert isinstance(layout, FSDP2Layout)
+                if not isinstance(layout, FSDP2Layout):
+                    raise TypeError(
+                        f"the optimizer's parameter for {label} is a DTensor (FSDP2), but the "
+                        f"layout is a {type(layout).__name__}: give famp.layout_of(model) or "
+                        "famp.fsdp2_layout(...)"
+                    )
                 check_fsdp2_param(param, fqns[0], *specs(layout)[fqns[0]], layout, rank)
             elif param is not None and tuple(param.shape) not in shapes:
                 raise ValueError(

@@ -71,9 +71,14 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
 
 
 def select(
-    make_pred: Callable[[], Tensor], take: bool | None, on_true: TreeT, on_false: TreeT
+    make_pred: Callable[[], Tensor],
+    take: bool | None,
+    on_true: TreeT,
+    on_false: TreeT,
+    names: tuple[str, str, str] = ("famp.select_tree", "on_true", "on_false"),
 ) -> TreeT:
     """`select_tree` after its checks of the predicate: `take` is its value where it was read.
+    `names`: the function and its two trees, as errors name them.
 
     `take` (True: `on_true`) comes from `readable` predicates, eagerly; `None` elsewhere, where
     `make_pred()` gives the 0-d bool predicate that `torch.where` and `famp::select_` read. It
@@ -147,12 +152,12 @@ def select(
         mapped = optree.tree_map(pick, cast(Any, on_true), cast(Any, on_false))
     except ValueError:
         if not compiling:  # optree's error, in select_tree's words
-            _check_structures(on_true, on_false)
+            _check_structures(on_true, on_false, names)
         raise
     if mismatched:
         if not compiling:  # on_false may hold a subtree where on_true has a leaf
-            _check_structures(on_true, on_false)
-        _raise_mismatch(on_true, on_false)
+            _check_structures(on_true, on_false, names)
+        _raise_mismatch(on_true, on_false, names[0])
     if copies:
         select_op(to_device(make_pred(), torch.device("cpu")), copies, others)
     return cast(TreeT, mapped)
@@ -202,12 +207,13 @@ def _chosen(take: bool, grad: bool, a: Any, b: Any) -> Any:
     raise _NotPlainError
 
 
-def _check_structures(on_true: PyTree, on_false: PyTree) -> None:
+def _check_structures(on_true: PyTree, on_false: PyTree, names: tuple[str, str, str]) -> None:
     """`select_tree`'s error for trees of different structures."""
     spec, false_spec = optree.tree_structure(on_true), optree.tree_structure(on_false)
     if spec != false_spec:
         raise ValueError(
-            f"on_true and on_false must have the same structure, got {spec} and {false_spec}"
+            f"{names[0]}: {names[1]} and {names[2]} must have the same structure, got {spec} "
+            f"and {false_spec}"
         ) from None
 
 
@@ -216,7 +222,7 @@ _HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _HALF = tuple(_HALF_BITS)
 
 
-def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
+def _raise_mismatch(on_true: PyTree, on_false: PyTree, name: str) -> None:
     """`select_tree`'s error for the first pair of leaves that differ, naming its path."""
     paths, true_leaves, _ = optree.tree_flatten_with_path(on_true)
     false_leaves: list[Any] = []  # what pairs with each leaf of on_true (a subtree, maybe)
@@ -225,17 +231,16 @@ def _raise_mismatch(on_true: PyTree, on_false: PyTree) -> None:
         for leaf in (a, b):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(
-                    f"famp.select_tree: the leaf at {keystr(path)} must be a Tensor or None, "
+                    f"{name}: the leaf at {keystr(path)} must be a Tensor or None, "
                     f"got {type(leaf).__name__} {leaf!r}"
                 )
         if a.dtype != b.dtype:
             raise TypeError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in dtype: "
-                f"{a.dtype} and {b.dtype}"
+                f"{name}: the leaves at {keystr(path)} differ in dtype: {a.dtype} and {b.dtype}"
             )
         if a.shape != b.shape:
             raise ValueError(
-                f"famp.select_tree: the leaves at {keystr(path)} differ in shape: "
+                f"{name}: the leaves at {keystr(path)} differ in shape: "
                 f"{tuple(a.shape)} and {tuple(b.shape)}"
             )
 

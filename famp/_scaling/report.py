@@ -86,6 +86,10 @@ class NonfiniteReport:
             found_inf = 1: 1 of 2 leaves hold non-finite values
               w: 1 non-finite (float32), largest finite |x| 1
         """
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"limit must be an int >= 0, got {type(limit).__name__} {limit!r}")
+        if limit < 0:
+            raise ValueError(f"limit must be an int >= 0, got {limit!r}")
         counts = [c.reshape(-1).tolist() for c in optree.tree_leaves(self.counts)]
         amaxes = [a.reshape(-1).tolist() for a in optree.tree_leaves(self.amax)]
         bad: list[tuple[int, str, int, str, float]] = []

@@ -142,6 +142,8 @@ def from_state_dict(
         check_statics(2.0, 0.5, 1, False, dynamic, min_scale, max_scale, hysteresis)
         return init_scaler(1.0, enabled=False, device=device, dynamic=dynamic)
     _validate_keys(d)
+    if _OVERFLOW_KEY in d and d[_OVERFLOW_KEY] is None:  # never written so: not "no key"
+        raise TypeError(f"state dict key {_OVERFLOW_KEY!r} must be an int, got None")
     famp_only = {"min_scale": min_scale, "max_scale": max_scale, "hysteresis": hysteresis}
     return make_state(
         d["scale"],

@@ -381,6 +381,18 @@ def test_constructor_validates_types_and_device() -> None:
         famp.OpRules({}, device_type="cuda:0")
     with pytest.raises(TypeError, match="device_type must be a str"):
         famp.OpRules({}, device_type=torch.device("cpu"))  # type: ignore[arg-type]
+    # not pairs: Python's unpacking errors before ("not enough values to unpack")
+    for bad, shown in [
+        ([("linear",)], r"\('linear',\) among them"),
+        ("linear", "str 'linear'"),
+        (None, "NoneType None"),
+    ]:
+        with pytest.raises(
+            TypeError, match=rf"rules must be a mapping or \(op, rule\) pairs, got {shown}"
+        ):
+            famp.OpRules(bad, device_type="cpu")  # type: ignore[arg-type]
+    pairs = famp.OpRules([("linear", "float32"), ["mm", "lower"]], device_type="cpu")
+    assert pairs == famp.OpRules({"linear": "float32", "mm": "lower"}, device_type="cpu")
 
 
 def test_lookup_prefers_overload_key_then_packet_key() -> None:

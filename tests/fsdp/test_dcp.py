@@ -314,6 +314,11 @@ def test_load_dcp_optim_state_rejects_a_path_that_is_no_checkpoint(tmp_path: pat
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ValueError, match="is not a DCP checkpoint directory"):
         famp.load_dcp_optim_state(tmp_path / "file")
+    for bad in (None, b"ckpt", 3):  # os.fspath's own errors before, not naming checkpoint_id
+        with pytest.raises(TypeError, match=r"checkpoint_id must be a str or os\.PathLike path"):
+            famp.load_dcp_optim_state(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"checkpoint_id must be a str or os\.PathLike path"):
+            famp.read_dcp_param_shapes(bad)  # type: ignore[arg-type]
 
 
 def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(

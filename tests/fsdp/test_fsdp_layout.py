@@ -218,6 +218,14 @@ BAD_LAYOUTS = [
     (lambda: famp.fsdp2_layout({"w": (4, 3)}, 2, shard_dims={"w": 1}), ValueError, "divisible"),
     (lambda: famp.fsdp2_layout({"w": (4, 3)}, 2, shard_dims={"w": 2}), ValueError, "'w'"),
     (lambda: famp.fsdp2_layout({"w": (4, 3)}, 2, shard_dims={"v": 0}), KeyError, "'v'"),
+    (
+        lambda: famp.fsdp2_layout({"w": (4, 4)}, 2, shard_dims=[("w", 1)]),  # type: ignore[arg-type]
+        TypeError,
+        r"shard_dims must be a dict \{fqn: dim\}, got \[\('w', 1\)\]",  # AttributeError before
+    ),
+    (lambda: famp.fsdp1_layout([{"w": (7,)}], 2).flat_numel(5), ValueError, r"unit .* got 5"),
+    (lambda: famp.fsdp1_layout([{"w": (7,)}], 2).flat_numel(-1), ValueError, r"unit .* got -1"),
+    (lambda: famp.fsdp1_layout([{"w": (7,)}], 2).flat_numel("0"), TypeError, "unit must be an int"),  # type: ignore[arg-type]
     (lambda: famp.fsdp1_layout({"w": (4,)}, 2), TypeError, "one per FSDP unit"),  # type: ignore[arg-type]
     (lambda: famp.fsdp1_layout([{"w": (4,)}, {"w": (4,)}], 2), ValueError, "'w' appears twice"),
     (lambda: famp.fsdp1_layout([{}], 2), ValueError, "unit 0 has no parameters"),
@@ -265,6 +273,23 @@ def test_layout_of_rejects_partly_sharded_and_mixed_models() -> None:
         model[1] = FullyShardedDataParallel(model[1], device_id=torch.device("cpu"))
         with pytest.raises(ValueError, match="mixes FSDP1 and FSDP2"):
             famp.layout_of(model)
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+def test_an_fsdp1_layout_for_fsdp2_parameters_is_refused_by_name(with_model: bool) -> None:
+    """A bare AssertionError from famp's internals before."""
+    model = odd_model()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    with fake_rank(2, 0):
+        fully_shard(model)
+        optim = torch.optim.Adam(model.parameters())
+        full = adam_like_state(shapes)
+        layout = famp.fsdp1_layout([shapes], 2, use_orig_params=True)
+        kwargs = {"model": model} if with_model else {}
+        with pytest.raises(
+            TypeError, match=r"parameter for '0\.weight' is a DTensor \(FSDP2\), but the layout is"
+        ):
+            famp.optim_state_dict_to_load(full, layout, 0, optim, **kwargs)
 
 
 def test_layout_of_rejects_fsdp1_units_with_different_compute_dtypes() -> None:

@@ -203,6 +203,19 @@ def test_summary_counts_leaves_whose_paths_print_alike() -> None:
     assert lines[0] == "found_inf = 1: 2 of 2 leaves hold non-finite values"
 
 
+def test_summary_refuses_a_limit_that_is_no_count() -> None:
+    """limit=-1 printed "... and 2 more" for one leaf before."""
+    report = famp.nonfinite_report({"a": torch.tensor([math.inf])})
+    with pytest.raises(ValueError, match="limit must be an int >= 0, got -1"):
+        report.summary(-1)
+    with pytest.raises(TypeError, match=r"limit must be an int >= 0, got float 2\.0"):
+        report.summary(2.0)  # type: ignore[arg-type]
+    assert report.summary(0).splitlines() == [
+        "found_inf = 1: 1 of 1 leaves hold non-finite values",
+        "  ... and 1 more",
+    ]
+
+
 def test_summary_names_named_tuple_fields_by_name() -> None:
     # A namedtuple's leaves were named by position (`moments.1`); so were a structseq's, such as
     # torch.aminmax's result. Keys and list indices print as before.

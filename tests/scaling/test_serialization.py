@@ -159,6 +159,7 @@ BAD = [  # (the dict, the error type, a fragment the message must contain)
     ({k: v for k, v in GOOD.items() if k != "_growth_tracker"}, KeyError, "_growth_tracker"),
     ({**GOOD, "extra": 1}, KeyError, "extra"),
     ({**GOOD, 3: 1}, KeyError, "3"),
+    ({**GOOD, "_overflow_count": None}, TypeError, "'_overflow_count' must be an int, got None"),
     ({**GOOD, "scale": "1024"}, TypeError, "'scale'"),
     ({**GOOD, "scale": True}, TypeError, "'scale'"),
     ({**GOOD, "scale": torch.tensor(1024.0)}, TypeError, "'scale'"),

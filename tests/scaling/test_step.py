@@ -343,16 +343,23 @@ def test_skip_on_overflow_bad_input() -> None:
         famp.skip_on_overflow(1.0, tree, tree)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"exactly one element, got shape \(2,\)"):
         famp.skip_on_overflow(torch.zeros(2), tree, tree)
-    with pytest.raises(ValueError, match="same structure"):
+    # in its own names, not select_tree's (on_true, on_false) as before
+    same = "famp.skip_on_overflow: updated and current must have the same structure"
+    with pytest.raises(ValueError, match=same):
         famp.skip_on_overflow(torch.zeros(()), tree, {"v": torch.zeros(2)})
-    with pytest.raises(ValueError, match="same structure"):  # a subtree where a leaf should be
+    with pytest.raises(ValueError, match=same):  # a subtree where a leaf should be
         famp.skip_on_overflow(torch.zeros(()), tree, {"w": [torch.zeros(2)]})
-    with pytest.raises(TypeError, match=r"differ in dtype: torch\.float64 and torch\.float32"):
+    with pytest.raises(
+        TypeError,
+        match=r"famp.skip_on_overflow: the leaves at tree\['w'\] differ in dtype: torch\.float64",
+    ):
         famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(2, dtype=torch.float64)}, tree)
-    with pytest.raises(ValueError, match=r"differ in shape: \(3,\) and \(2,\)"):
+    with pytest.raises(ValueError, match=r"skip_on_overflow: .* differ in shape: \(3,\) and \(2,"):
         famp.skip_on_overflow(torch.zeros(()), {"w": torch.zeros(3)}, tree)
-    with pytest.raises(TypeError, match="must be a Tensor or None, got float"):
+    with pytest.raises(TypeError, match=r"skip_on_overflow: .* must be a Tensor or None, got"):
         famp.skip_on_overflow(torch.zeros(()), {"w": 1.0}, {"w": 2.0})
+    with pytest.raises(ValueError, match=r"famp\.select_tree: on_true and on_false must have"):
+        famp.select_tree(torch.tensor(True), tree, {"v": torch.zeros(2)})
 
 
 # --- select_tree eagerly: the chosen leaves themselves, torch.where's values --------------------
