@@ -172,6 +172,35 @@ def assume_constant_result(fn: _Fn) -> _Fn:
     return fn
 
 
+# Dynamo hands a call of torch's to the active torch function modes only if the function is in its
+# set of overridable functions (`torch.overrides`' list); eagerly, every C binding and every Python
+# function that asks `has_torch_function` goes to them. Some are not in it: the bindings torch's
+# Python functions call (`torch._C._nn.cross_entropy_loss` in `F.cross_entropy`) and some of those
+# functions (`F.hardswish`, `F.hardsigmoid`, `F.upsample`). Compiled, famp's mode never saw them,
+# and an override of them did nothing. famp adds them to the set, as a mode sees them eagerly.
+_BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "_nested", "_sparse")
+_ASKS = frozenset({"has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"})
+
+
+@assume_constant_result  # Dynamo runs it as it traces famp's mode (imported by then)
+def modes_see_every_binding() -> bool:
+    from torch._dynamo.variables.torch import get_overridable_functions  # cached: one set
+
+    functions = get_overridable_functions()
+    for namespace in (getattr(torch._C, name) for name in _BINDINGS):
+        for name in dir(namespace):  # torch.* itself: its public bindings only
+            value = getattr(namespace, name)
+            if isinstance(value, types.BuiltinFunctionType) and not (
+                name.startswith("_") and namespace is torch._C._VariableFunctions
+            ):
+                functions.add(value)
+    for module in (torch.nn.functional, torch.functional):
+        for value in list(vars(module).values()):
+            if isinstance(value, types.FunctionType) and _ASKS & set(value.__code__.co_names):
+                functions.add(value)
+    return True
+
+
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
 
 # torch's version counter of a tensor: the only record of in-place writes to it. Read before

@@ -29,7 +29,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.op_calls import call, inplace_target, renorms, written
-from famp._autocast.overrides import TRACED_CALL, UNWATCHED, WRITES, plain, traced_plain
+from famp._autocast.overrides import (
+    TRACED_CALL,
+    UNWATCHED,
+    WRITES,
+    entered_at,
+    plain,
+    traced_plain,
+)
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import (
     bracket_outputs,
@@ -40,7 +47,12 @@ from famp._autocast.recompute import (
 )
 from famp._autocast.threads import computes_in, done
 from famp._autocast.weights import dtype_switched, unwatched
-from famp._compat import no_torch_function, saved_tensors_hooks_top, torch_function_modes
+from famp._compat import (
+    modes_see_every_binding,
+    no_torch_function,
+    saved_tensors_hooks_top,
+    torch_function_modes,
+)
 
 
 def _under(mode: TorchFunctionMode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -127,6 +139,8 @@ class FampMode(TorchFunctionMode):
         super().__init__()
         self.owner = owner  # the CallRecord of the famp.autocast call this mode serves
         self.inside: set[Callable[..., Any]] = set()
+        if torch.compiler.is_compiling():  # as Dynamo traces it, the mode sees every C binding
+            modes_see_every_binding()
 
     def __torch_function__(
         self,
@@ -210,7 +224,11 @@ class FampMode(TorchFunctionMode):
             finally:
                 self.inside.discard(func)
         if owner.overrides is not None and func not in self.inside:
-            body = owner.overrides.enter.get(func)
+            if torch.compiler.is_compiling():
+                at = entered_at(owner.overrides, func)
+                body = owner.overrides.bodies[at] if at >= 0 else None
+            else:
+                body = owner.overrides.enter.get(func)
             if body is None and renorms(func, args, kwargs):
                 body = owner.overrides.renorming.get(func)
                 if body is not None:  # it calls no function of its name: nothing to guard

@@ -67,6 +67,8 @@ class Overrides:
         # Except when it renormalizes a weight in place first (`op_calls.renorms`): then it is
         # entered, so that the write reaches the weight and the op inside gets the rule.
         self.renorming = {f: copy for f, copy in copies().items() if op_name(f)[0] in self.packets}
+        self.bodies = tuple(self.enter.values())  # `entered_at`'s
+        self.positions = {f: i for i, f in enumerate(self.enter)}
 
     def __bool__(self) -> bool:
         return bool(self.packets)
@@ -177,6 +179,17 @@ def traced_plain(overrides: Overrides | None, func: Callable[..., Any]) -> int:
         if entered or op_name(func, memo=False)[0] in overrides.packets:
             return 0
     return TRACED_METHOD if is_method(func) else TRACED_CALL
+
+
+@assume_constant_result  # Dynamo calls it as it traces and takes the answer as a constant
+def entered_at(overrides: Overrides, func: Callable[..., Any]) -> int:
+    """While Dynamo traces: where `func`'s copy is in `overrides.bodies`, -1 if it is not entered.
+    `overrides.enter.get(func)` traced puts a guard on the dict, which for torch's reflected
+    operators (`Tensor.__rsub__`: `2.5 - x`) Dynamo got wrong and refused on the same frame."""
+    try:
+        return overrides.positions.get(func, -1)
+    except TypeError:  # unhashable: not entered
+        return -1
 
 
 @functools.cache

@@ -1416,6 +1416,145 @@ def test_overrides_compile_through_torch_python_functions_they_do_not_touch() ->
     assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
 
 
+# Ops Dynamo did not hand to famp's mode (torch's C bindings outside `torch.overrides`' list, and
+# Python functions such as F.hardswish): compiled, their overrides did nothing before 2026-11-30.
+# Each: (the overridden op, what runs before it under autocast, the call).
+REACHED_TARGET = torch.randint(0, 6, (4,), generator=torch.Generator().manual_seed(0))
+# Built outside: Dynamo turns `nn.CrossEntropyLoss(...)` built inside a compiled function into
+# F.cross_entropy in the graph, past every torch function mode (docs/autocast.md, Compilation).
+REACHED_LOSS = nn.CrossEntropyLoss(label_smoothing=0.1)
+_ONE = lambda h: (h,)  # noqa: E731
+_POOLED = lambda h: (h.mean((2, 3)),)  # noqa: E731
+REACHED: dict[str, tuple[str, Callable[..., Any], Callable[..., torch.Tensor]]] = {
+    "F.hardswish": ("hardswish", _ONE, F.hardswish),
+    "F.hardsigmoid": ("hardsigmoid", _ONE, F.hardsigmoid),
+    "torch._C._nn.silu": ("silu", _ONE, torch._C._nn.silu),
+    "F.cross_entropy": (
+        "cross_entropy_loss",
+        _POOLED,
+        lambda z: F.cross_entropy(z, REACHED_TARGET),
+    ),
+    "nn.CrossEntropyLoss": (
+        "cross_entropy_loss",
+        _POOLED,
+        lambda z: REACHED_LOSS(z, REACHED_TARGET),
+    ),
+    "F.nll_loss": ("nll_loss", _POOLED, lambda z: F.nll_loss(z, REACHED_TARGET)),
+    "torch._C._nn.mse_loss": ("mse_loss", lambda h: (h, h * 0.5), torch._C._nn.mse_loss),
+    "F.interpolate nearest": (
+        "upsample_nearest2d",
+        _ONE,
+        lambda z: F.interpolate(z, scale_factor=2),
+    ),
+    "F.interpolate bilinear": (
+        "upsample_bilinear2d",
+        _ONE,
+        lambda z: F.interpolate(z, scale_factor=2, mode="bilinear"),
+    ),
+    "F.leaky_relu": ("leaky_relu", _ONE, lambda z: F.leaky_relu(z, 0.1)),
+    "torch.einsum": (
+        "einsum",
+        lambda h: (h, h * 2),
+        lambda a, b: torch.einsum("bchw,bdhw->bcd", a, b),
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", ["lower", "float32"])
+@pytest.mark.parametrize("case", list(REACHED))
+def test_an_override_reaches_the_op_compiled_as_eagerly(case: str, rule: str) -> None:
+    """Compiled (aot_eager: eager's values, cast for cast), each override equals torch by hand:
+    `torch.autocast` around the function, the overridden call run with autocast off on inputs
+    cast to the rule's dtype. Before, compiled, several ran as if not overridden."""
+    packet, before, op = REACHED[case]
+    x = torch.randn(4, 6, 8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    w = torch.eye(8).requires_grad_()
+
+    def function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return op(*before(x @ w)).float().sum()
+
+    def by_hand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            inputs = before(x @ w)
+            with torch.autocast("cpu", enabled=False):
+                out = op(*(t.to(BF16 if rule == "lower" else F32) for t in inputs))
+        return out.float().sum()
+
+    f = famp.autocast(function, "c=bf16,o=f32", rules=_cpu_rules({packet: rule}), compile=False)
+    expected = by_hand(x, w)
+    e_grads = torch.autograd.grad(expected, (x, w))
+    torch._dynamo.reset()
+    for actual in (f(x, w), torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)):
+        assert_bitwise_equal(actual, expected)
+        for g, e in zip(torch.autograd.grad(actual, (x, w)), e_grads, strict=True):
+            assert_bitwise_equal(g, e)
+
+
+REFLECTED = {  # torch's reflected operators, and an op each calls: Tensor.__rsub__ calls rsub
+    "rsub": lambda x: 2.5 - x,
+    "remainder": lambda x: 0.3 % x,
+    "reciprocal": lambda x: 3 / x,
+    "floor_divide": lambda x: 300 // x,
+    "mul": lambda x: 3 / x,  # __rtruediv__: x.reciprocal() * 3
+    "pow": lambda x: 2.0**x,
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("packet", list(REFLECTED))
+def test_an_override_of_a_reflected_operators_op_compiles(packet: str, backend: str) -> None:
+    """Compiled, Dynamo raised "Guard failed on the same frame it was created" on famp's lookup
+    of `Tensor.__rsub__` among the functions it enters. Against `torch.autocast` by hand,
+    compiled alike (inductor rounds its fused arithmetic otherwise than eager), and eagerly."""
+    op = REFLECTED[packet]
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) + 4.0
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return op(x @ torch.eye(8)).float().sum()
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            h = x @ torch.eye(8)
+            with torch.autocast("cpu", enabled=False):
+                return op(h.to(BF16)).float().sum()
+
+    rules = _cpu_rules({packet: "lower"})
+    f = famp.autocast(function, "c=bf16,o=f32", rules=rules, compile=False)
+    assert_bitwise_equal(f(x), by_hand(x))
+    torch._dynamo.reset()
+    expected = torch.compile(by_hand, fullgraph=True, backend=backend)(x)
+    torch._dynamo.reset()
+    assert_bitwise_equal(torch.compile(f, fullgraph=True, backend=backend)(x), expected)
+
+
+SEEN: list[str] = []
+
+
+class _Names(torch.overrides.TorchFunctionMode):  # at module level: Dynamo keeps its appends
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        SEEN.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def _named_calls(x: torch.Tensor) -> torch.Tensor:
+    with _Names():
+        return F.hardswish(x) + torch._C._nn.silu(x)
+
+
+def test_a_torch_function_mode_sees_torchs_bindings_compiled_as_eagerly() -> None:
+    """What famp changes for every compiled mode once a compiled call of famp's with an override
+    ran: Dynamo hands a mode the calls it sees eagerly (F.hardswish, torch._C._nn.silu)."""
+    x = torch.randn(3)
+    _named_calls(x)
+    assert SEEN == ["hardswish", "silu", "add"]
+    SEEN.clear()
+    torch._dynamo.reset()
+    f = famp.autocast(lambda x: x.sum(), "c=bf16", rules=_cpu_rules({"silu": "float32"}))
+    torch.compile(f, fullgraph=True, backend="eager")(x)
+    torch.compile(_named_calls, fullgraph=True, backend="eager")(x)
+    assert SEEN == ["hardswish", "silu", "add"]
+
+
 BUILT_INSIDE_W = torch.randn(4, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
 
 
