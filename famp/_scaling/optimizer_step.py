@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -253,6 +253,21 @@ def optimizer_step(
         skip = (found_inf.reshape(()) != 0).float()  # the kernels skip on exactly 1.0 only
         _fused_step(optimizer, _grad_scale(optimizer, state if scaled else None), skip)
         return skip
+    if torch.compiler.is_compiling():  # eagerly, behind a graph break, as GradScaler.step runs
+        eager = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
+        return cast(Tensor, eager(optimizer, state, found_inf, group, scaled))
+    return _step(optimizer, state, found_inf, group, scaled)
+
+
+def _step(
+    optimizer: torch.optim.Optimizer,
+    state: ScalerState | None,
+    found_inf: Tensor | None,
+    group: Any,
+    scaled: bool,
+) -> Tensor:
+    """`optimizer_step` of an optimizer that takes no `grad_scale`: unscale, step, undo a skip.
+    Dynamo cannot trace the undo (a `NameError` inside Dynamo on torch 2.13)."""
     if scaled:
         assert state is not None
         params = with_grads(optimizer)

@@ -394,6 +394,44 @@ def test_optimizer_step_skips_on_any_nonzero_or_nan_found_inf(
     assert_optimizer_states_equal(opt, expected_opt)
 
 
+@pytest.mark.parametrize(
+    ("name", "impl"),
+    [("sgd_momentum", "for-loop"), ("adam", "for-loop"), ("adam", "foreach"), ("adam", "fused")],
+)
+def test_optimizer_step_in_a_compiled_step_equals_gradscaler(name: str, impl: str) -> None:
+    """Inside torch.compile (graph breaks allowed), Dynamo traced the undo of a non-fused step
+    and raised `NameError: name '___tuple_iterator_getitem' is not defined` at the second step,
+    where `GradScaler.step`, which Dynamo skips, runs. Now that step runs eagerly behind a graph
+    break, as GradScaler's does; a fused step is traced. Against GradScaler eagerly."""
+    model, expected = make_model(), make_model()
+    opt, expected_opt = (
+        make(name, impl, model.parameters()),
+        make(name, impl, expected.parameters()),
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+    @torch.compile(backend="eager")
+    def step(state: famp.ScalerState) -> tuple[torch.Tensor, famp.ScalerState]:
+        found_inf = famp.optimizer_step(opt, state)
+        return found_inf, famp.update_scale(state, found_inf)
+
+    state = famp.init_scaler(2.0**10, growth_interval=2)
+    for i, bad in enumerate([None, None, math.inf, None]):
+        expected_opt.zero_grad()
+        scaler.scale(loss_of(expected, i)).backward()
+        inject(expected, bad)
+        scaler.step(expected_opt)
+        scaler.update()
+        opt.zero_grad()
+        famp.scale(state, loss_of(model, i)).backward()
+        inject(model, bad)
+        found_inf, state = step(state)
+        assert found_inf.item() == float(bad is not None)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_models_equal(model, expected)
+        assert_optimizer_states_equal(opt, expected_opt)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_meta_found_inf_is_refused_before_the_step(fused: bool) -> None:
     """A found_inf on the meta device was found only where the skip read it: the grads were
