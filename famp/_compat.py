@@ -12,6 +12,7 @@ import itertools
 import operator
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -172,20 +173,22 @@ def assume_constant_result(fn: _Fn) -> _Fn:
     return fn
 
 
-# Dynamo hands a call of torch's to the active torch function modes only if the function is in its
-# set of overridable functions (`torch.overrides`' list); eagerly, every C binding and every Python
-# function that asks `has_torch_function` goes to them. Some are not in it: the bindings torch's
-# Python functions call (`torch._C._nn.cross_entropy_loss` in `F.cross_entropy`) and some of those
-# functions (`F.hardswish`, `F.hardsigmoid`, `F.upsample`). Compiled, famp's mode never saw them,
-# and an override of them did nothing. famp adds them to the set, as a mode sees them eagerly.
+# Dynamo hands a call to the torch function modes only for functions in its set (`torch.overrides`'
+# list); eagerly, every C binding and Python function asking `has_torch_function` goes to them. Not
+# in it: the bindings torch's Python functions call (`torch._C._nn.cross_entropy_loss`),
+# `F.hardswish`...: compiled, their overrides did nothing. famp adds them, as eagerly.
 _BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "_nested", "_sparse")
 _ASKS = frozenset({"has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"})
 
 
 @assume_constant_result  # Dynamo runs it as it traces famp's mode (imported by then)
 def modes_see_every_binding() -> bool:
-    from torch._dynamo.variables.torch import get_overridable_functions  # cached: one set
-
+    try:
+        from torch._dynamo.variables.torch import get_overridable_functions  # cached: one set
+    except ImportError:  # moved: say so rather than let overrides go silently unapplied
+        message = "famp.autocast: compiled, overrides may miss ops (docs/autocast.md, Compilation)"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return False
     functions = get_overridable_functions()
     for namespace in (getattr(torch._C, name) for name in _BINDINGS):
         for name in dir(namespace):  # torch.* itself: its public bindings only

@@ -79,3 +79,15 @@ def test_every_private_name_in_the_compat_module_says_why() -> None:
             assert any(s.strip().startswith(("#", '"""')) or "#" in s for s in context), (
                 f"famp/_compat.py:{i + 1}: {line.strip()} has no reason next to it"
             )
+
+
+def test_a_dynamo_without_the_overridable_set_gets_a_warning_not_silence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should a torch move Dynamo's set of functions it hands to modes, compiled overrides could
+    miss ops again: famp says so (a RuntimeWarning naming the docs) instead of going on."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo.variables.torch", None)  # import fails
+    with pytest.warns(RuntimeWarning, match=r"compiled, overrides may miss ops"):
+        assert famp._compat.modes_see_every_binding() is False
