@@ -27,8 +27,9 @@ from famp._autocast.ops import overloads
 from famp._autocast.patterns import module_paths
 from famp._autocast.recompute import calls
 from famp._autocast.rules import OpRules
+from famp._autocast.tables import DISPATCH_KEYS, registered_ops
 from famp._autocast.trace import OpRecord
-from famp._compat import TorchDispatchMode, op_schema, overload_name
+from famp._compat import TorchDispatchMode, autocast_key_excluded, op_schema, overload_name
 
 
 def _is_torch_builtin(func: Any) -> bool:
@@ -54,6 +55,7 @@ class _Call:
     effect: _Effect  # where it was called
     func: Any = None  # the builtin, or the Python function's frame
     overload: str | None = None  # the overload of a same-named op seen inside
+    autocast: bool = False  # autocast on where it was called, and the op has no autocast kernel
 
 
 @dataclasses.dataclass
@@ -84,6 +86,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.roots: dict[torch.nn.Module, dict[torch.nn.Module, str]] = {}
         self.paths: dict[torch.nn.Module, str] = {}  # those of the root running
         self.enabled = torch.is_autocast_enabled(device_type)  # as the Python code last set it
+        self.key = DISPATCH_KEYS.get(device_type)  # torch's autocast dispatch key for the device
+        self.wrapped = {p for p, _ in registered_ops(device_type)} if self.key else set()
 
     def effect(self, enabled: bool) -> _Effect:
         """What governs an op here, autocast being `enabled` for the device at Python level: the
@@ -104,9 +108,20 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     # dispatch: every aten op
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        call = self.governing()
         packet = op_schema(func).name.partition("::")[2]
+        last = self.calls[-1] if self.calls else None
+        if last is not None and last.autocast and packet == last.name and self.key is not None:
+            # Called from Python with autocast on, by no C++ autocast wrapper (it has none): its
+            # kernel's own calls (the fused transformer fast path's linears) are cast as unobserved;
+            # a dispatch mode runs the op with autocast's key excluded.
+            was = autocast_key_excluded(self.key, False)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                autocast_key_excluded(self.key, was)
+        else:
+            out = func(*args, **kwargs)
+        call = self.governing()
         if call is not None and call.overload is None and packet == call.name:
             call.overload = overload_name(func)
         effect = None
@@ -160,8 +175,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.calls.pop()
 
     def _push(self, name: str, key: Any) -> None:
-        effect = self.effect(torch.is_autocast_enabled(self.device_type))
-        self.calls.append(_Call(name, effect, key))
+        on = torch.is_autocast_enabled(self.device_type)
+        wrapped = name in self.wrapped
+        self.calls.append(_Call(name, self.effect(on), key, autocast=on and not wrapped))
 
     def governing(self) -> _Call | None:
         """The outermost running torch call named like an aten op: its rule is the op's."""

@@ -407,3 +407,27 @@ def test_an_op_where_autocast_is_off_has_no_rule_also_from_an_operator() -> None
     _assert_same_outputs(out, expected)
     assert _rows(trace) == log.rows
     assert [r.rule for r in trace if r.op == "aten.mm.default"] == [None, None, None, "lower"]
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["layer", "encoder"])
+def test_the_transformer_fast_path_runs_as_unobserved(stack: bool) -> None:
+    # Eval mode under no_grad takes torch's fused `_transformer_encoder_layer_fwd`, whose kernel
+    # calls linear through the dispatcher: autocast casts those calls. A dispatch mode runs an op
+    # with autocast's key excluded, so explain ran them in float32 (max diff 0.0071 against
+    # famp.autocast and torch.autocast unobserved; the trace said f32 out).
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False) if stack else layer
+    model.eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+        out, trace = famp.explain(model, "c=bf16,o=bf16")(x)
+        plain = famp.autocast(model, "c=bf16,o=bf16")(x)
+    assert expected.dtype == torch.bfloat16
+    assert_bitwise_equal(out, expected)
+    assert_bitwise_equal(out, plain)
+    fused = [r for r in trace if r.op == "aten._transformer_encoder_layer_fwd.default"]
+    assert len(fused) == (2 if stack else 1)
+    assert all(r.out_dtypes == (torch.bfloat16,) for r in fused)
