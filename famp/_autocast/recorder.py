@@ -22,7 +22,9 @@ from typing import Any
 import optree
 import torch
 
+from famp._autocast.call import CallRecord
 from famp._autocast.defaults import default_rules
+from famp._autocast.op_calls import op_name
 from famp._autocast.ops import overloads
 from famp._autocast.patterns import module_paths
 from famp._autocast.recompute import calls
@@ -110,7 +112,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         packet = op_schema(func).name.partition("::")[2]
         last = self.calls[-1] if self.calls else None
-        if last is not None and last.autocast and packet == last.name and self.key is not None:
+        if last and last.autocast and packet == last.name and self.enabled and self.key:
             # Called from Python with autocast on, by no C++ autocast wrapper (it has none): its
             # kernel's own calls (the fused transformer fast path's linears) are cast as unobserved;
             # a dispatch mode runs the op with autocast's key excluded.
@@ -162,6 +164,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         elif event == "call":
             if frame.f_globals is _F_GLOBALS or frame.f_globals is _FUNCTIONAL_GLOBALS:
                 self._push(frame.f_code.co_name, frame)
+            elif frame.f_code is _RUN_OP:  # famp runs an op by its rule: `x + x` too, unprofiled
+                self._push(op_name(frame.f_locals["func"], memo=False)[0], frame, by_famp=True)
         elif event == "return":
             if self.calls and self.calls[-1].func is frame:
                 self.calls.pop()
@@ -174,10 +178,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # as a new bound method at each event, equal to the one of its call.
                 self.calls.pop()
 
-    def _push(self, name: str, key: Any) -> None:
+    def _push(self, name: str, key: Any, by_famp: bool = False) -> None:
         on = torch.is_autocast_enabled(self.device_type)
-        wrapped = name in self.wrapped
-        self.calls.append(_Call(name, self.effect(on), key, autocast=on and not wrapped))
+        direct = on and not by_famp and name not in self.wrapped  # see __torch_dispatch__
+        self.calls.append(_Call(name, self.effect(on), key, autocast=direct))
 
     def governing(self) -> _Call | None:
         """The outermost running torch call named like an aten op: its rule is the op's."""
@@ -229,3 +233,4 @@ def _overload_of(rules: OpRules, packet: str) -> str:
 # famp.autocast may apply an override to the whole call, so they count as calls of their op.
 _F_GLOBALS = vars(torch.nn.functional)
 _FUNCTIONAL_GLOBALS = vars(torch.functional)
+_RUN_OP = CallRecord.run_op.__code__

@@ -431,3 +431,32 @@ def test_the_transformer_fast_path_runs_as_unobserved(stack: bool) -> None:
     fused = [r for r in trace if r.op == "aten._transformer_encoder_layer_fwd.default"]
     assert len(fused) == (2 if stack else 1)
     assert all(r.out_dtypes == (torch.bfloat16,) for r in fused)
+
+
+@pytest.mark.parametrize(
+    ("override", "op", "fn"),
+    [
+        ({"add": "lower"}, "aten.add.Tensor", lambda x, w: x + x),
+        ({"matmul": "float32"}, "aten.mm.default", lambda x, w: x @ w),
+        ({"mul": "lower"}, "aten.mul.Tensor", lambda x, w: x * 2.0),
+        ({"mm": "float32"}, "aten.mm.default", lambda x, w: torch.ops.aten.mm.default(x, w)),
+    ],
+    ids=["add", "matmul", "mul", "aten_mm"],
+)
+def test_an_operator_with_an_override_has_the_overrides_rule(
+    override: dict[str, str], op: str, fn: Any
+) -> None:
+    # famp applies an override to a Python operator (`x + x` has no profiled call): its ops
+    # were reported with rule None ("autocast off") although the override ran them.
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    rules = famp.default_rules("cpu").override(override)
+    with OpLog() as log:
+        expected = famp.autocast(fn, "c=bf16,o=bf16", rules=rules)(x, w)
+    out, trace = famp.explain(fn, "c=bf16,o=bf16", rules=rules)(x, w)
+    assert_bitwise_equal(out, expected)
+    ran = [dtypes for name, _, dtypes in log.ops if name == op]
+    (record,) = [r for r in trace if r.op == op]
+    assert [record.out_dtypes] == ran
+    rule = next(iter(override.values()))
+    assert (record.rule, record.source) == (rule, "override")
+    assert ran[0][0] == (torch.bfloat16 if rule == "lower" else torch.float32)
