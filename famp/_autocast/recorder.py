@@ -124,8 +124,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             out = func(*args, **kwargs)
         call = self.governing()
-        if call is not None and call.overload is None and packet == call.name:
-            call.overload = overload_name(func)
+        if call is not None and call.overload is None:
+            if packet == call.name:
+                call.overload = overload_name(func)
+            elif overload_name(func).endswith("out"):  # a composite's out= call (`matmul`'s)
+                outs = [o for o in overloads(call.name) or () if o.endswith("out")]
+                call.overload = outs[0] if outs else None
         effect = None
         if call is None:
             # Off here but on in the Python code: inside a C++ autocast wrapper (`x @ w`'s mm).

@@ -460,3 +460,26 @@ def test_an_operator_with_an_override_has_the_overrides_rule(
     rule = next(iter(override.values()))
     assert (record.rule, record.source) == (rule, "override")
     assert ran[0][0] == (torch.bfloat16 if rule == "lower" else torch.float32)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, w: torch.matmul(x, w, out=torch.empty(4, 8)),
+        lambda x, w: torch.linalg.vecdot(x, x, out=torch.empty(4)),
+    ],
+    ids=["matmul", "vecdot"],
+)
+def test_an_out_call_of_a_composite_has_the_out_overloads_rule(fn: Any) -> None:
+    # torch.matmul(x, w, out=o) runs in float32 under autocast (out= overloads have no autocast
+    # kernel); explain gave its aten.mm.out matmul.default's rule, "lower".
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = fn(x, w)
+    out, trace = famp.explain(fn, "c=bf16,o=f32")(x, w)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    assert all(d == torch.float32 for _, i, o in log.ops for d in i + o)
+    ruled = [r for r in trace if r.call in ("matmul", "linalg_vecdot")]
+    assert ruled
+    assert {r.rule for r in ruled} == {"keep"}
