@@ -58,6 +58,7 @@ class _Call:
     func: Any = None  # the builtin, or the Python function's frame
     overload: str | None = None  # the overload of a same-named op seen inside
     autocast: bool = False  # autocast on where it was called, and the op has no autocast kernel
+    by_famp: bool = False  # famp's CallRecord.run_op: the call's rules apply inside it
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class _Raw:
     module: str
     call: _Call | None
     effect: _Effect | None  # where it ran, if no call governs it
+    by_famp: bool  # inside famp's run_op: without, the call's rules did not apply (TorchScript)
     in_dtypes: tuple[torch.dtype, ...]
     out_dtypes: tuple[torch.dtype, ...]
 
@@ -140,6 +142,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.modules[-1] if self.modules else "",
                 call,
                 effect,
+                any(c.by_famp for c in self.calls),
                 _dtypes((args, kwargs)),
                 _dtypes(out),
             )
@@ -185,7 +188,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _push(self, name: str, key: Any, by_famp: bool = False) -> None:
         on = torch.is_autocast_enabled(self.device_type)
         direct = on and not by_famp and name not in self.wrapped  # see __torch_dispatch__
-        self.calls.append(_Call(name, self.effect(on), key, autocast=direct))
+        self.calls.append(_Call(name, self.effect(on), key, autocast=direct, by_famp=by_famp))
 
     def governing(self) -> _Call | None:
         """The outermost running torch call named like an aten op: its rule is the op's."""
@@ -203,6 +206,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             effect = call.effect if call is not None else raw.effect
             assert effect is not None
             rules = effect.rules or outside
+            if not raw.by_famp:  # famp's mode never ran it: torch's defaults alone applied
+                rules = default_rules(rules.device_type)
             if call is not None:
                 key = (call.name, call.overload or _overload_of(rules, call.name))
             else:

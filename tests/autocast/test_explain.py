@@ -483,3 +483,47 @@ def test_an_out_call_of_a_composite_has_the_out_overloads_rule(fn: Any) -> None:
     ruled = [r for r in trace if r.call in ("matmul", "linalg_vecdot")]
     assert ruled
     assert {r.rule for r in ruled} == {"keep"}
+
+
+def _backward_through_linear(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    y = torch.nn.Linear(8, 8)(x)
+    y.float().sum().backward()
+    return y.detach()
+
+
+def _scripted_linear(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scripted = torch.jit.script(torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        return scripted(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("fn", "op", "override"),
+    [
+        (_backward_through_linear, "aten.mm.default", "mm"),
+        (_scripted_linear, "aten.addmm.default", "addmm"),
+    ],
+    ids=["backward", "torchscript"],
+)
+def test_an_override_famp_never_applied_is_not_reported(fn: Any, op: str, override: str) -> None:
+    # famp's overrides reach the ops its mode runs: not the backward pass (the autograd engine
+    # runs it) nor a TorchScript module's ops. explain reported them "float32"/"override"
+    # although they ran in bfloat16 under torch's default rule.
+    rules = famp.default_rules("cpu").override({override: "float32"})
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(), OpLog() as log:
+        warnings.simplefilter("ignore")  # famp warns that TorchScript escapes its overrides
+        expected = famp.autocast(fn, "c=bf16,o=f32", rules=rules)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, trace = famp.explain(fn, "c=bf16,o=f32", rules=rules)(x)
+    assert_bitwise_equal(out, expected)
+    ran = [dtypes for name, _, dtypes in log.ops if name == op]
+    records = [r for r in trace if r.op == op]
+    assert [r.out_dtypes for r in records] == ran == [(torch.bfloat16,)] * len(ran)
+    assert ran
+    assert {(r.rule, r.source) for r in records} == {("lower", "default")}
