@@ -137,6 +137,8 @@ def explain(
         finally:
             pre.remove()
             post.remove()
+            for handle in recorder.handles:  # a module's own hook that never ran (it raised)
+                handle.remove()
         return out, Trace(recorder.records(rules or default_rules(dev)))
 
     return explained

@@ -17,6 +17,7 @@ while the Python code had it on is inside a wrapper.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import optree
@@ -31,7 +32,13 @@ from famp._autocast.recompute import calls
 from famp._autocast.rules import OpRules
 from famp._autocast.tables import DISPATCH_KEYS, registered_ops
 from famp._autocast.trace import OpRecord
-from famp._compat import TorchDispatchMode, autocast_key_excluded, op_schema, overload_name
+from famp._compat import (
+    TorchDispatchMode,
+    autocast_key_excluded,
+    forward_hooks,
+    op_schema,
+    overload_name,
+)
 
 
 def _is_torch_builtin(func: Any) -> bool:
@@ -86,6 +93,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.raw: list[_Raw] = []
         self.calls: list[_Call] = []  # the torch builtins running, outermost first
         self.modules: list[str] = []  # the paths of the modules running, outermost first
+        self.entered: list[torch.nn.Module] = []  # those modules
+        self.late: list[torch.nn.Module] = []  # modules left after their own forward hooks
+        self.handles: list[Any] = []  # the hooks doing that (removed at the end, if not yet)
+        self.thread = threading.get_ident()  # the calling thread: the only one recorded
         # Per root (a module entered outside any other, each time it is one): its modules' paths.
         self.roots: dict[torch.nn.Module, dict[torch.nn.Module, str]] = {}
         self.paths: dict[torch.nn.Module, str] = {}  # those of the root running
@@ -151,6 +162,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     # module hooks: the module path stack
     def pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self.thread:  # global hooks: other threads' modules too
+            return
         if not self.modules:  # a root, for this call of it (as famp.autocast's module rules)
             self.paths = self.roots.setdefault(module, {})
         if module not in self.paths:  # the root, or a module outside its tree called inside it
@@ -158,9 +171,28 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for path, sub in module_paths(module, unique=False):
                 self.paths.setdefault(sub, ".".join(p for p in (parent, path) if p))
         self.modules.append(self.paths[module])
+        self.entered.append(module)
+        if forward_hooks(module):  # torch runs them after global hooks: leave after them
+            depth = len(self.modules)
+
+            def leave(left: torch.nn.Module, args: Any, output: Any) -> None:
+                if threading.get_ident() == self.thread and len(self.modules) == depth:
+                    handle.remove()
+                    self.late.pop()
+                    self._leave(left)
+
+            self.late.append(module)
+            handle = module.register_forward_hook(leave, always_call=True)
+            self.handles.append(handle)
 
     def post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.modules:
+        if threading.get_ident() != self.thread or (self.late and self.late[-1] is module):
+            return  # another thread's module, or one left after its own hooks
+        self._leave(module)
+
+    def _leave(self, module: torch.nn.Module) -> None:
+        if self.entered and self.entered[-1] is module:
+            self.entered.pop()
             self.modules.pop()
 
     # profile function: the torch functions called from Python

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -527,3 +528,54 @@ def test_an_override_famp_never_applied_is_not_reported(fn: Any, op: str, overri
     assert [r.out_dtypes for r in records] == ran == [(torch.bfloat16,)] * len(ran)
     assert ran
     assert {(r.rule, r.source) for r in records} == {("lower", "default")}
+
+
+def test_ops_of_a_modules_own_forward_hooks_are_in_that_module() -> None:
+    # torch runs global forward hooks (explain's) before a module's own: the ops of `0`'s own
+    # forward hook were reported in "" (the parent), though `0`'s module rule ran them (f32).
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    model[0].register_forward_pre_hook(lambda mod, args: (torch.mm(args[0], w),))
+    model[0].register_forward_hook(lambda mod, args, out: torch.mm(out, w))
+    x = torch.randn(4, 8)
+    kwargs: dict[str, Any] = {"module_rules": {"0": "c=f32"}}
+    with OpLog() as log:
+        expected = famp.autocast(model, "c=bf16,o=f32", **kwargs)(x)
+    out, trace = famp.explain(model, "c=bf16,o=f32", **kwargs)(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    mms = [(r.module, r.source, r.out_dtypes) for r in trace if r.op == "aten.mm.default"]
+    assert mms == [("0", "module", (torch.float32,))] * 2
+    assert [r.module for r in trace if r.op == "aten.relu.default"] == ["1"]
+    assert len(model[0]._forward_hooks) == 1  # explain's own hook is gone
+
+
+def test_modules_run_by_another_thread_leave_the_module_column_alone() -> None:
+    # explain's module hooks are global: another thread's modules pushed and popped the calling
+    # thread's stack of module paths (a differential hunt: traces differing from a lone run).
+    torch.manual_seed(0)
+    background = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    _, alone = famp.explain(model, "c=bf16,o=f32")(x)
+    stop, started = threading.Event(), threading.Event()
+
+    def run() -> None:
+        z = torch.randn(2, 4)
+        with torch.no_grad():
+            while not stop.is_set():
+                background(z)
+                started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        started.wait()
+        rows = [
+            [(r.op, r.module) for r in famp.explain(model, "c=bf16,o=f32")(x)[1]] for _ in range(40)
+        ]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(row == [(r.op, r.module) for r in alone] for row in rows)
