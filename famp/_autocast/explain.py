@@ -125,6 +125,8 @@ def explain(
         pre = register_module_forward_pre_hook(recorder.pre_hook)
         post = register_module_forward_hook(recorder.post_hook, always_call=True)
         previous = sys.getprofile()
+        if isinstance(getattr(previous, "__self__", None), Recorder):  # inside another explain
+            recorder.chained = previous  # whose profile function then still sees every call
         # Compiled code inside `fn` runs eagerly too (Dynamo is loaded if anything was compiled).
         eager = "torch._dynamo" in sys.modules
         try:

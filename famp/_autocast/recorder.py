@@ -97,6 +97,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.late: list[torch.nn.Module] = []  # modules left after their own forward hooks
         self.handles: list[Any] = []  # the hooks doing that (removed at the end, if not yet)
         self.thread = threading.get_ident()  # the calling thread: the only one recorded
+        self.chained: Any = None  # the profile function of an explain this one runs inside
         # Per root (a module entered outside any other, each time it is one): its modules' paths.
         self.roots: dict[torch.nn.Module, dict[torch.nn.Module, str]] = {}
         self.paths: dict[torch.nn.Module, str] = {}  # those of the root running
@@ -197,6 +198,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     # profile function: the torch functions called from Python
     def profile(self, frame: Any, event: str, arg: Any) -> None:
+        if self.chained is not None:
+            self.chained(frame, event, arg)
         if event == "c_call":
             if _is_torch_builtin(arg):
                 self._push(getattr(arg, "__name__", ""), arg)

@@ -579,3 +579,30 @@ def test_modules_run_by_another_thread_leave_the_module_column_alone() -> None:
         stop.set()
         thread.join()
     assert all(row == [(r.op, r.module) for r in alone] for row in rows)
+
+
+def test_an_explain_inside_an_explain_keeps_the_outer_trace() -> None:
+    # The inner explain replaced the outer's profile function: the outer trace lost the calls
+    # inside it (linear's casts reported "keep" with no call instead of linear's "lower").
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    inner: list[famp.Trace] = []
+
+    def with_explain(x: torch.Tensor) -> Any:
+        out, trace = famp.explain(lin, "c=f16,o=f32")(x)
+        inner.append(trace)
+        return out
+
+    def with_autocast(x: torch.Tensor) -> Any:
+        return famp.autocast(lin, "c=f16,o=f32")(x)
+
+    with OpLog() as log:
+        expected = famp.autocast(with_autocast, "c=bf16,o=f32")(x)
+    out, outer = famp.explain(with_explain, "c=bf16,o=f32")(x)
+    _, plain = famp.explain(with_autocast, "c=bf16,o=f32")(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in outer] == log.ops
+    assert _rows(outer) == _rows(plain)
+    assert [r.rule for r in outer if r.call == "linear"] == ["lower"] * 4
+    famp.autocast(with_explain, "c=bf16,o=f32")(x)  # the inner explain, unobserved
+    assert _rows(inner[0]) == _rows(inner[1])
