@@ -165,6 +165,13 @@ torch_pytree.register_pytree_node(
 )
 
 
+def _bare(node: Any, inner: bool = False) -> bool:
+    """A dict holding only None, and lists, tuples and dicts of nothing else (not optree's)."""
+    if inner and (node is None or isinstance(node, (list, tuple))):
+        return node is None or all(_bare(x, True) for x in node)
+    return isinstance(node, dict) and all(_bare(x, True) for x in node.values())
+
+
 def _path_str(path: Sequence[Any]) -> str:
     """A leaf's path as the summary prints it: keys, indices, and a named tuple's field names."""
     return ".".join(_entry_name(e) for e in path) if path else "<tree>"
@@ -250,7 +257,13 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         found_inf = 1: 1 of 2 leaves hold non-finite values
           w: 1 non-finite (float32), largest finite |x| 7
     """
-    paths, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    # Dynamo cannot flatten a dict without leaves (`{}`, `{"w": None}`): compiled, it is a leaf
+    # of its own, which the report's trees hold as it is (it has no figures).
+    bare = _bare if torch.compiler.is_compiling() else None
+    paths, every, spec = optree.tree_flatten_with_accessor(tree, is_leaf=bare)
+    kept = [not (bare and bare(leaf)) for leaf in every]
+    paths = [p for p, k in zip(paths, kept, strict=True) if k]
+    leaves = [leaf for leaf, k in zip(every, kept, strict=True) if k]
     local: list[Tensor] = []
     dtensors = []
     for path, leaf in zip(paths, leaves, strict=True):
@@ -283,6 +296,10 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         counts, amaxes, found_inf, world_size = _collectives.all_gather_report(
             counts, amaxes, found_inf, group
         )
+    counts, amaxes = (
+        [next(it) if k else x for k, x in zip(kept, every, strict=True)]
+        for it in (iter(counts), iter(amaxes))
+    )
     return NonfiniteReport(
         optree.tree_unflatten(spec, counts),
         optree.tree_unflatten(spec, amaxes),
