@@ -384,3 +384,15 @@ def test_compiled_report_of_a_tree_with_leafless_dicts(tree: Any) -> None:
     ):
         assert_bitwise_equal(a, e)
     assert_bitwise_equal(out.found_inf, famp.unscale_and_check(famp.init_scaler(), tree)[1])
+
+
+def test_summary_of_a_float64_leaf_beyond_float32s_range_says_so() -> None:
+    # amax is float32 (documented): 1e300 rounds to inf, and the summary said "largest finite
+    # |x| inf" of a leaf whose largest |x| is finite.
+    tree = {"w": torch.tensor([1e300, math.nan], dtype=torch.float64)}
+    report = famp.nonfinite_report(tree)
+    assert report.amax["w"].item() == math.inf
+    assert report.amax["w"].dtype == torch.float32
+    assert torch.isfinite(tree["w"][0])  # the largest finite |x| is 1e300
+    line = report.summary().splitlines()[1]
+    assert line == "  w: 1 non-finite (float64), largest finite |x| beyond float32's range"
