@@ -150,10 +150,10 @@ def node_saves_tensors(kind: type) -> bool:
     return any(name.startswith("_raw_saved_") for name in dir(kind))
 
 
-def in_backward() -> bool:
-    """Whether a backward runs on this thread (no public query): after a raise in a checkpoint
-    node (its post-hook, where famp leaves, never ran), a call outside backward cleans up."""
-    return bool(torch._C._current_graph_task_id() != -1)
+# The autograd graph task running on this thread, -1 outside backward (no public query): after
+# a raise in a checkpoint node (its post-hook, where famp leaves, never ran), a call outside
+# backward cleans up (`in_backward`); explain's calls govern only the ops of their own task.
+graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
 
 # --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------

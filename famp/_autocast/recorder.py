@@ -36,6 +36,7 @@ from famp._compat import (
     TorchDispatchMode,
     autocast_key_excluded,
     forward_hooks,
+    graph_task,
     op_schema,
     overload_name,
 )
@@ -66,6 +67,7 @@ class _Call:
     overload: str | None = None  # the overload of a same-named op seen inside
     autocast: bool = False  # autocast on where it was called, and the op has no autocast kernel
     by_famp: bool = False  # famp's CallRecord.run_op: the call's rules apply inside it
+    task: int = -1  # the autograd graph task it was called in (-1: none): it governs its ops
 
 
 @dataclasses.dataclass
@@ -154,7 +156,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.modules[-1] if self.modules else "",
                 call,
                 effect,
-                any(c.by_famp for c in self.calls),
+                any(c.by_famp for c in self.live()),
                 _dtypes((args, kwargs)),
                 _dtypes(out),
             )
@@ -223,11 +225,20 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _push(self, name: str, key: Any, by_famp: bool = False) -> None:
         on = torch.is_autocast_enabled(self.device_type)
         direct = on and not by_famp and name not in self.wrapped  # see __torch_dispatch__
-        self.calls.append(_Call(name, self.effect(on), key, autocast=direct, by_famp=by_famp))
+        call = _Call(name, self.effect(on), key, autocast=direct, by_famp=by_famp)
+        call.task = graph_task()
+        self.calls.append(call)
+
+    def live(self) -> list[_Call]:
+        """The calls that may govern an op here: those of its autograd graph task. A backward
+        pass's ops (`loss.backward()` inside a call famp ran, a checkpoint's recomputation, its
+        nested backward) are governed by no call made outside it."""
+        task = graph_task()
+        return [c for c in self.calls if c.task == task]
 
     def governing(self) -> _Call | None:
         """The outermost running torch call named like an aten op: its rule is the op's."""
-        for call in self.calls:
+        for call in self.live():
             if overloads(call.name) is not None:
                 return call
         return None

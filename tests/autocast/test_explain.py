@@ -606,3 +606,32 @@ def test_an_explain_inside_an_explain_keeps_the_outer_trace() -> None:
     assert [r.rule for r in outer if r.call == "linear"] == ["lower"] * 4
     famp.autocast(with_explain, "c=bf16,o=f32")(x)  # the inner explain, unobserved
     assert _rows(inner[0]) == _rows(inner[1])
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_backward_inside_the_call_governs_no_recomputed_op(reentrant: bool) -> None:
+    # famp runs `loss.backward()` through its mode (module rules) like an op named "backward":
+    # taken as a call, it governed every op of the backward pass, a checkpoint's recomputed
+    # linear included ("backward"/"keep" where the forward said "linear"/"lower").
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        block.zero_grad(set_to_none=True)  # each run makes its grads afresh (no add_)
+        x.grad = None
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        y.float().sum().backward()
+        return y.detach()
+
+    kwargs: dict[str, Any] = {"module_rules": {"1": "c=f32"}}
+    x = torch.randn(4, 8, requires_grad=reentrant)  # a reentrant checkpoint needs one
+    with OpLog() as log:
+        expected = famp.autocast(fn, "c=bf16,o=f32", **kwargs)(x)
+    out, trace = famp.explain(fn, "c=bf16,o=f32", **kwargs)(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    addmms = [r for r in trace if r.op == "aten.addmm.default"]
+    assert len(addmms) == (4 if reentrant else 3)  # non-reentrant recomputation stops early
+    assert {(r.call, r.rule, r.out_dtypes) for r in addmms} == {
+        ("linear", "lower", (torch.bfloat16,))
+    }
