@@ -22,7 +22,6 @@ import torch.utils._pytree as torch_pytree_module
 from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast/) -------------------------------------------------------------------
-
 # The innermost active `saved_tensors_hooks` pair, or None (no public query): tells that an op runs
 # inside a non-reentrant checkpoint's block, to restore famp's state when torch recomputes it.
 saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.partial(
@@ -152,14 +151,13 @@ def node_saves_tensors(kind: type) -> bool:
     return any(name.startswith("_raw_saved_") for name in dir(kind))
 
 
-def in_backward() -> bool:
-    """Whether a backward runs on this thread (no public query): after a raise in a checkpoint
-    node (its post-hook, where famp leaves, never ran), a call outside backward cleans up."""
-    return bool(torch._C._current_graph_task_id() != -1)
+# The autograd graph task running on this thread, -1 outside backward (no public query): after
+# a raise in a checkpoint node (its post-hook, where famp leaves, never ran), a call outside
+# backward cleans up (`in_backward`); explain's calls govern only the ops of their own task.
+graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
 
 # --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------
-
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 # `torch.compiler.assume_constant_result(fn)` (torch 2.13-2.15) without its import of Dynamo (~1 s)
@@ -205,7 +203,6 @@ def modes_see_every_binding() -> bool:
 
 
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
-
 # torch's version counter of a tensor: the only record of in-place writes to it. Read before
 # every op famp intercepts eagerly, so a C-level getter (an int), not a Python function.
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
@@ -296,15 +293,21 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
 
 
 # --- explain (famp/_autocast/explain.py) ----------------------------------------------------------
-
 # The public base class of dispatch modes lives in a private module; explain records every aten op
 # (and its dtypes) with one. Needed at import (a base class); `import torch` loads it already.
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
+def autocast_key_excluded(dispatch_key: str, excluded: bool) -> bool:
+    """(Un)exclude an autocast dispatch key (`"AutocastCPU"`; a dispatch mode runs each op with it
+    excluded, so the op kernel's own calls go uncast); returns if it was. No public API."""
+    key = getattr(torch._C.DispatchKey, dispatch_key)
+    was = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+    return bool(was)
+
+
 # --- checkpoints (famp/_fsdp/dcp_writer.py) -------------------------------------------------
-
-
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
     """DCP's per-item storage record (no public constructor) that `FileSystemReader` looks up
     byte ranges in, unpickled by name from a `.metadata`. Imported lazily: DCP is heavy."""
@@ -314,7 +317,6 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
 
 
 # --- applying a scale and stepping (_scaling/kernels.py, optimizer_step.py, undo.py) -------------
-
 # `GradScaler`'s fused check-and-unscale kernel, which has no public name (the builtin itself).
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 # Its functional form, where in-place updates are not allowed (torch.func, other devices).

@@ -11,24 +11,25 @@ observers watch it, none of which changes what runs:
   (`F.linear`, `torch.conv2d`, `x.softmax`), the level where autocast's rules apply.
 
 **What "rule" means at dispatch level.** Autocast's rule applies to the op called from Python:
-torch's C++ wrapper for `linear` casts the inputs (the `_to_copy` ops) and runs `linear`'s
-pieces (`t`, `addmm`) with autocast off, so each of them is governed by `linear`'s rule. A
-record's `rule` is therefore the rule, in the call's table, of the outermost torch builtin
-called from Python that encloses the op (`call` names it); an op reached without one (Python
-operators such as `a @ b` and `a + b`, which are not profiled calls) gets its own aten
-overload's rule, and so does an op inside a builtin that is not an aten op (the backward pass,
-run by `torch.autograd`'s engine). Two blind spots follow, where the dtypes tell the truth and
-the rule does not: the casts autocast makes for an operator (`a @ b`) show `"keep"` (`mm`
-itself shows `"lower"`), and the ops that another op's C++ implementation calls through their
-own autocast wrappers (the linears inside `_VF.gru` and `lstm_cell`) show the outer op's
-rule (`"keep"`), although torch casts them. The rules, module rules and policy are those that
-`famp.autocast` applies where the op runs: a nested `famp.autocast` call's own, inside it (the
-recorder reads the innermost call's record). `rule` is `None` where autocast is off for the device
-(a float32 compute dtype, a module rule computing in float32, the function's own
-`torch.autocast(enabled=False)`, the output cast after the autocast region), operators' ops
-included. `source` is `"override"` where those rules give the op another rule than the device's
-defaults, else `"module"` inside a module that a module rule matches, else `"default"`. Module
-paths are `famp.autocast`'s: a module entered outside any other is a root for that call of it.
+torch's C++ wrapper for `linear` casts the inputs (the `_to_copy` ops) and runs `linear`'s pieces
+(`t`, `addmm`) with autocast off, so each of them is governed by `linear`'s rule. A record's `rule`
+is therefore the rule, in the call's table, of the outermost torch builtin called from Python that
+encloses the op (`call` names it); an op reached without one (Python operators such as `a @ b` and
+`a + b`, which are not profiled calls) gets its own aten overload's rule, and so does an op inside
+a builtin that is not an aten op (the backward pass, run by `torch.autograd`'s engine); an
+operator's op that famp runs by its rule (`CallRecord.run_op`, with overrides or module rules)
+counts as a call of that op. Two blind spots follow, where the dtypes tell the truth and the rule
+does not: the casts autocast makes for an operator (`a @ b`) show `"keep"` (`mm` itself shows
+`"lower"`), and the ops that another op's C++ implementation calls through their own autocast
+wrappers (the linears inside `_VF.gru` and `lstm_cell`) show the outer op's rule (`"keep"`),
+although torch casts them. The rules, module rules and policy are those that `famp.autocast`
+applies where the op runs: a nested `famp.autocast` call's own, inside it (the recorder reads the
+innermost call's record). `rule` is `None` where autocast is off for the device (a float32 compute
+dtype, a module rule computing in float32, the function's own `torch.autocast(enabled=False)`, the
+output cast after the autocast region), operators' ops included. `source` is `"override"` where
+those rules give the op another rule than the device's defaults, else `"module"` inside a module
+that a module rule matches, else `"default"`. Module paths are `famp.autocast`'s: a module entered
+outside any other is a root for that call of it.
 
 Deliberately not supported: compiled execution (a compiled graph runs no aten ops one by one:
 explain always runs eagerly), and threads other than the caller's (the profile function is the
@@ -124,6 +125,8 @@ def explain(
         pre = register_module_forward_pre_hook(recorder.pre_hook)
         post = register_module_forward_hook(recorder.post_hook, always_call=True)
         previous = sys.getprofile()
+        if isinstance(getattr(previous, "__self__", None), Recorder):  # inside another explain
+            recorder.chained = previous  # whose profile function then still sees every call
         # Compiled code inside `fn` runs eagerly too (Dynamo is loaded if anything was compiled).
         eager = "torch._dynamo" in sys.modules
         try:
@@ -136,6 +139,8 @@ def explain(
         finally:
             pre.remove()
             post.remove()
+            for handle in recorder.handles:  # a module's own hook that never ran (it raised)
+                handle.remove()
         return out, Trace(recorder.records(rules or default_rules(dev)))
 
     return explained

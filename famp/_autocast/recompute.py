@@ -35,7 +35,7 @@ from torch.autograd.function import BackwardCFunction
 from famp._autocast.threads import recomputed, recomputes
 from famp._compat import (
     CHECKPOINT_FUNCTION_ATTR,
-    in_backward,
+    graph_task,
     is_view,
     node_saves_tensors,
     saved_tensors_hooks_top,
@@ -130,7 +130,7 @@ def drop_abandoned_replays() -> None:
     The node's post-hook never ran; torch has already restored the torch-function mode stack.
     Called when a call starts outside any backward, where no replay can be running.
     """
-    while _LOCAL.replays and not in_backward():
+    while _LOCAL.replays and graph_task() == -1:
         _LOCAL.replays[-1]._leave()
 
 

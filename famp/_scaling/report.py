@@ -67,11 +67,11 @@ class NonfiniteReport:
     def summary(self, limit: int = 10) -> str:
         """A short text: the non-finite leaves, worst first, and the half-precision headroom.
 
-        This is the report's only host sync. Non-finite leaves are named by path (and rank with
-        a group), most non-finite elements first. For float16 and bfloat16 leaves, the headroom
-        is `log2(finfo.max / amax)` bits: how many doublings of the values (or of the loss
-        scale) they can take before overflowing; the lowest are listed, and a leaf that holds
-        non-finite values has none (listed first, as overflowed).
+        The report's only host sync. Non-finite leaves are named by path (and rank with a group),
+        most non-finite elements first, and their largest finite |x|. For float16 and bfloat16
+        leaves, the headroom is `log2(finfo.max / amax)` bits: how many doublings of the values (or
+        of the loss scale) they can take before overflowing; the lowest are listed, and a leaf that
+        holds non-finite values has none (listed first, as overflowed).
 
         Args:
             limit: At most this many lines per section.
@@ -92,13 +92,14 @@ class NonfiniteReport:
             raise ValueError(f"limit must be an int >= 0, got {limit!r}")
         counts = [c.reshape(-1).tolist() for c in optree.tree_leaves(self.counts)]
         amaxes = [a.reshape(-1).tolist() for a in optree.tree_leaves(self.amax)]
-        bad: list[tuple[int, str, int, str, float]] = []
+        bad: list[tuple[int, str, int, str, str]] = []  # amax inf: a float64 beyond float32
         head: list[tuple[float, str, str, float]] = []
         for path, dtype, cs, ms in zip(self.paths, self.dtypes, counts, amaxes, strict=True):
             for rank, (count, amax) in enumerate(zip(cs, ms, strict=True)):
                 where = path if self.world_size is None else f"{path} (rank {rank})"
                 if count:
-                    bad.append((count, where, int(count), dtype, amax))
+                    big = f"{amax:.4g}" if amax < math.inf else "beyond float32's range"
+                    bad.append((count, where, int(count), dtype, big))
                 if dtype in ("float16", "bfloat16"):  # an overflowed leaf has none: listed first
                     top = torch.finfo(_DTYPES[dtype]).max
                     bits = -math.inf if count else math.log2(top / amax) if amax > 0 else math.inf
@@ -111,8 +112,8 @@ class NonfiniteReport:
         ]
         bad.sort(key=lambda b: (-b[0], b[1]))
         lines += [
-            f"  {where}: {count} non-finite ({dtype}), largest finite |x| {amax:.4g}"
-            for _, where, count, dtype, amax in bad[:limit]
+            f"  {where}: {count} non-finite ({dtype}), largest finite |x| {big}"
+            for _, where, count, dtype, big in bad[:limit]
         ]
         if len(bad) > limit:
             lines.append(f"  ... and {len(bad) - limit} more")
@@ -165,6 +166,12 @@ torch_pytree.register_pytree_node(
 )
 
 
+def _bare(node: Any, inner: bool = False) -> bool:  # a dict of Nones, empty lists, tuples, dicts
+    if inner and (node is None or isinstance(node, (list, tuple))):
+        return node is None or all(_bare(x, True) for x in node)
+    return isinstance(node, dict) and all(_bare(x, True) for x in node.values())
+
+
 def _path_str(path: Sequence[Any]) -> str:
     """A leaf's path as the summary prints it: keys, indices, and a named tuple's field names."""
     return ".".join(_entry_name(e) for e in path) if path else "<tree>"
@@ -215,12 +222,12 @@ def _leaf_figures(xs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
 def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     """Count the non-finite elements of every leaf and find its largest finite magnitude.
 
-    For each tensor leaf: `counts`, the number of inf and NaN elements (0-d int64), and
-    `amax`, the largest absolute finite value (0-d float32; 0 for an empty or all-non-finite
-    leaf; a float64 value is rounded to float32). `found_inf` is 1.0 iff any count is non-zero:
-    the value `famp.unscale_and_check` returns for the same tree (and the same `group`;
-    DTensor leaves make it max-reduced over their mesh, as there). No host sync: call it every
-    step and look only when `found_inf` says so, with `report.summary()`. Composes with
+    For each tensor leaf: `counts`, the number of inf and NaN elements (0-d int64), and `amax`, the
+    largest absolute finite value (0-d float32; 0 for an empty or all-non-finite leaf; a float64
+    value is rounded to float32, inf beyond its range). `found_inf` is 1.0 iff any count is
+    non-zero: the value `famp.unscale_and_check` returns for the same tree (and the same `group`;
+    DTensor leaves make it max-reduced over their mesh, as there). No host sync: call it every step
+    and look only when `found_inf` says so, with `report.summary()`. Composes with
     `torch.compile(fullgraph=True)`, where each leaf is read once.
 
     With `group`, one all-gather gives every rank every rank's figures: each leaf of
@@ -250,7 +257,13 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         found_inf = 1: 1 of 2 leaves hold non-finite values
           w: 1 non-finite (float32), largest finite |x| 7
     """
-    paths, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    # Dynamo cannot flatten a dict without leaves (`{}`, `{"w": None}`): compiled, it is a leaf
+    # of its own, which the report's trees hold as it is (it has no figures).
+    bare = _bare if torch.compiler.is_compiling() else None
+    paths, every, spec = optree.tree_flatten_with_accessor(tree, is_leaf=bare)
+    kept = [not (bare and bare(leaf)) for leaf in every]
+    paths = [p for p, k in zip(paths, kept, strict=True) if k]
+    leaves = [leaf for leaf, k in zip(every, kept, strict=True) if k]
     local: list[Tensor] = []
     dtensors = []
     for path, leaf in zip(paths, leaves, strict=True):
@@ -283,6 +296,10 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         counts, amaxes, found_inf, world_size = _collectives.all_gather_report(
             counts, amaxes, found_inf, group
         )
+    counts, amaxes = (
+        [next(it) if k else x for k, x in zip(kept, every, strict=True)]
+        for it in (iter(counts), iter(amaxes))
+    )
     return NonfiniteReport(
         optree.tree_unflatten(spec, counts),
         optree.tree_unflatten(spec, amaxes),

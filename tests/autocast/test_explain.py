@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -407,3 +408,230 @@ def test_an_op_where_autocast_is_off_has_no_rule_also_from_an_operator() -> None
     _assert_same_outputs(out, expected)
     assert _rows(trace) == log.rows
     assert [r.rule for r in trace if r.op == "aten.mm.default"] == [None, None, None, "lower"]
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["layer", "encoder"])
+def test_the_transformer_fast_path_runs_as_unobserved(stack: bool) -> None:
+    # Eval mode under no_grad takes torch's fused `_transformer_encoder_layer_fwd`, whose kernel
+    # calls linear through the dispatcher: autocast casts those calls. A dispatch mode runs an op
+    # with autocast's key excluded, so explain ran them in float32 (max diff 0.0071 against
+    # famp.autocast and torch.autocast unobserved; the trace said f32 out).
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False) if stack else layer
+    model.eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+        out, trace = famp.explain(model, "c=bf16,o=bf16")(x)
+        plain = famp.autocast(model, "c=bf16,o=bf16")(x)
+    assert expected.dtype == torch.bfloat16
+    assert_bitwise_equal(out, expected)
+    assert_bitwise_equal(out, plain)
+    fused = [r for r in trace if r.op == "aten._transformer_encoder_layer_fwd.default"]
+    assert len(fused) == (2 if stack else 1)
+    assert all(r.out_dtypes == (torch.bfloat16,) for r in fused)
+
+
+@pytest.mark.parametrize(
+    ("override", "op", "fn"),
+    [
+        ({"add": "lower"}, "aten.add.Tensor", lambda x, w: x + x),
+        ({"matmul": "float32"}, "aten.mm.default", lambda x, w: x @ w),
+        ({"mul": "lower"}, "aten.mul.Tensor", lambda x, w: x * 2.0),
+        ({"mm": "float32"}, "aten.mm.default", lambda x, w: torch.ops.aten.mm.default(x, w)),
+    ],
+    ids=["add", "matmul", "mul", "aten_mm"],
+)
+def test_an_operator_with_an_override_has_the_overrides_rule(
+    override: dict[str, str], op: str, fn: Any
+) -> None:
+    # famp applies an override to a Python operator (`x + x` has no profiled call): its ops
+    # were reported with rule None ("autocast off") although the override ran them.
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    rules = famp.default_rules("cpu").override(override)
+    with OpLog() as log:
+        expected = famp.autocast(fn, "c=bf16,o=bf16", rules=rules)(x, w)
+    out, trace = famp.explain(fn, "c=bf16,o=bf16", rules=rules)(x, w)
+    assert_bitwise_equal(out, expected)
+    ran = [dtypes for name, _, dtypes in log.ops if name == op]
+    (record,) = [r for r in trace if r.op == op]
+    assert [record.out_dtypes] == ran
+    rule = next(iter(override.values()))
+    assert (record.rule, record.source) == (rule, "override")
+    assert ran[0][0] == (torch.bfloat16 if rule == "lower" else torch.float32)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, w: torch.matmul(x, w, out=torch.empty(4, 8)),
+        lambda x, w: torch.linalg.vecdot(x, x, out=torch.empty(4)),
+    ],
+    ids=["matmul", "vecdot"],
+)
+def test_an_out_call_of_a_composite_has_the_out_overloads_rule(fn: Any) -> None:
+    # torch.matmul(x, w, out=o) runs in float32 under autocast (out= overloads have no autocast
+    # kernel); explain gave its aten.mm.out matmul.default's rule, "lower".
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = fn(x, w)
+    out, trace = famp.explain(fn, "c=bf16,o=f32")(x, w)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    assert all(d == torch.float32 for _, i, o in log.ops for d in i + o)
+    ruled = [r for r in trace if r.call in ("matmul", "linalg_vecdot")]
+    assert ruled
+    assert {r.rule for r in ruled} == {"keep"}
+
+
+def _backward_through_linear(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    y = torch.nn.Linear(8, 8)(x)
+    y.float().sum().backward()
+    return y.detach()
+
+
+def _scripted_linear(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scripted = torch.jit.script(torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        return scripted(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("fn", "op", "override"),
+    [
+        (_backward_through_linear, "aten.mm.default", "mm"),
+        (_scripted_linear, "aten.addmm.default", "addmm"),
+    ],
+    ids=["backward", "torchscript"],
+)
+def test_an_override_famp_never_applied_is_not_reported(fn: Any, op: str, override: str) -> None:
+    # famp's overrides reach the ops its mode runs: not the backward pass (the autograd engine
+    # runs it) nor a TorchScript module's ops. explain reported them "float32"/"override"
+    # although they ran in bfloat16 under torch's default rule.
+    rules = famp.default_rules("cpu").override({override: "float32"})
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(), OpLog() as log:
+        warnings.simplefilter("ignore")  # famp warns that TorchScript escapes its overrides
+        expected = famp.autocast(fn, "c=bf16,o=f32", rules=rules)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, trace = famp.explain(fn, "c=bf16,o=f32", rules=rules)(x)
+    assert_bitwise_equal(out, expected)
+    ran = [dtypes for name, _, dtypes in log.ops if name == op]
+    records = [r for r in trace if r.op == op]
+    assert [r.out_dtypes for r in records] == ran == [(torch.bfloat16,)] * len(ran)
+    assert ran
+    assert {(r.rule, r.source) for r in records} == {("lower", "default")}
+
+
+def test_ops_of_a_modules_own_forward_hooks_are_in_that_module() -> None:
+    # torch runs global forward hooks (explain's) before a module's own: the ops of `0`'s own
+    # forward hook were reported in "" (the parent), though `0`'s module rule ran them (f32).
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    model[0].register_forward_pre_hook(lambda mod, args: (torch.mm(args[0], w),))
+    model[0].register_forward_hook(lambda mod, args, out: torch.mm(out, w))
+    x = torch.randn(4, 8)
+    kwargs: dict[str, Any] = {"module_rules": {"0": "c=f32"}}
+    with OpLog() as log:
+        expected = famp.autocast(model, "c=bf16,o=f32", **kwargs)(x)
+    out, trace = famp.explain(model, "c=bf16,o=f32", **kwargs)(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    mms = [(r.module, r.source, r.out_dtypes) for r in trace if r.op == "aten.mm.default"]
+    assert mms == [("0", "module", (torch.float32,))] * 2
+    assert [r.module for r in trace if r.op == "aten.relu.default"] == ["1"]
+    assert len(model[0]._forward_hooks) == 1  # explain's own hook is gone
+
+
+def test_modules_run_by_another_thread_leave_the_module_column_alone() -> None:
+    # explain's module hooks are global: another thread's modules pushed and popped the calling
+    # thread's stack of module paths (a differential hunt: traces differing from a lone run).
+    torch.manual_seed(0)
+    background = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    _, alone = famp.explain(model, "c=bf16,o=f32")(x)
+    stop, started = threading.Event(), threading.Event()
+
+    def run() -> None:
+        z = torch.randn(2, 4)
+        with torch.no_grad():
+            while not stop.is_set():
+                background(z)
+                started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        started.wait()
+        rows = [
+            [(r.op, r.module) for r in famp.explain(model, "c=bf16,o=f32")(x)[1]] for _ in range(40)
+        ]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(row == [(r.op, r.module) for r in alone] for row in rows)
+
+
+def test_an_explain_inside_an_explain_keeps_the_outer_trace() -> None:
+    # The inner explain replaced the outer's profile function: the outer trace lost the calls
+    # inside it (linear's casts reported "keep" with no call instead of linear's "lower").
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    inner: list[famp.Trace] = []
+
+    def with_explain(x: torch.Tensor) -> Any:
+        out, trace = famp.explain(lin, "c=f16,o=f32")(x)
+        inner.append(trace)
+        return out
+
+    def with_autocast(x: torch.Tensor) -> Any:
+        return famp.autocast(lin, "c=f16,o=f32")(x)
+
+    with OpLog() as log:
+        expected = famp.autocast(with_autocast, "c=bf16,o=f32")(x)
+    out, outer = famp.explain(with_explain, "c=bf16,o=f32")(x)
+    _, plain = famp.explain(with_autocast, "c=bf16,o=f32")(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in outer] == log.ops
+    assert _rows(outer) == _rows(plain)
+    assert [r.rule for r in outer if r.call == "linear"] == ["lower"] * 4
+    famp.autocast(with_explain, "c=bf16,o=f32")(x)  # the inner explain, unobserved
+    assert _rows(inner[0]) == _rows(inner[1])
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_backward_inside_the_call_governs_no_recomputed_op(reentrant: bool) -> None:
+    # famp runs `loss.backward()` through its mode (module rules) like an op named "backward":
+    # taken as a call, it governed every op of the backward pass, a checkpoint's recomputed
+    # linear included ("backward"/"keep" where the forward said "linear"/"lower").
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        block.zero_grad(set_to_none=True)  # each run makes its grads afresh (no add_)
+        x.grad = None
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        y.float().sum().backward()
+        return y.detach()
+
+    kwargs: dict[str, Any] = {"module_rules": {"1": "c=f32"}}
+    x = torch.randn(4, 8, requires_grad=reentrant)  # a reentrant checkpoint needs one
+    with OpLog() as log:
+        expected = famp.autocast(fn, "c=bf16,o=f32", **kwargs)(x)
+    out, trace = famp.explain(fn, "c=bf16,o=f32", **kwargs)(x)
+    assert_bitwise_equal(out, expected)
+    assert [(r.op, r.in_dtypes, r.out_dtypes) for r in trace] == log.ops
+    addmms = [r for r in trace if r.op == "aten.addmm.default"]
+    assert len(addmms) == (4 if reentrant else 3)  # non-reentrant recomputation stops early
+    assert {(r.call, r.rule, r.out_dtypes) for r in addmms} == {
+        ("linear", "lower", (torch.bfloat16,))
+    }

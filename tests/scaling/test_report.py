@@ -363,3 +363,36 @@ def test_debugging_page_activation_report_names_the_overflowing_layer() -> None:
     assert all(acts[name].dtype == torch.float16 for name in acts)
     text = activations.summary()
     assert "  3: none, it overflowed (float16" in text
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [{}, {"w": None}, {"sub": {}, "w": torch.tensor([1.0, math.inf])}, {"s": [], "b": {"c": None}}],
+    ids=["empty", "none", "empty_sub", "nested"],
+)
+def test_compiled_report_of_a_tree_with_leafless_dicts(tree: Any) -> None:
+    # Dynamo cannot flatten a dict without leaves with optree (DictMetaData): the compiled
+    # report raised Unsupported on {} and {"w": None}, where eagerly it works.
+    eager = famp.nonfinite_report(tree)
+    out = torch.compile(famp.nonfinite_report, fullgraph=True, backend="eager")(tree)
+    assert optree.tree_structure(out.counts) == optree.tree_structure(eager.counts)
+    assert (out.paths, out.dtypes) == (eager.paths, eager.dtypes)
+    for a, e in zip(
+        optree.tree_leaves((out.counts, out.amax)),
+        optree.tree_leaves((eager.counts, eager.amax)),
+        strict=True,
+    ):
+        assert_bitwise_equal(a, e)
+    assert_bitwise_equal(out.found_inf, famp.unscale_and_check(famp.init_scaler(), tree)[1])
+
+
+def test_summary_of_a_float64_leaf_beyond_float32s_range_says_so() -> None:
+    # amax is float32 (documented): 1e300 rounds to inf, and the summary said "largest finite
+    # |x| inf" of a leaf whose largest |x| is finite.
+    tree = {"w": torch.tensor([1e300, math.nan], dtype=torch.float64)}
+    report = famp.nonfinite_report(tree)
+    assert report.amax["w"].item() == math.inf
+    assert report.amax["w"].dtype == torch.float32
+    assert torch.isfinite(tree["w"][0])  # the largest finite |x| is 1e300
+    line = report.summary().splitlines()[1]
+    assert line == "  w: 1 non-finite (float64), largest finite |x| beyond float32's range"
