@@ -22,6 +22,7 @@ import torch.utils._pytree as torch_pytree_module
 from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast/) -------------------------------------------------------------------
+
 # The innermost active `saved_tensors_hooks` pair, or None (no public query): tells that an op runs
 # inside a non-reentrant checkpoint's block, to restore famp's state when torch recomputes it.
 saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.partial(
@@ -158,6 +159,7 @@ graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
 
 # --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------
+
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 # `torch.compiler.assume_constant_result(fn)` (torch 2.13-2.15) without its import of Dynamo (~1 s)
@@ -203,6 +205,7 @@ def modes_see_every_binding() -> bool:
 
 
 # --- autocast: the weight-cast cache and torch's inference fast paths (ac-compose) ---------------
+
 # torch's version counter of a tensor: the only record of in-place writes to it. Read before
 # every op famp intercepts eagerly, so a C-level getter (an int), not a Python function.
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
@@ -293,6 +296,7 @@ def fsdp1_unit_settings(handle: Any) -> tuple[list[str], list[tuple[int, ...]], 
 
 
 # --- explain (famp/_autocast/explain.py) ----------------------------------------------------------
+
 # The public base class of dispatch modes lives in a private module; explain records every aten op
 # (and its dtypes) with one. Needed at import (a base class); `import torch` loads it already.
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
@@ -308,6 +312,8 @@ def autocast_key_excluded(dispatch_key: str, excluded: bool) -> bool:
 
 
 # --- checkpoints (famp/_fsdp/dcp_writer.py) -------------------------------------------------
+
+
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
     """DCP's per-item storage record (no public constructor) that `FileSystemReader` looks up
     byte ranges in, unpickled by name from a `.metadata`. Imported lazily: DCP is heavy."""
@@ -317,6 +323,7 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> object:
 
 
 # --- applying a scale and stepping (_scaling/kernels.py, optimizer_step.py, undo.py) -------------
+
 # `GradScaler`'s fused check-and-unscale kernel, which has no public name (the builtin itself).
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 # Its functional form, where in-place updates are not allowed (torch.func, other devices).
