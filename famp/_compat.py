@@ -190,17 +190,26 @@ def modes_see_every_binding() -> bool:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return False
     functions = get_overridable_functions()
+    python = [
+        value
+        for module in (torch.nn.functional, torch.functional)
+        for value in list(vars(module).values())
+        if isinstance(value, types.FunctionType)
+    ]
+    methods = [
+        value for value in vars(torch.Tensor).values() if isinstance(value, types.FunctionType)
+    ]
+    called = {name for f in (*python, *methods) for name in f.__code__.co_names}
     for namespace in (getattr(torch._C, name) for name in _BINDINGS):
-        for name in dir(namespace):  # torch.* itself: its public bindings only
+        for name in dir(namespace):  # torch.* itself: public, or called by those (`_unique2`)
             value = getattr(namespace, name)
-            if isinstance(value, types.BuiltinFunctionType) and not (
-                name.startswith("_") and namespace is torch._C._VariableFunctions
+            if isinstance(value, types.BuiltinFunctionType) and (
+                not name.startswith("_")
+                or namespace is not torch._C._VariableFunctions
+                or name in called
             ):
                 functions.add(value)
-    for module in (torch.nn.functional, torch.functional):
-        for value in list(vars(module).values()):
-            if isinstance(value, types.FunctionType) and _ASKS & set(value.__code__.co_names):
-                functions.add(value)
+    functions.update(f for f in python if _ASKS & set(f.__code__.co_names))
     return True
 
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.defaults import default_rules
-from famp._autocast.entered import calls, copies
+from famp._autocast.entered import calls, copies, traced_copies
 from famp._autocast.op_calls import (
     in_place,
     is_method,
@@ -67,7 +67,7 @@ class Overrides:
         # Except when it renormalizes a weight in place first (`op_calls.renorms`): then it is
         # entered, so that the write reaches the weight and the op inside gets the rule.
         self.renorming = {f: copy for f, copy in copies().items() if op_name(f)[0] in self.packets}
-        self.bodies = tuple(self.enter.values())  # `entered_at`'s
+        self.bodies = tuple(traced_copies()[f] for f in self.enter)  # `entered_at`'s
         self.positions = {f: i for i, f in enumerate(self.enter)}
 
     def __bool__(self) -> bool:

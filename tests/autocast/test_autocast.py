@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import linecache
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -1527,6 +1529,116 @@ def test_an_override_of_a_reflected_operators_op_compiles(packet: str, backend: 
     assert_bitwise_equal(torch.compile(f, fullgraph=True, backend=backend)(x), expected)
 
 
+# torch/functional.py's functions, which Dynamo refuses to trace (its skip list): famp enters
+# them where an override names an op their code may reach, and compiled that raised "marked as
+# skipped" before 2026-12-01. And `boolean_dispatch`'s wrappers (`torch.unique`, `F.max_pool2d`),
+# which torch's functions hand to the modes: famp called them whole, eagerly too, so that an
+# override of the op inside did nothing. Each: (the overrides, the call on a bf16 `h`, by hand).
+_WINDOW = torch.hann_window(4)
+SKIPPED: dict[str, tuple[tuple[str, ...], Callable[..., Any], Callable[..., Any]]] = {
+    "einsum": (
+        ("sub", "rsub", "add", "remainder"),
+        lambda h: torch.einsum("bi,bj->bij", h, h * 2),
+        lambda h: torch.einsum("bi,bj->bij", h, h * 2),  # none of them reaches a tensor
+    ),
+    "tensordot": (
+        ("add",),
+        lambda h: torch.tensordot(h, h, dims=([1], [1])),
+        lambda h: torch.tensordot(h, h, dims=([1], [1])),
+    ),
+    "stft": (
+        ("mul", "add", "floor_divide"),
+        lambda h: torch.stft(h.float(), 4, window=_WINDOW, return_complex=True).abs(),
+        lambda h: torch.stft(h.float(), 4, window=_WINDOW, return_complex=True).abs(),
+    ),
+    "norm": (
+        ("linalg_vector_norm",),
+        lambda h: torch.norm(h),
+        lambda h: _unautocast(torch.linalg.vector_norm, h.float(), 2),  # the override: float32
+    ),
+    "norm, dim": (
+        ("linalg_vector_norm",),
+        lambda h: torch.norm(h, dim=1),
+        lambda h: _unautocast(torch.linalg.vector_norm, h.float(), 2, [1]),
+    ),
+    "unique, dim": (  # `unique_dim`, called by its helper `_unique_impl`
+        ("unique_dim",),
+        lambda h: torch.unique(h.detach().round(), dim=0),
+        lambda h: _unautocast(torch.unique, h.detach().round().float(), dim=0),
+    ),
+    "unique": (
+        ("_unique2",),
+        lambda h: torch.unique(h.detach().round()),
+        lambda h: _unautocast(torch.unique, h.detach().round().float()),
+    ),
+    "F.max_pool2d, indices": (
+        ("max_pool2d_with_indices",),
+        lambda h: F.max_pool2d(h[None, None], 2, return_indices=True)[0],
+        lambda h: _unautocast(F.max_pool2d, h[None, None].float(), 2, return_indices=True)[0],
+    ),
+}
+
+
+def _unautocast(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast("cpu", enabled=False):
+        return op(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dynamic"), [("eager", False), ("aot_eager", True)], ids=["eager", "aot_eager"]
+)
+@pytest.mark.parametrize("case", list(SKIPPED))
+def test_an_override_inside_a_function_dynamo_skips_compiles(
+    case: str, backend: str, dynamic: bool
+) -> None:
+    """Eagerly, and compiled with fullgraph (the `eager` backend runs Dynamo's graph as its code
+    reads; `aot_eager` with dynamic shapes), on two shapes (a recompile, static): values and
+    gradients equal torch by hand, `torch.autocast` around the call with the overridden op run as
+    its rule says (the division after it rounds otherwise in bfloat16)."""
+    packets, op, by_hand = SKIPPED[case]
+    rules = _cpu_rules(dict.fromkeys(packets, "float32"))
+    w = torch.eye(8).requires_grad_()
+
+    def function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return op(x @ w) / 3
+
+    def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return (by_hand(x @ w) / 3).float()
+
+    f = famp.autocast(function, "c=bf16,o=f32", rules=rules, compile=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend, dynamic=dynamic)
+    for rows in (6, 5):
+        x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows)) + 1
+        x.requires_grad_()
+        expected = reference(x, w)
+        grads = expected.requires_grad  # not `unique`'s
+        e_grads = torch.autograd.grad(expected.sum(), (x, w)) if grads else ()
+        for actual in (f(x, w), compiled(x, w)):
+            assert_bitwise_equal(actual, expected)
+            if grads:
+                for g, e in zip(torch.autograd.grad(actual.sum(), (x, w)), e_grads, strict=True):
+                    assert_bitwise_equal(g, e)
+
+
+def test_a_traceback_through_a_copy_of_torch_functional_shows_torchs_lines() -> None:
+    """Compiled, famp enters copies of torch/functional.py's functions under a file name of their
+    own (for Dynamo): an error raised in one still shows torch's line, as eagerly."""
+    f = famp.autocast(
+        lambda x: torch.tensordot(x, x, dims=-1), "c=bf16", rules=_cpu_rules({"add": "float32"})
+    )
+    line = 'raise RuntimeError(f"tensordot expects dims >= 0, but got dims={dims}")'
+    with pytest.raises(RuntimeError, match="tensordot expects dims >= 0") as raised:
+        f(torch.randn(3))
+    assert traceback.extract_tb(raised.value.__traceback__)[-1].line == line
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError) as raised:
+        torch.compile(f, fullgraph=True, backend="eager")(torch.randn(3))
+    assert 'File "<famp\'s copy of torch/functional.py>", line ' in str(raised.value)
+    assert f", in tensordot\n    {line}\n" in str(raised.value)
+
+
 SEEN: list[str] = []
 
 
@@ -1604,15 +1716,22 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
     # False. On the installed torch, each copy must be the original in everything else: the same
     # code, defaults, closure, and every global its code names bound to the same object as in the
     # original's module now (so a global torch sets or changes after famp's import is no risk).
+    # A wrapper that hands its call to such functions (`torch.unique`) holds their copies instead.
     from famp._autocast.entered import _CHECKS, copies
 
     assert len(copies()) > 100  # F.*, torch.functional.*, Python Tensor methods
+    wrappers = 0
     for original, copy in copies().items():
         assert copy.__code__ is original.__code__, original
         assert copy.__defaults__ is original.__defaults__, original
         assert copy.__kwdefaults__ is original.__kwdefaults__, original
+        if not set(_CHECKS) & _code_names(original.__code__):
+            wrappers += 1
+            held = [cell.cell_contents for cell in original.__closure__]
+            assert [c.cell_contents for c in copy.__closure__] == [copies().get(v, v) for v in held]
+            assert copy.__globals__ is original.__globals__
+            continue
         assert copy.__closure__ is original.__closure__, original
-        assert set(_CHECKS) & _code_names(original.__code__), original
         for name in _code_names(original.__code__):
             if name in _CHECKS:
                 assert copy.__globals__[name](torch.ones(1)) is False
@@ -1620,6 +1739,53 @@ def test_copies_of_torch_python_functions_differ_only_in_the_torch_function_chec
                 assert copy.__globals__[name] is original.__globals__[name], (original, name)
             else:
                 assert name not in copy.__globals__, (original, name)
+    assert copies()[torch.unique] is not torch.unique
+    assert wrappers >= 8  # torch.unique, torch.unique_consecutive, F.max_pool1d, ...
+
+
+def test_traced_copies_differ_from_the_copies_only_where_dynamo_needs() -> None:
+    # While Dynamo traces, famp enters copies of torch/functional.py's code and of the wrappers
+    # in torch/_jit_internal.py under a file name of their own (Dynamo skips those files), with
+    # `_VF`'s bindings as the aten ops of the same names, and torch.functional's plain helpers as
+    # copies alike; all else as `copies()`.
+    from famp._autocast.entered import _CHECKS, copies, traced_copies
+
+    assert traced_copies().keys() == copies().keys()
+    renamed = {
+        "torch.functional": "torch/functional.py",
+        "torch._jit_internal": "torch/_jit_internal.py",
+    }
+    for original, eager in copies().items():
+        traced = traced_copies()[original]
+        module = original.__globals__["__name__"]
+        file = renamed.get(module)
+        if file is None:
+            assert traced.__code__ is eager.__code__, original
+            assert traced.__globals__ == eager.__globals__, original
+            continue
+        assert traced.__code__ == original.__code__  # code objects compare without file names
+        assert traced.__code__.co_filename == f"<famp's copy of {file}>"
+        assert linecache.getline(traced.__code__.co_filename, 1) == linecache.getline(
+            original.__code__.co_filename, 1
+        )
+        if module == "torch._jit_internal":
+            continue
+        globals_ = traced.__globals__
+        assert "__name__" not in globals_
+        for name, value in original.__globals__.items():
+            if name in _CHECKS:
+                assert globals_[name](torch.ones(1)) is False
+            elif name not in ("__name__", "_VF") and globals_[name] is not value:  # a helper
+                assert value.__globals__ is original.__globals__, name
+                assert not set(_CHECKS) & _code_names(value.__code__), name
+                assert globals_[name].__code__ == value.__code__.replace(
+                    co_filename=traced.__code__.co_filename
+                )
+                assert globals_[name].__globals__ is globals_, name
+        for name, op in vars(globals_["_VF"]).items():
+            if not name.startswith("__"):
+                assert op is getattr(torch.ops.aten, name)
+                assert getattr(original.__globals__["_VF"], name) is not None
 
 
 def test_the_ops_a_function_may_call_are_read_past_an_empty_closure_cell() -> None:
