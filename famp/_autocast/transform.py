@@ -215,8 +215,8 @@ def autocast(
     Args:
         fn: the function (or module) to transform.
         policy: a `famp.Policy` or a `famp.get_policy` string.
-        device_type: autocast device type, such as "cpu" or "cuda"; None infers it from the
-            arguments' tensors (an accelerator wins over "cpu").
+        device_type: autocast device type, such as "cpu" or "cuda" (not a device: "cuda:0");
+            None infers it from the arguments' tensors (an accelerator wins over "cpu").
         rules: op rules for the device (`famp.OpRules`); None means `famp.default_rules`.
         module_rules: glob pattern over module paths → `Policy` or policy string.
         compile: True compiles with `torch.compile(fullgraph=True)`; None compiles when the
@@ -278,14 +278,14 @@ def _checked(
     if device_type is not None:
         if not isinstance(device_type, str):
             raise TypeError(f"device_type must be a str or None; got {type(device_type).__name__}")
-        try:
-            available = torch.amp.is_autocast_available(device_type)
+        try:  # torch.autocast takes a device ("cuda:0"), but its settings are per device type
+            available = ":" not in device_type and torch.amp.is_autocast_available(device_type)
         except RuntimeError:
             available = False
         if not available:
             raise ValueError(
-                f"device_type {device_type!r} has no autocast support in torch; "
-                "use a torch device type such as 'cpu' or 'cuda'"
+                f"device_type {device_type!r} is no device type with autocast support in torch; "
+                "use one such as 'cpu' or 'cuda' (not a device such as 'cuda:0')"
             )
     if rules is not None:
         if not isinstance(rules, OpRules):

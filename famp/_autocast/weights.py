@@ -126,6 +126,7 @@ class CastCache:
             and t.requires_grad
             and t.is_leaf
             and not is_view(t)
+            and not t.is_inference()  # no version counter: a cast per use
             and torch.is_grad_enabled()
             and torch.is_autocast_cache_enabled()  # off: one cast per use, as torch's cache off
         )
@@ -172,7 +173,13 @@ class WeightCasts:
                 if kind in _SCALARS:  # by type first: `isinstance(v, Tensor)` costs ~0.1 µs
                     continue
                 if kind in _TENSORS or isinstance(v, torch.Tensor):
-                    if v.requires_grad and not is_view(v) and v.is_leaf and v.dtype is _F32:
+                    if (
+                        v.requires_grad
+                        and not is_view(v)
+                        and v.is_leaf
+                        and v.dtype is _F32
+                        and not v.is_inference()
+                    ):
                         self._read(v, dtype)
                 elif kind is tuple or kind is list or isinstance(v, (list, tuple)):
                     for t in v:
@@ -258,6 +265,7 @@ def _cacheable(t: torch.Tensor) -> bool:
         and not is_view(t)  # torch caches no view; `is_leaf` may raise on some views
         and t.is_leaf
         and t.dtype is _F32
+        and not t.is_inference()  # made under inference_mode: no version counter to watch
     )
 
 

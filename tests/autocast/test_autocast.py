@@ -56,7 +56,9 @@ CLEAN = (False, BF16, True, 1, 0, False, False, 0)
         ({"policy": "c=fp8"}, ValueError, "compute must be a dtype name"),
         ({"policy": 1.0}, TypeError, "policy must be a string or a famp.Policy"),
         ({"device_type": 0}, TypeError, "device_type must be a str or None; got int"),
-        ({"device_type": "gpu"}, ValueError, "device_type 'gpu' has no autocast support"),
+        ({"device_type": "gpu"}, ValueError, "device_type 'gpu' is no device type with autocast"),
+        # torch.autocast takes "cpu:0"; famp's track_casts then raised on the first call
+        ({"device_type": "cpu:0"}, ValueError, "device_type 'cpu:0' is no device type with"),
         ({"rules": {"linear": "lower"}}, TypeError, "rules must be a famp.OpRules or None"),
         (
             {"rules": famp.default_rules("cuda"), "device_type": "cpu"},

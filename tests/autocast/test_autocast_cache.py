@@ -475,3 +475,37 @@ def test_a_float32_rule_between_two_uses_of_a_weight_keeps_its_cast_as_torch(
     for ruled_bits, nested_bits, torch_bits in zip(*results, strict=True):
         assert_bitwise_equal(ruled_bits, torch_bits)
         assert_bitwise_equal(nested_bits, torch_bits)
+
+
+INFERENCE_OPTIONS: dict[str, dict[str, Any]] = {
+    "override": {"rules": famp.default_rules("cpu").override({"gelu": "float32"})},
+    "track_casts": {"track_casts": True},
+    "module rules": {"module_rules": {"1": "f32"}},
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("option", list(INFERENCE_OPTIONS))
+def test_weights_made_in_inference_mode_are_read_as_torch_reads_them(
+    option: str, grad_mode: str
+) -> None:
+    """Parameters created under `torch.inference_mode()` (serving code) are inference tensors
+    that still require grad, and have no version counter: famp's weight watch raised "Inference
+    tensors do not track version counter" where `torch.autocast` runs. Equal to torch by hand."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3))
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    assert model[0].weight.is_inference()
+    assert model[0].weight.requires_grad
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    context = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    with context(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[0](x)
+        with torch.autocast("cpu", enabled=False):
+            h = model[1](h.float())  # the override / the module rule: float32
+        expected = model[2](h)
+    f = famp.autocast(model, "c=bf16,o=bf16", **INFERENCE_OPTIONS[option])
+    for _ in range(2):  # the second call meets the weights watched by the first
+        with context():
+            assert_bitwise_equal(f(x), expected)
