@@ -133,6 +133,15 @@ def check_op(name: object) -> str:
     return name
 
 
+def check_names(packet: object, overload: object) -> None:
+    """`OpRules.lookup`'s arguments: str names, the packet's without an overload."""
+    if not isinstance(packet, str) or not isinstance(overload, str):
+        raise TypeError(f"lookup takes str names, got packet {packet!r}, overload {overload!r}")
+    if "." in packet:
+        head, _, tail = packet.partition(".")
+        raise ValueError(f"packet {packet!r} names an overload: lookup({head!r}, {tail!r})")
+
+
 @functools.cache
 def returns_view(packet: str, overload: str) -> bool:
     """Whether `aten::<packet>.<overload>`'s schema says its result aliases an input it does not

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from famp._autocast.ops import check_applies, check_op, check_view, covered, rule_pairs
+from famp._autocast.ops import check_applies, check_names, check_op, check_view, covered, rule_pairs
 
 Rule = Literal[
     "lower",
@@ -178,12 +178,17 @@ class OpRules(Mapping[str, str]):
         Returns:
             The rule name.
 
+        Raises:
+            TypeError: a name is not a str.
+            ValueError: `packet` names an overload (`"conv2d.padding"`).
+
         Examples:
             >>> import famp
             >>> rules = famp.default_rules("cpu")
             >>> rules.lookup("linear"), rules.lookup("linear", "out"), rules.lookup("relu")
             ('lower', 'keep', 'keep')
         """
+        check_names(packet, overload)
         overload = overload or "default"
         rule = self._rules.get(f"{packet}.{overload}")
         if rule is not None:

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import typing
@@ -405,6 +406,23 @@ def test_lookup_prefers_overload_key_then_packet_key() -> None:
     assert rules.lookup("linear", "out") == "promote"
     assert rules.lookup("linear") == "keep"
     assert rules.lookup("no_such_op") == "keep"
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "needle"),
+    [
+        ((1,), TypeError, "got packet 1, overload 'default'"),
+        (("linear", None), TypeError, "got packet 'linear', overload None"),
+        # before, each answered "keep": "linear.out" is listed above as "promote"
+        (("linear.out",), ValueError, "packet 'linear.out' names an overload: lookup('linear', "),
+    ],
+)
+def test_lookup_refuses_what_is_no_packet_and_overload_name(
+    args: tuple[typing.Any, ...], exc: type, needle: str
+) -> None:
+    rules = famp.OpRules({"linear.out": "promote"}, device_type="cpu")
+    with pytest.raises(exc, match=re.escape(needle)):
+        rules.lookup(*args)
 
 
 def test_equal_tables_compare_and_hash_alike() -> None:
