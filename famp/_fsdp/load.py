@@ -15,6 +15,7 @@ dim 0, `use_orig_params=True` slices), for read-only use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from famp._fsdp.layout import (
     specs,
 )
 from famp._fsdp.load_ids import optimizer_ids
-from famp._fsdp.osd import Kinds, State, check_full, same
+from famp._fsdp.osd import Kinds, Path, State, check_full, is_sharded, map_leaves, same
 from famp._fsdp.shard import clone_value, copy_groups, narrow
 
 
@@ -48,7 +49,7 @@ def _orig_param_state(
         return None  # FSDP1 keeps no state for a parameter outside the rank's shard
     return {
         k: narrow(v.reshape(-1), 0, start, end - start, copy)
-        if kinds.get((fqn, k))
+        if kinds.get((fqn, (k,)))
         else clone_value(v, copy)
         for k, v in entry.items()
     }
@@ -73,7 +74,7 @@ def _flat_state(
         present = [v for v in values if v is not None]
         if not present:
             out[key] = None
-        elif kinds.get((have[0], key)):
+        elif kinds.get((have[0], (key,))):
             for fqn, v in zip(have, values, strict=True):
                 if v is not None and v.dtype != present[0].dtype:
                     raise ValueError(
@@ -132,6 +133,15 @@ def _chunk(
 def _wrap_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """A local chunk as a DTensor placed like the FSDP2 parameter `param`, if it is one."""
     return value if param is None or not is_dtensor(param) else dtensor_like(param, value)
+
+
+def _cut(
+    _: Path, leaves: list[Any], at: tuple[Shape, int, int, int], param: Any, copy: bool
+) -> Any:
+    """A state leaf as FSDP2 holds it on one rank: its chunk, a DTensor like `param`."""
+    if not is_sharded(leaves[0]):
+        return clone_value(leaves[0], copy)
+    return _wrap_like(_chunk(leaves[0], *at, copy), param)
 
 
 def optim_state_dict_to_load(
@@ -216,12 +226,10 @@ def optim_state_dict_to_load(
         for fqn, entry in state.items():
             shape, dim = specs(layout)[fqn]
             start, length = chunk_range(shape[dim], layout.world_size, rank)
-            out[key_of[fqn]] = {
-                k: _wrap_like(_chunk(v, shape, dim, start, length, copy), params[key_of[fqn]])
-                if kinds.get((fqn, k))
-                else clone_value(v, copy)
-                for k, v in entry.items()
-            }
+            cut = functools.partial(
+                _cut, at=(shape, dim, start, length), param=params[key_of[fqn]], copy=copy
+            )
+            out[key_of[fqn]] = {k: map_leaves([v], cut, (k,)) for k, v in entry.items()}
     elif layout.use_orig_params:
         for fqn, entry in state.items():
             local = _orig_param_state(entry, fqn, layout, rank, kinds, copy)

@@ -1,21 +1,83 @@
 """Optimizer state dicts checked against a layout: their parts, which entries shard, and errors.
 
-Every check runs before any output is built, and every error names the parameter and the state key.
+A state value may hold tensors inside dicts, lists and tuples, at any depth, as torch's
+`get_optimizer_state_dict` and `set_optimizer_state_dict` go into them: every tensor leaf is
+sharded or replicated by the same rule as a top-level one (`map_leaves`). Every check runs before
+any output is built, and every error names the parameter and the key path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from famp._collectives import is_dtensor
-from famp._fsdp.layout import Layout, local_shape, specs
+from famp._fsdp.layout import FSDP1Layout, Layout, local_shape, specs
 
 State = dict[str, dict[str, Any]]
 Groups = list[dict[str, Any]]
-Kinds = dict[tuple[str, str], bool]  # (fqn, state name) -> sharded?
+Path = tuple[Any, ...]  # a state name, then the dict keys and list indices inside its value
+Kinds = dict[tuple[str, Path], bool]  # (fqn, key path) -> sharded?
+
+
+def is_sharded(value: object) -> bool:
+    """Whether a (checked) state leaf is a tensor of its parameter's shape or a chunk of one."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def map_leaves(values: Sequence[Any], fn: Callable[[Path, list[Any]], Any], path: Path) -> Any:
+    """`values[0]` rebuilt (dicts as dicts, lists and tuples as such) with `fn(path, leaves)` at
+    each leaf, `leaves` the value at that path in every one of `values` (ranks' shards); where
+    they differ in structure, that point is a leaf. Dicts, lists and tuples are what torch's
+    state dict functions go into (`_iterate_state_dict`)."""
+    first = values[0]
+    if isinstance(first, (Mapping, list, tuple)) and not first:
+        return fn(path, list(values))  # an empty container is a leaf: compared, not walked
+    if isinstance(first, Mapping) and all(
+        isinstance(v, Mapping) and v.keys() == first.keys() for v in values
+    ):
+        return {k: map_leaves([v[k] for v in values], fn, (*path, k)) for k in first}
+    if isinstance(first, (list, tuple)) and all(
+        isinstance(v, type(first)) and len(v) == len(first) for v in values
+    ):
+        items = [map_leaves([v[i] for v in values], fn, (*path, i)) for i in range(len(first))]
+        return items if isinstance(first, list) else tuple(items)
+    return fn(path, list(values))
+
+
+def at(what: str, fqn: str, path: Path) -> str:
+    """`what['state'][fqn][key]...` for the leaf at `path` (`state[fqn]...` without `what`)."""
+    return (f"{what}['state']" if what else "state") + f"[{fqn!r}]" + "".join(map(_index, path))
+
+
+def _index(key: object) -> str:
+    return f"[{key!r}]"
+
+
+def refuse_nested_fsdp1(state: Mapping[str, Mapping[str, Any]], layout: Layout, what: str) -> None:
+    """A ValueError for a sharded tensor inside a dict, list or tuple under an FSDP1 layout.
+
+    FSDP1 has no such state: its `optim_state_dict` gives every parameter the whole nested value
+    of its flat parameter (`use_orig_params=False`) or raises (`True`), and its
+    `optim_state_dict_to_load` raises.
+    """
+    if not isinstance(layout, FSDP1Layout):
+        return
+    for fqn, entry in state.items():
+        for key, value in entry.items():
+
+            def refuse(path: Path, leaves: list[Any], fqn: str = fqn) -> None:
+                if len(path) > 1 and is_sharded(leaves[0]):
+                    raise ValueError(
+                        f"{at(what, fqn, path)} is a tensor of shape {tuple(leaves[0].shape)} "
+                        "inside a dict or list: FSDP1 keeps no such state (its optim_state_dict "
+                        "and optim_state_dict_to_load fail on it), so FSDP1 layouts refuse it; "
+                        "FSDP2 layouts shard it as get_optimizer_state_dict does"
+                    )
+
+            map_leaves([value], refuse, (key,))
 
 
 def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], Sequence[Any]]:
@@ -104,16 +166,20 @@ def check_dense(value: object, where: str) -> None:
         )
 
 
-def _check_kind(kinds: Kinds, first: dict[str, str], fqn: str, key: str, sharded: bool) -> None:
-    """One state name is parameter-shaped for every parameter or for none (None aside)."""
-    other = first.setdefault(key, fqn)
-    if other != fqn and kinds[(other, key)] != sharded:
-        tensor_fqn, plain_fqn = (fqn, other) if sharded else (other, fqn)
-        raise ValueError(
-            f"state[{plain_fqn!r}][{key!r}] is not a tensor of the parameter's shape, but "
-            f"state[{tensor_fqn!r}][{key!r}] is: a state name must be sharded for every parameter"
-        )
-    kinds[(fqn, key)] = sharded
+def _check_kind(kinds: Kinds, first: dict[Path, str], fqn: str, path: Path, sharded: bool) -> None:
+    """One key path is parameter-shaped for every parameter or for none (None aside); the
+    dicts and lists on the way to a leaf count as not parameter-shaped."""
+    for i in range(1, len(path) + 1):
+        kind = sharded and i == len(path)
+        other = first.setdefault(path[:i], fqn)
+        if other != fqn and kinds[(other, path[:i])] != kind:
+            tensor_fqn, plain_fqn = (fqn, other) if kind else (other, fqn)
+            raise ValueError(
+                f"{at('', plain_fqn, path[:i])} is not a tensor of the parameter's shape, but "
+                f"{at('', tensor_fqn, path[:i])} is: a state name must be sharded for every "
+                "parameter"
+            )
+        kinds[(fqn, path[:i])] = kind
 
 
 def check_full(
@@ -126,25 +192,28 @@ def check_full(
     state, groups = split_osd(osd, what)
     check_names(state, groups, layout, what)
     kinds: Kinds = {}
-    first: dict[str, str] = {}
+    first: dict[Path, str] = {}
     for fqn, entry in state.items():
         shape = specs(layout)[fqn][0]
-        for key, value in entry.items():
+        shapes = [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
+
+        def check(path: Path, leaves: list[Any], fqn: str = fqn, shapes: Any = shapes) -> None:
+            value = leaves[0]
             if value is None:
-                continue
-            check_dense(value, f"{what}['state'][{fqn!r}][{key!r}]")
-            sharded = isinstance(value, torch.Tensor) and value.dim() > 0
-            shapes = (
-                [shape] if local_rank is None else [shape, local_shape(layout, fqn, local_rank)]
-            )
-            if sharded and tuple(value.shape) not in shapes:
+                return
+            check_dense(value, at(what, fqn, path))
+            if is_sharded(value) and tuple(value.shape) not in shapes:
                 local = "" if local_rank is None else f" or rank {local_rank}'s chunk {shapes[1]}"
                 raise ValueError(
-                    f"{what}['state'][{fqn!r}][{key!r}] has shape {tuple(value.shape)} but the "
-                    f"layout says {fqn!r} is {shape}{local}; only 0-d and parameter-shaped "
-                    "tensors are supported"
+                    f"{at(what, fqn, path)} has shape {tuple(value.shape)} but the layout says "
+                    f"{fqn!r} is {shapes[0]}{local}; only 0-d and parameter-shaped tensors are "
+                    "supported"
                 )
-            _check_kind(kinds, first, fqn, key, sharded)
+            _check_kind(kinds, first, fqn, path, is_sharded(value))
+
+        for key, value in entry.items():
+            map_leaves([value], check, (key,))
+    refuse_nested_fsdp1(state, layout, what)
     return {f: dict(e) for f, e in state.items()}, [dict(g) for g in groups], kinds
 
 
@@ -197,7 +266,7 @@ def check_shards(shards: object, layout: Layout, what: str) -> tuple[list[State]
                 raise KeyError(f"{what}[{has}]['state'] has parameter {fqn!r}, not in the layout")
             raise ValueError(f"parameter {fqn!r} has state on rank {has} but not on rank {lacks}")
     kinds: Kinds = {}
-    first: dict[str, str] = {}
+    first: dict[Path, str] = {}
     for fqn, entry in states[0].items():
         for r, state in enumerate(states[1:], 1):
             if state[fqn].keys() != entry.keys():
@@ -205,21 +274,24 @@ def check_shards(shards: object, layout: Layout, what: str) -> tuple[list[State]
                     f"state[{fqn!r}] has keys {sorted(state[fqn])} on rank {r} but "
                     f"{sorted(entry)} on rank 0"
                 )
-        for key, value in entry.items():
-            sharded = isinstance(value, torch.Tensor) and value.dim() > 0
-            for r, state in enumerate(states):
-                _check_shard_value(state[fqn][key], value, sharded, layout, fqn, key, r, what)
-            if value is not None:
-                _check_kind(kinds, first, fqn, key, sharded)
+
+        def check(path: Path, leaves: list[Any], fqn: str = fqn) -> None:
+            for r, value in enumerate(leaves):
+                _check_shard_value(value, leaves[0], layout, fqn, at(f"{what}[{r}]", fqn, path), r)
+            if leaves[0] is not None:
+                _check_kind(kinds, first, fqn, path, is_sharded(leaves[0]))
+
+        for key in entry:
+            map_leaves([state[fqn][key] for state in states], check, (key,))
+    refuse_nested_fsdp1(states[0], layout, f"{what}[0]")
     return states, groups, kinds
 
 
 def _check_shard_value(
-    value: Any, first: Any, sharded: bool, layout: Layout, fqn: str, key: str, r: int, what: str
+    value: Any, first: Any, layout: Layout, fqn: str, where: str, r: int
 ) -> None:
-    where = f"{what}[{r}]['state'][{fqn!r}][{key!r}]"
     check_dense(value, where)
-    if not sharded:
+    if not is_sharded(first):
         if not same(value, first):
             raise ValueError(
                 f"{where} = {value!r} differs from rank 0's {first!r}; 0-d tensors "

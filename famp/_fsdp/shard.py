@@ -7,8 +7,10 @@ The canonical form is the full state dict that FSDP1's FULL `optim_state_dict` a
      "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}, ...]}
 
 A rank's shard is the same dict with every parameter-shaped tensor replaced by the rank's chunk
-(what `get_optimizer_state_dict(model, optim)` returns under FSDP2, DTensors as local tensors).
-0-d tensors and non-tensors are replicated. Any other tensor shape is rejected.
+(what `get_optimizer_state_dict(model, optim)` returns under FSDP2, DTensors as local tensors),
+also inside dicts, lists and tuples, as torch's own functions go into them (FSDP1 has no such
+nested state, and FSDP1 layouts refuse it). 0-d tensors and non-tensors are replicated. Any
+other tensor shape is rejected.
 
 Where copies happen: `shard_optim_state` returns views of the full tensors (dim 0 of a
 contiguous tensor) unless `copy=True`; a shard on another dim is made contiguous, which copies.
@@ -18,6 +20,7 @@ views of the old shards where a new shard lies inside one old shard, and concate
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +35,16 @@ from famp._fsdp.layout import (
     chunk_range,
     specs,
 )
-from famp._fsdp.osd import Groups, State, check_full, check_shards
+from famp._fsdp.osd import (
+    Groups,
+    Path,
+    State,
+    check_full,
+    check_shards,
+    is_sharded,
+    map_leaves,
+    refuse_nested_fsdp1,
+)
 
 
 def clone_value(value: Any, copy: bool) -> Any:
@@ -52,6 +64,21 @@ def narrow(tensor: torch.Tensor, dim: int, start: int, length: int, copy: bool) 
     """A contiguous chunk of `tensor`: a view where possible, a compact copy when `copy`."""
     piece = tensor.narrow(dim, start, length)
     return piece.clone(memory_format=torch.contiguous_format) if copy else piece.contiguous()
+
+
+def _cut(
+    _: Path, leaves: list[Any], shape: Any, dim: int, span: tuple[int, int], copy: bool, mesh: Any
+) -> Any:
+    """A full state leaf on one rank: its chunk (a DTensor on `mesh`) if it is sharded."""
+    if not is_sharded(leaves[0]):
+        return clone_value(leaves[0], copy)
+    piece = narrow(leaves[0], dim, *span, copy)
+    return piece if mesh is None else shard_as_dtensor(piece, mesh, dim, shape)
+
+
+def _join(_: Path, leaves: list[Any], dim: int) -> Any:
+    """Every rank's value of one leaf, as one full value."""
+    return torch.cat(leaves, dim) if is_sharded(leaves[0]) else clone_value(leaves[0], True)
 
 
 def shard_optim_state(
@@ -104,7 +131,7 @@ def shard_optim_state(
     """
     layout = check_layout(layout)
     check_rank(rank, layout.world_size)
-    state, groups, kinds = check_full(full_osd, layout)
+    state, groups, _ = check_full(full_osd, layout)
     if mesh is not None:
         if not isinstance(layout, FSDP2Layout):
             raise ValueError("mesh applies to FSDP2 layouts only, got a famp.FSDP1Layout")
@@ -113,15 +140,11 @@ def shard_optim_state(
     for fqn, entry in state.items():
         shape, dim = specs(layout)[fqn]
         start, length = chunk_range(shape[dim], layout.world_size, rank)
-        out[fqn] = {}
-        for key, value in entry.items():
-            if not kinds.get((fqn, key)):
-                out[fqn][key] = clone_value(value, copy)
-                continue
-            piece = narrow(value, dim, start, length, copy)
-            if mesh is not None:
-                piece = shard_as_dtensor(piece, mesh, dim, shape)
-            out[fqn][key] = piece
+
+        cut = functools.partial(
+            _cut, shape=shape, dim=dim, span=(start, length), copy=copy, mesh=mesh
+        )
+        out[fqn] = {key: map_leaves([value], cut, (key,)) for key, value in entry.items()}
     return {"state": out, "param_groups": copy_groups(groups, copy)}
 
 
@@ -157,16 +180,13 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
         tensor([1., 2., 3.])
     """
     layout = check_layout(layout)
-    states, groups, kinds = check_shards(shards, layout, "shards")
+    states, groups, _ = check_shards(shards, layout, "shards")
     out: State = {}
     for fqn, entry in states[0].items():
         dim = specs(layout)[fqn][1]
-        out[fqn] = {
-            key: torch.cat([s[fqn][key] for s in states], dim)
-            if kinds.get((fqn, key))
-            else clone_value(value, True)
-            for key, value in entry.items()
-        }
+
+        join = functools.partial(_join, dim=dim)
+        out[fqn] = {key: map_leaves([s[fqn][key] for s in states], join, (key,)) for key in entry}
     return {"state": out, "param_groups": copy_groups(groups, False)}
 
 
@@ -198,6 +218,25 @@ def _new_chunks(
             piece, s, n = parts[0] if parts else (pieces[0], 0, 0)
             chunks.append(narrow(piece, new_dim, s, n, copy))
     return chunks
+
+
+def _move(
+    cuts: dict[Path, list[Any]],
+    layouts: tuple[Layout, Layout],
+    fqn: str,
+    copy: bool,
+    path: Path,
+    leaves: list[Any],
+) -> None:
+    """Record in `cuts` the new ranks' values of one leaf from the old ranks' `leaves`."""
+    if is_sharded(leaves[0]):
+        cuts[path] = _new_chunks(leaves, *layouts, fqn, copy)
+    else:
+        cuts[path] = [clone_value(leaves[0], copy) for _ in range(layouts[1].world_size)]
+
+
+def _pick(cuts: dict[Path, list[Any]], rank: int, path: Path, _: list[Any]) -> Any:
+    return cuts[path][rank]
 
 
 def reshard_optim_state(
@@ -249,17 +288,16 @@ def reshard_optim_state(
                     f"old_layout and new_layout disagree on {fqn!r}: {old_shapes.get(fqn)} vs "
                     f"{new_shapes.get(fqn)} (None: absent)"
                 )
-    states, groups, kinds = check_shards(shards, old_layout, "shards")
+    states, groups, _ = check_shards(shards, old_layout, "shards")
+    refuse_nested_fsdp1(states[0], new_layout, "shards[0]")
     outs: list[State] = [{} for _ in range(new_layout.world_size)]
     for fqn, entry in states[0].items():
-        for out in outs:
-            out[fqn] = {}
-        for key, value in entry.items():
-            if kinds.get((fqn, key)):
-                pieces = [s[fqn][key] for s in states]
-                chunks = _new_chunks(pieces, old_layout, new_layout, fqn, copy)
-            else:
-                chunks = [clone_value(value, copy) for _ in outs]
-            for out, chunk in zip(outs, chunks, strict=True):
-                out[fqn][key] = chunk
+        for key in entry:
+            values = [s[fqn][key] for s in states]
+            cuts: dict[Path, list[Any]] = {}  # each leaf's new chunks, cut once for all ranks
+            move = functools.partial(_move, cuts, (old_layout, new_layout), fqn, copy)
+            map_leaves(values, move, (key,))
+            for r, out in enumerate(outs):
+                pick = functools.partial(_pick, cuts, r)
+                out.setdefault(fqn, {})[key] = map_leaves(values, pick, (key,))
     return [{"state": out, "param_groups": copy_groups(groups, copy)} for out in outs]
