@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
@@ -57,9 +57,17 @@ def human(nbytes: float) -> str:
 
 def state_nbytes(osd: Mapping[str, Any]) -> tuple[int, int]:
     """Number of state tensors and their bytes."""
-    values = [v for entry in osd["state"].values() for v in entry.values()]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    tensors = list(_tensors(osd["state"]))
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in `value`, inside dicts, lists and tuples too (nested optimizer state)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping | list | tuple):
+        for v in value.values() if isinstance(value, Mapping) else value:
+            yield from _tensors(v)
 
 
 def progress_wanted(args: argparse.Namespace, total: int) -> bool:
@@ -80,9 +88,7 @@ class RankStats:
 
 def rank_stats(shard: Mapping[str, Any], layout: FSDP2Layout, rank: int) -> RankStats:
     """`RankStats` of `rank`'s shard."""
-    tensors = [
-        v for e in shard["state"].values() for v in e.values() if isinstance(v, torch.Tensor)
-    ]
+    tensors = list(_tensors(shard["state"]))
     empty = [f for f in shard["state"] if 0 in layout.local_shape(f, rank)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return RankStats(len(tensors), nbytes, empty)

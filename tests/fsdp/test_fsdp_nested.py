@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -89,17 +91,28 @@ def test_fsdp2_nested_state_loads_and_steps_as_set_optimizer_state_dict(records,
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_famp_reshard_writes_nested_state_sharded(records, tmp_path: pathlib.Path) -> None:
+def test_famp_reshard_writes_nested_state_sharded(
+    records, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from famp._fsdp.cli import main
+    from famp._fsdp.cli_report import human
 
     out_dir, ranks = records
     full = ranks[0]["fsdp2"]["full"]
     for world in (2, 3):
         out = tmp_path / f"w{world}"
+        capsys.readouterr()
         assert main([str(out_dir / "ckpt"), "-n", str(world), "-o", str(out)]) == 0
+        # Its summary counts the nested tensors too (before, only the top-level ones): optree's
+        # leaves of torch's full state dict, and of each rank file as written.
+        report = capsys.readouterr().out
+        tensors = _leaves(full["state"])
+        nbytes = human(sum(t.numel() * t.element_size() for t in tensors))
+        assert f"tensors     {len(tensors)}, {nbytes}\n" in report, report
         layout = _layout(ranks[0], world)
         for rank in range(world):
             written = torch.load(out / f"rank{rank:05d}.pt", weights_only=True)
+            assert re.search(rf"\n\s+{rank}\s+{len(_leaves(written['state']))}\s", report), report
             expected = famp.shard_optim_state(full, layout, rank)
             assert_same_osd(written["state"], expected["state"])
             if world == 2:
@@ -177,3 +190,7 @@ def test_nested_tuples_shard_and_unshard_as_lists() -> None:
     assert [s["state"]["w"]["aux"]["t"][0].shape for s in shards] == [(2, 3), (2, 3), (1, 3)]
     assert type(shards[0]["state"]["w"]["aux"]["t"]) is tuple
     assert_same_osd(famp.unshard_optim_state(shards, layout), full)
+
+
+def _leaves(tree: object) -> list[torch.Tensor]:
+    return [v for v in optree.tree_leaves(tree) if isinstance(v, torch.Tensor)]
