@@ -206,6 +206,8 @@ def _names(func: types.FunctionType) -> frozenset[str]:
                 ):
                     if isinstance(g, types.FunctionType) and g.__code__ not in seen:
                         todo.append(g)
+                    elif isinstance(g, types.BuiltinFunctionType):  # `F.logsigmoid`: `log_sigmoid`
+                        names.add(op_name(g, memo=False)[0])
             for method in _operators(code):  # `a * b`: Tensor.__mul__, __rmul__, __imul__
                 names.add(op_name(method, memo=False)[0])
                 if isinstance(method, types.FunctionType):  # `__rtruediv__`: reciprocal, `*`
@@ -237,14 +239,32 @@ _OPERATORS = (
 _STEMS = {key: e.split()[2] for e in _OPERATORS.split(", ") for key in e.split()[:2]}
 
 
+# Unary operators and `in` (by opcode; Python 3.12 on: `+x` by intrinsic), comparisons (by symbol,
+# with the method the reflected comparison calls: `2 < x` calls `x.__gt__`).
+_UNARY = {
+    "UNARY_NEGATIVE": "__neg__",
+    "UNARY_INVERT": "__invert__",
+    "UNARY_POSITIVE": "__pos__",
+    "INTRINSIC_UNARY_POSITIVE": "__pos__",
+    "CONTAINS_OP": "__contains__",
+}
+_COMPARE = {"==": "eq eq", "!=": "ne ne", "<": "lt gt", "<=": "le ge", ">": "gt lt", ">=": "ge le"}
+
+
 def _operators(code: types.CodeType) -> Iterator[Any]:
-    """The `Tensor` methods that the binary operators in `code` may call."""
+    """The `Tensor` methods that the operators in `code` may call."""
     for ins in dis.get_instructions(code):
         op = ins.opname
         key = ins.argrepr.rstrip("=") if op == "BINARY_OP" else op.partition("_")[2]
         stem = _STEMS.get(key) if op.startswith(("BINARY_", "INPLACE_")) else None
         methods = (getattr(torch.Tensor, f"__{r}{stem}__", None) for r in ("", "r", "i") if stem)
         yield from (m for m in methods if m is not None)
+        unary = _UNARY.get(op) or _UNARY.get(ins.argrepr)
+        if unary is not None:
+            yield getattr(torch.Tensor, unary)
+        if op == "COMPARE_OP":  # Python 3.13 shows `bool(==)` where the result is a condition
+            symbol = ins.argrepr.removeprefix("bool(").removesuffix(")")
+            yield from (getattr(torch.Tensor, f"__{n}__") for n in _COMPARE[symbol].split())
 
 
 @functools.cache

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from famp._autocast.handed import dropped, recovered
 from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import (
     TRACED_CALL,
@@ -200,6 +201,10 @@ class FampMode(TorchFunctionMode):
         track: bool,
     ) -> Any:
         """One op call; `track`: eager bookkeeping (the call tracks, and nothing is compiling)."""
+        if type(func) is FunctionType and not torch.compiler.is_compiling():
+            names = dropped(func)  # compiled, Dynamo hands on the call's own arguments
+            if names:
+                kwargs = recovered(func, args, kwargs, names)  # `F.l1_loss`'s `weight`
         if owner.suspended and track:
             drop_abandoned_replays()  # a backward raised in one (caught): its records go
         if owner.suspended:

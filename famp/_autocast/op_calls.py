@@ -44,7 +44,20 @@ _DUNDERS = {
     "__pow__": "pow",
     "__rpow__": "pow",  # only for a scalar base (a tensor's is `__pow__`): `pow.Scalar`
     "__ipow__": "pow_",
-}
+    "__mod__": "remainder",
+    "__imod__": "remainder_",
+    "__ifloordiv__": "floor_divide_",
+    "__eq__": "eq",
+    "__ne__": "ne",
+    "__lt__": "lt",
+    "__le__": "le",
+    "__gt__": "gt",
+    "__ge__": "ge",
+    "__invert__": "bitwise_not",
+    "__rand__": "bitwise_and",
+    "__ror__": "bitwise_or",
+    "__rxor__": "bitwise_xor",
+}  # `Tensor`'s C methods named otherwise than the aten op they call (`__and__` is an aten op)
 # Calls that write into their first argument without a trailing-underscore name.
 _WRITES = frozenset({"__setitem__", "__set__", "set_"})
 
@@ -215,11 +228,17 @@ def call(
         if memo:
             remember(_METHODS, func, method)
     if method and args and isinstance(args[0], torch.Tensor):
-        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+        name = _name(func) if torch.compiler.is_compiling() else func.__name__
+        return getattr(args[0], name)(*args[1:], **kwargs)
     return func(*args, **kwargs)
 
 
 _METHODS: dict[Any, bool] = {}
+
+
+@assume_constant_result  # Dynamo (2.15) reads a wrapper's name off its code: `Tensor.__rsub__`'s
+def _name(func: Callable[..., Any]) -> str:  # `wrapped`, which no tensor has
+    return func.__name__
 
 
 def is_method(func: Callable[..., Any]) -> bool:

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from famp._autocast.defaults import default_rules
 from famp._autocast.entered import calls, copies, traced_copies
+from famp._autocast.handed import dropped
 from famp._autocast.op_calls import (
     in_place,
     is_method,
@@ -141,7 +142,8 @@ def plain(
         packet = op_name(func)[0]
         known = (
             0
-            if overrides is not None and (packet in overrides.packets or func in overrides.enter)
+            if (overrides is not None and (packet in overrides.packets or func in overrides.enter))
+            or dropped(func)  # its call reaches the mode without some arguments (`handed`)
             else WRITES
             if in_place(packet)
             else 0

@@ -6,6 +6,7 @@ import collections
 import functools
 import linecache
 import logging
+import re
 import threading
 import traceback
 from collections.abc import Callable
@@ -1624,6 +1625,169 @@ def test_an_override_inside_a_function_dynamo_skips_compiles(
                     assert_bitwise_equal(g, e)
 
 
+_TARGET = (torch.arange(10).reshape(2, 5) % 2).float()
+_Y = torch.linspace(-2.0, 2.0, 10).reshape(2, 5)
+
+
+def _mlsm_by_hand(z: torch.Tensor) -> torch.Tensor:  # F.multilabel_soft_margin_loss's own code
+    logsigmoid = functools.partial(_unautocast, F.logsigmoid)
+    t = _TARGET
+    loss = -(t * logsigmoid(z.bfloat16()) + (1 - t) * logsigmoid((-z).bfloat16()))
+    return (loss.sum(dim=1) / z.size(1)).mean()
+
+
+# Overrides of ops called under other names: by an operator (`-x` in F.softmin's code, which
+# famp did not read; `x == y`, which reaches the modes as `Tensor.__eq__`, named "__eq__") or by
+# an alias (F.multilabel_soft_margin_loss calls `F.logsigmoid`, which is `log_sigmoid`). Before
+# 2026-12-01 those overrides did nothing there, eagerly and compiled; the other operators reach
+# the modes by their ops' names (`x % y` as `remainder`). Each: (the "lower" overrides, the call
+# on float32 `x`, torch by hand).
+INNER: dict[str, tuple[tuple[str, ...], Callable[..., Any], Callable[..., Any]]] = {
+    "F.softmin: -x": (
+        ("neg",),
+        lambda x: F.softmin(x, -1),
+        lambda x: _unautocast(torch.neg, x.bfloat16()).softmax(-1),
+    ),
+    "F.multilabel_soft_margin_loss: F.logsigmoid": (
+        ("log_sigmoid",),
+        lambda x: F.multilabel_soft_margin_loss(x, _TARGET),
+        _mlsm_by_hand,
+    ),
+    "x == y": (("eq",), lambda x: x == _Y, lambda x: _unautocast(torch.eq, *_lower(x, _Y))),
+    "x <= y": (("le",), lambda x: x <= _Y, lambda x: _unautocast(torch.le, *_lower(x, _Y))),
+    "0.1 < x": (("gt",), lambda x: x > 0.1, lambda x: _unautocast(torch.gt, x.bfloat16(), 0.1)),
+    "x % y": (
+        ("remainder",),
+        lambda x: x % _Y,
+        lambda x: _unautocast(torch.remainder, *_lower(x, _Y)),
+    ),
+}
+
+
+def _lower(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.bfloat16() for t in tensors]
+
+
+@pytest.mark.parametrize(
+    ("backend", "dynamic"), [("eager", False), ("aot_eager", True)], ids=["eager", "aot_eager"]
+)
+@pytest.mark.parametrize("case", list(INNER))
+def test_an_override_reaches_an_op_called_by_operator_or_alias(
+    case: str, backend: str, dynamic: bool
+) -> None:
+    """Eagerly and compiled (fullgraph), on two inputs: values and gradients equal torch by hand,
+    `torch.autocast` around the call with the overridden op run in bfloat16 with autocast off."""
+    packets, op, by_hand = INNER[case]
+    rules = _cpu_rules(dict.fromkeys(packets, "lower"))
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return op(x) / 3  # the division rounds otherwise in bfloat16
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return (by_hand(x) / 3).float()
+
+    f = famp.autocast(function, "c=bf16,o=f32", rules=rules, compile=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend, dynamic=dynamic)
+    for seed in (0, 1):
+        x = torch.linspace(-2.0, 2.0, 10).reshape(2, 5) * (1.001 + seed / 7)
+        x.requires_grad_()
+        expected = reference(x)
+        grads = expected.requires_grad  # not comparisons'
+        e_grad = torch.autograd.grad(expected.sum(), x) if grads else ()
+        for actual in (f(x), compiled(x)):
+            assert_bitwise_equal(actual, expected)
+            if grads:
+                assert_bitwise_equal(torch.autograd.grad(actual.sum(), x)[0], e_grad[0])
+
+
+_L1_W = torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) + 0.1
+
+
+@pytest.mark.parametrize("options", ["override", "track_casts"])
+def test_l1_loss_keeps_its_weight_under_famps_mode(options: str) -> None:
+    """torch's `F.l1_loss` hands its call to the torch function modes without `weight`: under
+    famp's mode (an override of any op, or `track_casts`) it gave the unweighted loss before
+    2026-12-01. Eagerly and compiled, equal to `torch.autocast`."""
+    kwargs: dict[str, Any] = (
+        {"rules": _cpu_rules({"mul": "float32"})}
+        if options == "override"
+        else {"track_casts": True}
+    )
+    a, b = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(1)).unbind()
+    a.requires_grad_()
+
+    def function(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.l1_loss(a @ torch.eye(5), b, weight=_L1_W) / 3
+
+    with torch.autocast("cpu", dtype=BF16):
+        expected = function(a, b).float()
+    e_grad = torch.autograd.grad(expected, a)[0]
+    f = famp.autocast(function, "c=bf16,o=f32", compile=False, **kwargs)
+    torch._dynamo.reset()
+    for actual in (f(a, b), torch.compile(f, fullgraph=True, backend="eager")(a, b)):
+        assert_bitwise_equal(actual, expected)
+        assert_bitwise_equal(torch.autograd.grad(actual, a)[0], e_grad)
+
+
+@pytest.mark.filterwarnings("ignore:torch.chain_matmul is deprecated")
+@pytest.mark.filterwarnings("ignore:torch.chain_matmul is deprecated")  # warned once a process
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_chain_matmul_takes_its_out_under_famps_mode(dtype: torch.dtype) -> None:
+    """`torch.chain_matmul` hands its call on without `out`: famp's mode ran it without it,
+    returned a result and left `out` unwritten, where `torch.autocast` refuses either dtype of
+    `out` (its matmuls compute in bfloat16, multi_dot checks for float32): the same error now."""
+    m = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)).unbind()
+    out = torch.zeros(4, 4, dtype=dtype)
+    with pytest.raises(RuntimeError) as by_hand, torch.autocast("cpu", dtype=BF16):
+        torch.chain_matmul(*m, out=out)
+    f = famp.autocast(
+        lambda: torch.chain_matmul(*m, out=out), "c=bf16", device_type="cpu", track_casts=True
+    )
+    with pytest.raises(RuntimeError, match=re.escape(str(by_hand.value))):
+        f()
+
+
+def _ast_dropped(func: Any) -> tuple[str, ...]:
+    """What `func`'s `handle_torch_function(api, relevant_args, *args, **kwargs)` call leaves
+    out, read off its source (slow: for the test only)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(func.__code__)))
+    code = func.__code__
+    params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and "handle_torch_function"
+        in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+    ]
+    if not calls:
+        return ()
+    handed = [*calls[0].args[2:], *(k.value for k in calls[0].keywords)]
+    passed = {n.id for arg in handed for n in ast.walk(arg) if isinstance(n, ast.Name)}
+    return tuple(p for p in params if p not in passed)
+
+
+def test_the_arguments_torch_functions_drop_are_read_as_their_source_says() -> None:
+    """famp reads which parameters each torch Python function leaves out of the call it hands
+    to the modes from its bytecode (`famp._autocast.handed.dropped`); its source says the same,
+    for every function famp may receive, on the installed torch and Python."""
+    from famp._autocast.entered import copies
+    from famp._autocast.handed import dropped
+
+    read = {f: dropped(f) for f in copies() if "handle_torch_function" in f.__code__.co_names}
+    assert len(read) > 100
+    assert read[F.l1_loss] == ("weight",)
+    assert {f: d for f, d in read.items() if d} == {
+        f: _ast_dropped(f) for f in read if _ast_dropped(f)
+    }
+
+
 def test_a_traceback_through_a_copy_of_torch_functional_shows_torchs_lines() -> None:
     """Compiled, famp enters copies of torch/functional.py's functions under a file name of their
     own (for Dynamo): an error raised in one still shows torch's line, as eagerly."""
@@ -1639,6 +1803,29 @@ def test_a_traceback_through_a_copy_of_torch_functional_shows_torchs_lines() -> 
         torch.compile(f, fullgraph=True, backend="eager")(torch.randn(3))
     assert 'File "<famp\'s copy of torch/functional.py>", line ' in str(raised.value)
     assert f", in tensordot\n    {line}\n" in str(raised.value)
+
+
+@pytest.mark.parametrize("packet", list(REFLECTED))
+def test_a_reflected_operator_compiles_beside_an_unrelated_override(packet: str) -> None:
+    """With an override of another op, Dynamo hands `2.5 - x` (`Tensor.__rsub__`, a Python
+    wrapper) to famp's mode, which calls it as a method by name; torch 2.15's Dynamo names the
+    wrapper by its code, `wrapped`, and the call raised "'Tensor' object has no attribute
+    'wrapped'" before 2026-12-01. Against `torch.autocast` by hand, compiled alike."""
+    op = REFLECTED[packet]
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) + 4.0
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return op(x @ torch.eye(8)).float().sum()
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return function(x)
+
+    f = famp.autocast(function, "c=bf16,o=f32", rules=_cpu_rules({"tanh": "float32"}))
+    torch._dynamo.reset()
+    expected = torch.compile(by_hand, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    assert_bitwise_equal(torch.compile(f, fullgraph=True, backend="eager")(x), expected)
 
 
 SEEN: list[str] = []
@@ -1774,7 +1961,8 @@ def test_traced_copies_differ_from_the_copies_only_where_dynamo_needs() -> None:
             continue
         globals_ = traced.__globals__
         assert "__name__" not in globals_
-        for name, value in original.__globals__.items():
+        for name in _code_names(original.__code__) & original.__globals__.keys():
+            value = original.__globals__[name]
             if name in _CHECKS:
                 assert globals_[name](torch.ones(1)) is False
             elif name not in ("__name__", "_VF") and globals_[name] is not value:  # a helper
