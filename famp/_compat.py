@@ -374,6 +374,12 @@ def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
     return own or any(getattr(shared, f"_global_optimizer_{n}_hooks", None) for n in kinds)
 
 
+# Compiled, inductor (2.13, 2.15) may drop a clone that a mutating famp operator writes and read
+# its source from storage offset 0: no such clone of a view (`_base`: no public query), in
+# `_scaling/choice.py` and `kernels.py`. Dynamo reads no intermediate's storage offset.
+VIEW_BASE = "_base"  # `is_view` (`Tensor._is_view`) is not traceable by Dynamo
+
+
 def foreach_clone(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """A clone of each tensor (strides kept), in one call: no public multi-tensor clone exists."""
     return tuple(torch._foreach_clone(tensors))

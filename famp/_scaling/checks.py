@@ -132,8 +132,8 @@ def _check_statics(
     in_dict: bool,
 ) -> None:
     name = label("growth_factor", in_dict)
-    gf = _real(name, growth_factor)
-    if not (math.isfinite(gf) and gf > 1.0):
+    # Comparisons only: compiled, Dynamo may make a default a symbolic float (no math.isfinite).
+    if not 1.0 < _real(name, growth_factor) < math.inf:  # NaN fails both
         raise ValueError(f"{name} must be a finite number > 1.0, got {show(growth_factor)}")
     name = label("backoff_factor", in_dict)
     if not 0.0 < _real(name, backoff_factor) < 1.0:

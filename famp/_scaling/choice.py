@@ -4,7 +4,8 @@ Eagerly, with a readable predicate, each result is the chosen leaf itself. Compi
 the plain tensors of both trees go through one `famp::select_` operator (`select_op`): each
 result is a copy of its `on_true` leaf, into which the operator copies the `on_false` leaf where
 the predicate is false. Elsewhere (other devices, tensor subclasses, leaves that require grad,
-complex leaves, `torch.func` transforms) each pair is one `torch.where`.
+complex leaves, `on_true` leaves that are views, `torch.func` transforms) each pair is one
+`torch.where`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from famp._compat import functorch_transforms_active
+from famp._compat import VIEW_BASE, functorch_transforms_active
 from famp._scaling.program import reader_operand
 from famp._scaling.trees import PLAIN_TENSORS, keystr, to_device
 from famp._typing import PyTree, Tensor, TreeT
@@ -124,6 +125,8 @@ def select(
             and a.layout == torch.strided
             and b.layout == torch.strided
             and not a.is_complex()  # inductor keeps no complex mutation (auto_functionalized_v2)
+            # Nor a view's clone: inductor drops it and reads the view from storage offset 0.
+            and getattr(a, VIEW_BASE) is None
         ):
             # A copy of a's bits (float16/bfloat16 as integers, see `_HALF_BITS`).
             copy = a.view(torch.int16).clone().view(a.dtype) if a.dtype in _HALF else a.clone()

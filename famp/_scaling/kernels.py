@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from famp._compat import (
+    VIEW_BASE,
     amp_foreach_non_finite_check_and_unscale,
     amp_foreach_non_finite_check_and_unscale_,
     assume_constant_result,
@@ -57,12 +58,10 @@ def out_of_place(
 
 
 def _cloned(tensors: list[Tensor], found: Tensor, inv: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Eagerly on CUDA: the kernel's functional variant (a clone of each tensor, a launch each,
-    then the kernel on the copies) in two launches: one multi-tensor clone, then the kernel. The
-    host's launches bound the functional variant (docs/benchmarks.md, "CUDA, third
-    measurements"). The multi-tensor clone keeps its one launch only where every tensor is
-    non-overlapping and dense, so others (strided, expanded) are cloned apart. Same bits and
-    strides."""
+    """Eagerly on CUDA: the kernel's functional variant (a clone and a launch per tensor, then
+    the kernel) in two launches: one multi-tensor clone, then the kernel (docs/benchmarks.md,
+    "CUDA, third measurements"). The multi-tensor clone keeps its one launch only where every
+    tensor is non-overlapping and dense, so others are cloned apart. Same bits and strides."""
     together = [x.is_contiguous() or eager_cpu.dense(x) for x in tensors]
     picked = [x for x, t in zip(tensors, together, strict=True) if t]
     batch = iter(foreach_clone(picked) if picked else ())
@@ -123,9 +122,13 @@ def copied_then_unscaled(
 ) -> tuple[list[Tensor], Tensor]:
     """Traced: copies of `tensors` unscaled in place by the kernel (`found`, this call's own,
     updated in place). `fresh` ones are cloned one by one, clones that inductor drops (it
-    unscales them where they lie); others (on CUDA) by one multi-tensor clone, which inductor
+    unscales them where they lie), views excepted (`famp._compat.VIEW_BASE`: inductor would read
+    them from storage offset 0); others (on CUDA) by one multi-tensor clone, which inductor
     writes as one kernel for them all. Tested compiled on CPU tensors too, on every torch."""
-    copies = [x.clone() for x in tensors] if fresh else list(foreach_clone(tensors))
+    kept = [not fresh or getattr(x, VIEW_BASE) is not None for x in tensors]
+    picked = [x for x, k in zip(tensors, kept, strict=True) if k]
+    batch = iter(foreach_clone(picked) if picked else ())
+    copies = [next(batch) if k else x.clone() for x, k in zip(tensors, kept, strict=True)]
     unscale_in_place_op(copies, found, inv)
     return copies, found
 
@@ -248,11 +251,10 @@ def unscale_in_place(tensors: list[Tensor], found: Tensor, inv: Tensor) -> None:
 def unscale_owned(scale: Tensor, leaves: list[Tensor], owned: list[bool] | None) -> Tensor | None:
     """`found_inf` after the kernel ran in place on `leaves`, or `None` (nothing done).
 
-    `famp.value_and_grad`'s common eager case, with a few microseconds of Python where the
-    general path of `unscale_leaves` takes several times that: autograd's own gradients, all
-    famp's alone (`owned`: plain strided tensors, not meta), of one dtype, on the CPU with the
-    scale, none nested or requiring grad (`owned` is `None` elsewhere). The general path does
-    the same for them: one kernel call, in place.
+    `famp.value_and_grad`'s common eager case, a few microseconds of Python where the general
+    path of `unscale_leaves` takes several times that (and makes the same kernel call, in place):
+    autograd's own gradients, all famp's alone (`owned`: plain strided tensors, not meta), of one
+    dtype, on the CPU with the scale, none nested or requiring grad (`owned` is `None` elsewhere).
     """
     if owned is None or not (scale.is_cpu and leaves and all(owned)):
         return None

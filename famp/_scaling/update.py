@@ -158,6 +158,20 @@ def _moved(found_inf: Tensor, scale: Tensor) -> Tensor:
     return to_device(found_inf, scale.device)
 
 
+def _guard(scale: Tensor, value: float) -> Tensor:
+    """A guard's float32 value (`float32_value`) as a 0-d tensor beside `scale`.
+
+    Compiled, Dynamo may make the guard a symbolic float or int (`dynamic=True`, or a second
+    state with another value), which no Python function can round: a float64 tensor of a float
+    or an int64 tensor of an int, cast to float32, rounds it as `float32_value` does (an int
+    straight, not through a double). Ints beyond int64 (constants to Dynamo) keep the latter.
+    """
+    if not torch.compiler.is_compiling() or (isinstance(value, int) and abs(value) >= 2**63):
+        return scale.new_tensor(float32_value(value))
+    dtype = torch.int64 if isinstance(value, int) else torch.float64
+    return torch.full((), value, dtype=dtype, device=scale.device).float()
+
+
 def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
     """`update_scale` as a branch-free `torch.where` program: guards, and vmap-able.
 
@@ -169,11 +183,11 @@ def _update_where(state: ScalerState, found_inf: Tensor) -> ScalerState:
     wide = scale_.double()
     backed = (wide * state.backoff_factor).float()
     if state.min_scale is not None:
-        floor = torch.minimum(scale_, scale_.new_tensor(float32_value(state.min_scale)))
+        floor = torch.minimum(scale_, _guard(scale_, state.min_scale))
         backed = torch.maximum(backed, floor)
     grown = (wide * state.growth_factor).float()
     if state.max_scale is not None:
-        cap = scale_.new_tensor(float32_value(state.max_scale))
+        cap = _guard(scale_, state.max_scale)
         grown = torch.minimum(grown, torch.maximum(scale_, cap))
     grown = torch.where(torch.isfinite(grown), grown, scale_)
     counted = tracker + 1

@@ -251,3 +251,50 @@ def test_compiled_select_of_leaves_in_any_layout_equals_torch_where(pred: bool) 
     out = _COMPILED_LAYOUTS(torch.tensor(pred), new, old)
     for got, want in zip(out, _where(torch.tensor(pred), new, old), strict=True):
         assert_bitwise_equal(got, want)
+
+
+def _slice_trees(flat: torch.Tensor, flat_old: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+    """Parameters kept as views of one flat buffer, an input, and of an intermediate result."""
+    flipped = flat.flip(0)  # returned too: its slice must be copied, not written in place
+    new = [flat[:6].view(2, 3), flat[6:], flat.view(4, -1)[1], flipped[2:], flat[::3]]
+    old = [flat_old[:6].view(2, 3), flat_old[6:], flat_old.view(4, -1)[1], flat_old[2:]]
+    return new, [*old, flat_old[::3]], flipped
+
+
+def _slices(pred: torch.Tensor, flat: torch.Tensor, flat_old: torch.Tensor) -> Any:
+    new, old, flipped = _slice_trees(flat, flat_old)
+    return famp.select_tree(pred, new, old), flipped
+
+
+_COMPILED_SLICES = {
+    "static": torch.compile(_slices, fullgraph=True),
+    "dynamic": torch.compile(_slices, fullgraph=True, dynamic=True),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_COMPILED))
+@pytest.mark.parametrize("pred", [True, False])
+def test_compiled_select_of_views_at_a_storage_offset_equals_torch_where(
+    mode: str, pred: bool
+) -> None:
+    """Views past element 0 of an input or of an intermediate result keep their elements.
+
+    Before 2026-12-01 inductor dropped the copy of such an `on_true` leaf that `famp::select_`
+    writes, and read it from the buffer's element 0 (`flat[6:]` came back as `flat[:6]`); views
+    now take `torch.where`.
+    Leaves that are views passed in, and then (a recompile under static shapes) other sizes.
+    """
+    gen = torch.Generator().manual_seed(23)
+    p = torch.tensor(pred)
+    for size, dtype in ((12, torch.float32), (20, torch.bfloat16)):
+        flat, flat_old = random_bits((size,), dtype, gen), random_bits((size,), dtype, gen)
+        before = flat.clone(), flat_old.clone()
+        out, flipped = _COMPILED_SLICES[mode](p, flat, flat_old)
+        for got, want in zip(out, _where(p, *_slice_trees(flat, flat_old)[:2]), strict=True):
+            assert_bitwise_equal(got, want)
+        assert_bitwise_equal(flipped, flat.flip(0))
+        assert_bitwise_equal(flat, before[0])
+        assert_bitwise_equal(flat_old, before[1])
+        new, old = [flat[2:], flat[1::2], flat[3:5]], [flat_old[2:], flat_old[1::2], flat_old[:2]]
+        for got, want in zip(_COMPILED[mode](p, new, old), _where(p, new, old), strict=True):
+            assert_bitwise_equal(got, want)

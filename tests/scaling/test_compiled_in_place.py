@@ -179,6 +179,9 @@ CASES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "expanded": lambda p, x: p["a"].sum() * 3 + (p["b"] * x).sum(),
     # b's gradient is a transposed view of a's
     "a view of another": lambda p, x: ((p["a"] + p["b"].t()) * x).square().sum(),
+    # slices of one gradient (torch.cat's): b's at a storage offset, which inductor read from
+    # offset 0 before 2026-12-01 (a's values given for b)
+    "slices of one": lambda p, x: (torch.cat([p["a"], p["b"]]) * x.repeat(2, 1)).square().sum(),
 }
 
 

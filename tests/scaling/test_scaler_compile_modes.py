@@ -399,3 +399,84 @@ def test_unscale_and_check_of_a_tree_without_tensors_equals_gradscaler(
     assert found_inf.device == state.scale.device
     again = fn(state, grads)[1]
     assert again is not found_inf  # a new tensor each call, never one the caller may hold
+
+
+# --- guards and defaults that Dynamo makes symbolic -------------------------------------------
+
+
+def _compiled_own(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """`fn` compiled with `dynamic` False, True or None, on a code object of its own per mode."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{mode}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name)
+    dynamic = {"static": False, "dynamic": True, "recompile": None}[mode]
+    return torch.compile(copy, fullgraph=True, dynamic=dynamic)
+
+
+_GUARD_STEPS = [1.0] * 3 + [0.0] * 3  # back off to min_scale, then grow to max_scale
+
+
+def _guarded_run(state: famp.ScalerState, found: torch.Tensor) -> famp.ScalerState:
+    for i in range(len(_GUARD_STEPS)):
+        state = famp.update_scale(state, found[i])
+    return state
+
+
+# min_scale/max_scale pairs whose float32 values need rounding: 0.1 and 1e10 once from a double,
+# 2**60 + 2**36 + 1 straight from the int (2**60 + 2**37; through a double it would be 2**60).
+GUARDS = [(1.0, None), (0.1, 1e10), (3, 2**60 + 2**36 + 1), (None, 2.0**40)]
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_update_scale_with_guards_compiled_in_every_mode_equals_eager(mode: str) -> None:
+    """Every (min_scale, max_scale) pair through one compiled function: eager's bits.
+
+    Before 2026-12-01 a guard that Dynamo made symbolic (every one under `dynamic=True`; under
+    the default, the second state with another value) raised Dynamo's `Unsupported`
+    ("assume_constant_result argument conversion failed"). Eager famp's guarded update is
+    checked against a model of the documented rule (`test_scaler_guards.py`), unguarded
+    against torch's kernel.
+    """
+    run = _compiled_own(_guarded_run, mode)
+    found = torch.tensor(_GUARD_STEPS)
+    for low, high in GUARDS:
+        init = 2.0**5 if high != 2**60 + 2**36 + 1 else 2.0**59
+        state = famp.init_scaler(
+            init, growth_factor=16.0, backoff_factor=0.125, growth_interval=1,
+            min_scale=low, max_scale=high,
+        )  # fmt: skip
+        got, want = run(state, found), _guarded_run(state, found)
+        assert_trees_bitwise_equal(optree.tree_leaves(got), optree.tree_leaves(want))
+        if isinstance(high, int):  # capped at max_scale's float32 value, rounded from the int
+            assert got.scale.item() == 2.0**60 + 2.0**37
+    plain = famp.init_scaler(2.0**5, growth_interval=1)
+    scale, tracker = plain.scale, plain.growth_tracker
+    for f in _GUARD_STEPS:
+        scale, tracker = torch_update(scale, tracker, f, plain)
+    assert_bitwise_equal(run(plain, found).scale, scale)
+
+
+def _fresh_state(x: torch.Tensor) -> tuple[torch.Tensor, famp.ScalerState]:
+    state = famp.init_scaler(4.0)  # every default: Dynamo reads them off init_scaler
+    state = famp.update_scale(state, torch.isinf(x).any().float())
+    return famp.scale(state, x), state
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "recompile"])
+def test_init_scaler_with_its_defaults_compiles_in_every_mode(mode: str) -> None:
+    """Built inside the compiled function, with its default factors: torch's kernel's numbers.
+
+    Before 2026-12-01, under `dynamic=True`, Dynamo made the default `growth_factor` a symbolic
+    float and its `math.isfinite` check raised `Unsupported`.
+    """
+    run = _compiled_own(_fresh_state, mode)
+    for n, bad in ((3, False), (5, True)):  # another size: a recompile, or the same graph
+        x = torch.arange(float(n))
+        x[-1] = math.inf if bad else x[-1]
+        scaled, state = run(x)
+        start = famp.init_scaler(4.0)
+        scale, tracker = torch_update(start.scale, start.growth_tracker, float(bad), start)
+        assert_bitwise_equal(state.scale, scale)
+        assert_bitwise_equal(state.growth_tracker, tracker)
+        assert_bitwise_equal(scaled, x * scale)
+        statics = (state.growth_factor, state.backoff_factor, state.growth_interval)
+        assert statics == (2.0, 0.5, 2000)
