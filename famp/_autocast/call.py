@@ -28,14 +28,13 @@ from famp._autocast.patterns import (
     warn_unmatched,
 )
 from famp._autocast.policy import Policy
+from famp._autocast.raised import end_traced, leave_last, unwind
 from famp._autocast.recompute import calls, observe
 from famp._autocast.region import enter_state, policy_state, region, swap_state
 from famp._autocast.tree_hooks import hook_tree, unhook_tree
 from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts, unwatched
 from famp._compat import forward_hooks, is_compiled_module
-
-LEAVE_KEY = -0xFA4E  # famp's hook among a module's own while Dynamo traces (ids count up from 0)
 
 
 class CallRecord:
@@ -70,6 +69,8 @@ class CallRecord:
         self.roots: dict[int, MatchedTree] = {}  # root -> `match_tree(root, ...)`
         self.held: list[torch.nn.Module] = []
         self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
+        self.late_hooks: list[Any] = []  # traced: their own hook dicts (raised.leave_last)
+        self.raised: list[torch.nn.Module] = []  # traced: matched modules that raised, caught
         # Keyword inputs (keywords.py): the modules rules match below the current root; the hooks
         # given them while a root runs; the module whose scope famp's pre-hook entered last.
         self.root_matched: list[torch.nn.Module] = []
@@ -189,16 +190,8 @@ class CallRecord:
         matched module with forward hooks from one of its own, run after theirs, as a nested
         `famp.autocast` call of the module would (its output cast then casts the hooks' output).
         """
-        if torch.compiler.is_compiling():
-            own = forward_hooks(module)  # no handle while tracing: a copy of them, famp's last
-
-            def leave_traced(left: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-                forward_hooks(left, own)
-                self.late.pop()
-                return self.exit_module(left, output, last=True)
-
-            forward_hooks(module, {**own, LEAVE_KEY: leave_traced})  # undone in `leave_traced`
-            self.late.append(module)
+        if torch.compiler.is_compiling():  # no handle while tracing: a copy of them, famp's last
+            leave_last(self, module)
             return
         thread, depth = threading.get_ident(), len(self.scopes)
 
@@ -221,6 +214,8 @@ class CallRecord:
     ) -> Any:
         if is_compiled_module(module) or (not last and self.late and self.late[-1] is module):
             return None  # a wrapper, or a module left from its own last hook
+        if self.entered and self.entered[-1] is not module and torch.compiler.is_compiling():
+            unwind(self, module)  # modules entered inside it that raised (caught): no hook left
         if not self.entered or self.entered[-1] is not module:
             return None  # not entered: a global pre-hook before famp's raised (caught outside)
         del self.entered[-1]
@@ -246,7 +241,11 @@ class CallRecord:
 
     def finish(self) -> None:
         """After an eager call: warn (once per transform) about module rules that matched no
-        module path, and about fast-path modules switched to eval mode during the call."""
+        module path, and about fast-path modules switched to eval mode during the call. After a
+        traced one: leave the modules that raised (`raised.end_traced`)."""
+        if not self.track:
+            end_traced(self)
+            return
         warned, patterns = self.transform.warned, self.patterns
         if patterns and "unmatched" not in warned and warn_unmatched(patterns, self.paths):
             warned.add("unmatched")

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from famp._autocast.block_nodes import bracket_outputs
 from famp._autocast.handed import dropped, recovered
 from famp._autocast.op_calls import call, inplace_target, renorms, written
 from famp._autocast.overrides import (
@@ -40,7 +41,6 @@ from famp._autocast.overrides import (
 )
 from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import (
-    bracket_outputs,
     calls,
     drop_abandoned_replays,
     observe_eagerly,

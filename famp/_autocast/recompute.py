@@ -10,10 +10,10 @@ checkpointed block gets a pre-hook that re-enters the famp state in effect where
 - Non-reentrant and selective checkpointing recompute from inside the backward of any node whose
   saved tensors the checkpoint packed: every node an op creates while saved-tensor hooks are
   active is bracketed, with the state at the first famp event of that block (an op, a module
-  entry or exit, a nested call starting).
+  entry or exit, a nested call starting); which nodes, `block_nodes.py` says.
 - Reentrant checkpointing recomputes inside the backward of its own node
   (`CheckpointFunctionBackward`), which famp finds on the block's outputs at the next famp event,
-  where the state is the block's again.
+  where the state is the block's again, and behind it those of reentrant blocks chained to it.
 
 Outside a recomputation the pushed state is inert: famp's mode applies overrides and module scopes
 only while torch's autocast state is the call's own, which checkpoint restores around `fn` alone.
@@ -36,14 +36,11 @@ from famp._autocast.threads import recomputed, recomputes
 from famp._compat import (
     CHECKPOINT_FUNCTION_ATTR,
     graph_task,
-    is_view,
-    node_saves_tensors,
     saved_tensors_hooks_top,
 )
 
-_KEY = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
+BRACKETED = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
 _REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
-_REBASED_NODE = "torch::autograd::CopySlices"  # a base's node after an in-place op on its view
 
 # A snapshot: the calls in effect, outermost first, each as a factory of a fresh call record.
 Snapshot = tuple[Callable[[], Any], ...]
@@ -139,15 +136,15 @@ def end_of_outermost_call() -> None:
     _LOCAL.regions = {}
 
 
-def _tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+def tensors(values: Any, out: list[torch.Tensor], depth: int = 0) -> None:
     if isinstance(values, torch.Tensor):
         out.append(values)
     elif depth < 3 and isinstance(values, (list, tuple)):
         for v in values:
-            _tensors(v, out, depth + 1)
+            tensors(v, out, depth + 1)
     elif depth < 3 and isinstance(values, dict):
         for v in values.values():
-            _tensors(v, out, depth + 1)
+            tensors(v, out, depth + 1)
 
 
 def recomputing_unrun() -> bool:
@@ -158,75 +155,30 @@ def recomputing_unrun() -> bool:
     return bool(replays) and not (replays[-1].reentrant or replays[-1].recompute_only)
 
 
-def bracket_outputs(out: Any, snapshot: Snapshot, args: Any, kwargs: Any) -> None:
-    """Bracket the nodes an op made in a non-reentrant checkpoint's block whose backward may
-    unpack a saved tensor (a custom Function's too): the first to run recomputes the block.
-    Behind an output's node that saves none (a view, an add, a cast; only marked), the walk goes
-    on to the nodes the op made unseen, up to its inputs' nodes: in a composite op's C++ code
-    (`einsum`'s `bmm` behind a view) or a torch Python function famp does not enter
-    (`nn.MultiheadAttention`'s, ending in a transpose). A node that saves tensors runs first: the
-    walk stops there. Leaves' `AccumulateGrad` nodes, which outlive the graph, are left alone."""
-    found: list[torch.Tensor] = []
-    _tensors(out, found)
-    heads: list[Any] = [t.grad_fn for t in found if t.grad_fn is not None]
-    starts = {id(node) for node in heads}  # `heads` keeps the nodes, and so their ids, alive
-    views = {id(t.grad_fn) for t in found if is_view(t)}  # in place on a view: on to its base's
-    stack = list(heads)
-    inputs: dict[int, Any] | None = None  # read when the walk first needs them
-    while stack:
-        node = stack.pop()
-        if node is None or _KEY in node.metadata or hasattr(node, "variable"):
-            continue  # `variable`: a leaf's `AccumulateGrad` (no probe op run inside the block)
-        start = id(node) in starts
-        if not start and inputs is not None and id(node) in inputs:
-            continue  # made before the op (the walk is behind an output here: `inputs` is read)
-        kind: Any = type(node)
-        if (  # it may unpack: it saves tensors, or runs a custom Function's or an op's backward
-            isinstance(node, BackwardCFunction)
-            or node_saves_tensors(kind)
-            or node.name() == _REBASED_NODE
-        ):
-            _bracket(node, snapshot)
-            continue
-        inputs = _input_nodes(args, kwargs) if inputs is None else inputs
-        node.metadata[_KEY] = True  # seen: it unpacks nothing
-        if not (start and id(node) in inputs) or id(node) in views:  # nor an input (`x.add_(1)`)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-
-
-def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
-    """The nodes of an op's tensor inputs, by id (the values keep them, and their ids, alive)."""
-    found: list[torch.Tensor] = []
-    _tensors(args, found)
-    if kwargs:
-        _tensors(kwargs, found)
-    return {id(t.grad_fn): t.grad_fn for t in found if t.grad_fn is not None}
-
-
 def _bracket_opaque(record: Any, values: Any) -> None:
     # Nodes famp did not see made: a reentrant checkpoint's, or a custom Function's.
     found: list[torch.Tensor] = []
-    _tensors(values, found)
+    tensors(values, found)
     for t in found:
         node: Any = t.grad_fn
-        if node is None or _KEY in node.metadata or hasattr(node, "variable"):
+        if node is None or BRACKETED in node.metadata or hasattr(node, "variable"):
             continue
         if node.name() == _REENTRANT_NODE:
-            _bracket(node, _snapshot(), reentrant=weakref.ref(node))
+            _bracket_chain(node, _snapshot())
         elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
             # Its backward (user code) reads its saved tensors, which may start the block's
             # recomputation: famp's state is entered around it, but acts only inside the
             # recomputation (under the checkpoint's saved-tensor hooks), not on the user's ops.
-            _bracket(node, record.grad_free_block, recompute_only=True)
+            bracket(node, record.grad_free_block, recompute_only=True)
 
 
-def _bracket(
+def bracket(
     node: Any, snapshot: Snapshot, recompute_only: bool = False, reentrant: Any = None
 ) -> None:
     metadata = node.metadata
-    if _KEY in metadata:
+    if BRACKETED in metadata:
         return
-    metadata[_KEY] = True
+    metadata[BRACKETED] = True
     replay = _Replay(snapshot, recompute_only, reentrant)
     node.register_prehook(replay.enter)
     node.register_hook(replay.exit)
@@ -238,12 +190,25 @@ def _ends_in_blocks(block: Callable[..., Any], *args: Any) -> Any:
     starts next, without the torch function modes of this one."""
     out = block(*args)
     found: list[torch.Tensor] = []
-    _tensors(out, found)
+    tensors(out, found)
     for t in found:
         node: Any = t.grad_fn
-        if node is not None and _KEY not in node.metadata and node.name() == _REENTRANT_NODE:
-            _bracket(node, _snapshot(), reentrant=weakref.ref(node))
+        if node is not None and BRACKETED not in node.metadata and node.name() == _REENTRANT_NODE:
+            _bracket_chain(node, _snapshot())
     return out
+
+
+def _bracket_chain(node: Any, snapshot: Snapshot) -> None:
+    """Bracket a reentrant checkpoint's node, and the nodes of the reentrant checkpoints whose
+    outputs its block took directly (`for b in blocks: x = checkpoint(b, x)`): no famp event saw
+    those outputs with grad on (the block's forward runs without grad), so none between them
+    changed the state: their blocks began in this block's state."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if node is not None and BRACKETED not in node.metadata and node.name() == _REENTRANT_NODE:
+            bracket(node, snapshot, reentrant=weakref.ref(node))
+            stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 class _Replay:

@@ -169,8 +169,7 @@ class Transform:
                 scopes_in_checkpoints(False)
             if not stack and record.track:
                 end_of_outermost_call()
-        if record.track:
-            record.finish()
+        record.finish()
         return own_cast(self.policy.cast_to_output, out)
 
 

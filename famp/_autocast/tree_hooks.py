@@ -4,13 +4,15 @@ Eagerly, and compiled where the transformed function is no module, famp sees eve
 through global forward hooks (`hooks.py`), and any global hook sends every module call through
 torch's slow hook path. Dynamo traces that path and famp's hooks at each module call: hundreds of
 bytecodes a call, most of a compiled call's trace with module rules. Where Dynamo traces a call of
-`famp.autocast(module, ...)`, the root is the module itself, and the modules whose scopes
-change anything are those a rule matches: each of them gets a forward pre-hook (with keyword
-inputs, first among its own) that enters its scope and casts its inputs, and a forward hook (last
-among its own) that leaves it and casts its output; every other module keeps torch's fast path.
-What each op then runs under is what the global hooks give: an unmatched module's scope is
-its caller's. The hooks live in copies of the modules' hook dicts while Dynamo traces (no handle
-can be made there; the copies' additions and removals cancel out in a graph).
+`famp.autocast(module, ...)`, the root is the module itself, and the modules whose scopes change
+anything are those a rule matches: each of them gets a forward pre-hook (with keyword inputs, first
+among its own) that enters its scope and casts its inputs, and a forward hook (last among its own)
+that leaves it and casts its output; every other module keeps torch's fast path. What each op then
+runs under is what the global hooks give: an unmatched module's scope is its caller's; a matched
+module that raises leaves its scope through famp's wrapper of its `forward` (`raised.py`), torch
+running no always-called hook there. The hooks live in copies of the modules' hook dicts while
+Dynamo traces (no handle can be made there; the copies' additions and removals cancel out in a
+graph).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from famp._autocast.mode import own_cast
+from famp._autocast.raised import guard, unguard
 from famp._autocast.recompute import calls
 from famp._autocast.region import policy_state
 from famp._compat import add_pre_hook, forward_hooks, is_compiled_module, remove_pre_hook
@@ -68,12 +71,16 @@ def hook_tree(record: Any, root: Any) -> list[Any] | None:
     for module in hooked:  # entry first among its pre-hooks, exit last among its forward hooks
         post = forward_hooks(module)
         forward_hooks(module, {**post, _KEY: partial(_leave, record)})
-        undo.append((add_pre_hook(module, partial(_enter, record, root)), post))
+        # torch runs no always-called hook where a forward raises under compile: famp's `forward`
+        undo.append(
+            (add_pre_hook(module, partial(_enter, record, root)), post, guard(record, module))
+        )
     return undo
 
 
 def unhook_tree(undo: list[Any]) -> None:
     """Put the modules' own hook dicts back (the last first)."""
-    for added, post in reversed(undo):
+    for added, post, guarded in reversed(undo):
         remove_pre_hook(*added)
         forward_hooks(added[0], post)
+        unguard(*guarded)

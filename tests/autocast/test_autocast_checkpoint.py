@@ -1016,11 +1016,11 @@ def test_checkpoint_bracketing_reaches_inner_nodes_and_leaves_accumulators_alone
         seen.add(id(node))
         nodes.append(node)
         stack.extend(n for n, _ in node.next_functions)
-    marked = {node.name() for node in nodes if recompute._KEY in node.metadata}
+    marked = {node.name() for node in nodes if recompute.BRACKETED in node.metadata}
     assert "BmmBackward0" in marked  # einsum's, behind the view famp saw
     leaves = [node for node in nodes if hasattr(node, "variable")]  # AccumulateGrad
     assert len(leaves) == len([x, *net.parameters()])
-    assert all(recompute._KEY not in node.metadata for node in leaves)
+    assert all(recompute.BRACKETED not in node.metadata for node in leaves)
     out.float().sum().backward()
 
 
