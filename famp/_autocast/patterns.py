@@ -76,7 +76,7 @@ def rule_paths(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     Their input is the master parameter, which a scope's input cast would cast (NaN gradients
     through `orthogonal` in float16); they run in the scope of the module that reads the weight,
     as under `torch.autocast` around that module."""
-    paths = module_paths(root)
+    paths = module_paths(root, unique=False)  # a module held twice: a rule may name either path
     lists = [p for p, m in paths if isinstance(m, torch.nn.utils.parametrize.ParametrizationList)]
     if not lists:
         return paths
@@ -94,11 +94,20 @@ def match_tree(
     hook of their own can be given (not a compiled wrapper, not a TorchScript module, which
     refuses Python hooks), and `rule_paths(root)`."""
     by_id: dict[int, Any] = {}
+    named: dict[int, str] = {}  # the path whose rule a module held under several paths took
     matched, wrapper = [], compiled_module_type()
     paths = rule_paths(root)
     for path, sub in paths:  # one loop: Dynamo traces each pass over the tree
         i = match(patterns, path)
-        by_id[id(sub)] = policy = policies[i] if i >= 0 else None
+        policy = policies[i] if i >= 0 else None
+        if by_id.get(id(sub)) is not None:  # one module, several paths: their rules agree
+            if policy is not None and policy != by_id[id(sub)]:
+                raise ValueError(
+                    f"module_rules give one module, held under the paths {named[id(sub)]!r} and "
+                    f"{path!r}, two policies: {by_id[id(sub)]} and {policy}"
+                )
+            continue
+        by_id[id(sub)], named[id(sub)] = policy, path
         if (
             policy is not None
             and sub is not root

@@ -162,3 +162,51 @@ def test_calls_with_module_rules_leave_no_global_hook_behind() -> None:
     assert torch_module._global_forward_hooks_with_kwargs == with_kwargs
     # The suite's warnings are errors: "Using `torch.compile(module)` when there are global hooks"
     torch.compile(model, backend="eager")(x)
+
+
+class _Shared(nn.Module):
+    """`l0` is also `layers.2`: one module under two paths (`named_modules()` lists it once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.l0 = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), self.l0])
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("pattern", ["layers.[12]", "layers.2", "l0"])
+def test_a_rule_naming_either_path_of_a_shared_module_applies(pattern: str, compiled: bool) -> None:
+    """A module held under two paths took a rule only through the first (`l0`): `layers.[12]`
+    left `layers.2` in bfloat16 silently, and `layers.2` warned that it matched nothing, before
+    2026-12-01. Against torch by hand: `layers.1` (where matched) and `layers.2` in float32."""
+    m, x = _Shared(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = m.layers[0](x)
+        if pattern == "layers.[12]":
+            with torch.autocast("cpu", enabled=False):
+                h = m.layers[1](h.float())
+        else:
+            h = m.layers[1](h)
+        with torch.autocast("cpu", enabled=False):
+            expected = m.layers[2](h.float())
+    f = famp.autocast(m, "c=bf16,o=f32", module_rules={pattern: "f32"})
+    if compiled:
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert_bitwise_equal(f(x), expected)
+
+
+def test_rules_giving_a_shared_module_two_policies_are_refused() -> None:
+    m = _Shared()
+    f = famp.autocast(m, "c=bf16", module_rules={"l0": "f32", "layers.2": "c=f16,o=f16"})
+    with pytest.raises(ValueError, match=r"held under the paths 'l0' and 'layers.2', two policies"):
+        f(torch.randn(4, 8))
