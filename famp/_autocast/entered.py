@@ -56,7 +56,9 @@ def _traced_functional_globals() -> dict[str, Any]:
     module = vars(torch.functional)
     names = {n for f in module.values() if isinstance(f, types.FunctionType) for n in _vf_calls(f)}
     aten = types.ModuleType("famp's torch._VF")
-    vars(aten).update((name, getattr(torch.ops.aten, name)) for name in names)
+    for name in names:  # a binding of no aten op's name (none on torch 2.13-2.15) stays itself
+        ops = torch.ops.aten if hasattr(torch.ops.aten, name) else module["_VF"]
+        setattr(aten, name, getattr(ops, name))
     patched = {**module, **dict.fromkeys(_CHECKS, _never), "_VF": aten}
     del patched["__name__"]
     for name, value in module.items():  # a torch function stays: the mode receives it
