@@ -26,6 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import famp
+from tests.fsdp.fsdp_worker import _local  # DTensors as local tensors, containers rebuilt
 
 
 class NestedMomentum(torch.optim.Optimizer):
@@ -61,21 +62,6 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
     optim.zero_grad()
     model(torch.randn(6, 4, generator=gen)).square().sum().backward()
     optim.step()
-
-
-def _local(tree: Any) -> Any:
-    """DTensors as their local tensors (cloned), containers rebuilt."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, DTensor):
-        return tree.to_local().clone()
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local(v) for v in tree)
-    return tree
 
 
 def _after_step(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
