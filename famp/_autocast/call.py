@@ -170,7 +170,7 @@ class CallRecord:
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
-            self.entering = module  # its keyword inputs: cast by its own pre-hook, next
+        self.entering = module  # its keyword inputs: seen (and cast) by its own pre-hook, next
         self.declined.append(decline(self, module, args, inner) if self.track else None)
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)

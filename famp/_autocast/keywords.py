@@ -32,7 +32,7 @@ import torch
 
 from famp._autocast.mode import own_cast
 from famp._autocast.patterns import match
-from famp._autocast.recompute import calls
+from famp._autocast.recompute import calls, observe
 from famp._compat import add_pre_hook, remove_pre_hook
 
 
@@ -40,7 +40,9 @@ def cast_keywords(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The pre-hook: `module`'s keyword inputs cast to its rule's compute dtype, if this thread's
-    innermost famp call has just entered its scope (and it does not write into its input).
+    innermost famp call has just entered its scope (and it does not write into its input);
+    eagerly, first seen in the scope around it, as `CallRecord.enter_module` sees the positional
+    ones (a reentrant checkpoint's output among them is recomputed there).
     Without `kwargs`, torch calls a hook taken off since the module's call began (famp's global
     pre-hook drops what a backward that raised in a recomputation left): nothing to do."""
     stack = calls()
@@ -53,6 +55,16 @@ def cast_keywords(
         _step_aside(record, module, declined)
     policy = record.module_policy.get(id(module))
     if not kwargs or policy is None:
+        return None
+    if record.track and not torch.compiler.is_compiling():
+        # As `enter_module` observes the positional inputs: before the scope, so that a
+        # reentrant block whose output comes in by keyword is recomputed in the outer scope.
+        inner = record.scopes.pop()
+        try:
+            observe(record, kwargs)
+        finally:
+            record.scopes.append(inner)
+    if module.__dict__.get("inplace") is True:  # it writes into its input: uncast, as torch
         return None
     return args, own_cast(policy.cast_to_compute, kwargs)
 

@@ -164,3 +164,70 @@ def test_chained_checkpointed_blocks_match_torch_autocast_by_hand(case: str, cha
         assert_bitwise_equal(hand, want)
         assert_bitwise_equal(plain, want)
         assert_bitwise_equal(got, want)
+
+
+class _Ahead(nn.Module):
+    """Checkpoints its block (reentrant) on the input it takes by keyword; with `inplace`, it
+    first doubles that input in place (famp leaves a module so marked uncast, as torch)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.blk, self.inplace = Block(), inplace
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            h = h.mul_(2)
+        return checkpoint(self.blk, h, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+class _ByKeyword(nn.Module):
+    """A reentrant block whose output reaches a module a rule matches (`a`) by keyword or not."""
+
+    def __init__(self, keyword: bool, checkpointed: bool, inplace: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blk0, self.a, self.head = Block(), _Ahead(inplace), nn.Linear(8, 4)
+        self.keyword, self.checkpointed = keyword, checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = checkpoint(self.blk0, x, use_reentrant=True) if self.checkpointed else self.blk0(x)
+        return self.head(self.a(h=h0) if self.keyword else self.a(h0))
+
+
+def _keyword_grads(net: _ByKeyword, rule: str, by_hand: bool) -> list[torch.Tensor]:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    if by_hand:
+        policy, forward = famp.get_policy(rule), net.a.forward
+
+        def a(h: torch.Tensor) -> Any:
+            with _region(policy.compute_dtype):
+                h = h if net.a.inplace else _cast(h, policy.compute_dtype)
+                return _cast(forward(h), policy.output_dtype)
+
+        net.a.forward = a  # type: ignore[method-assign]
+        with torch.autocast("cpu", dtype=BF16):
+            loss = _loss(net, x).float()  # type: ignore[arg-type]
+    else:
+        loss = famp.autocast(lambda x: _loss(net, x), POLICY, module_rules={"a": rule})(x)  # type: ignore[arg-type]
+    loss.backward()
+    return [loss, x.grad, *(p.grad for p in net.parameters())]  # type: ignore[list-item]
+
+
+# An in-place module's input stays bfloat16: under `f32` its linear would raise, with torch too.
+@pytest.mark.parametrize(
+    ("rule", "inplace"), [("f32", False), ("c=f16,o=f16", False), ("c=f16,o=f16", True)]
+)
+@pytest.mark.parametrize("keyword", [False, True], ids=["by_position", "by_keyword"])
+def test_a_reentrant_blocks_output_reaching_a_ruled_module_by_keyword(
+    keyword: bool, rule: str, inplace: bool
+) -> None:
+    # Before 2026-12-01 famp first saw a keyword input inside the module's scope, and the block
+    # making it was recomputed there: 0.0003 off on its weight's gradient with `f32` on `a`.
+    want = _keyword_grads(_ByKeyword(keyword, False, inplace), rule, by_hand=True)
+    by_hand = _keyword_grads(_ByKeyword(keyword, True, inplace), rule, by_hand=True)
+    unchecked = _keyword_grads(_ByKeyword(keyword, False, inplace), rule, by_hand=False)
+    got = _keyword_grads(_ByKeyword(keyword, True, inplace), rule, by_hand=False)
+    for hand, plain, actual, expected in zip(by_hand, unchecked, got, want, strict=True):
+        assert_bitwise_equal(hand, expected)
+        assert_bitwise_equal(plain, expected)
+        assert_bitwise_equal(actual, expected)
