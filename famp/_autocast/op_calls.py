@@ -112,10 +112,17 @@ def remember(memo: dict[Any, T], func: object, value: T) -> None:
 def _op_name(func: Callable[..., Any]) -> tuple[str, str | None]:
     if isinstance(func, _OP_TYPES):
         if isinstance(func, OpOverload):
-            return op_schema(func).name.partition("::")[2], overload_name(func)
-        return packet_name(func).partition("::")[2], None
+            return _unqualified(op_schema(func).name), overload_name(func)
+        return _unqualified(packet_name(func)), None
     name: str = getattr(func, "__name__", "")
     return _DUNDERS.get(name, name), "Scalar" if name == "__rpow__" else None
+
+
+def _unqualified(name: str) -> str:
+    """An aten op's name without its namespace (`"aten::mm"` -> `"mm"`, as rules name it); any
+    other op keeps it (`"my_lib::mm"`): a custom op is not the aten op of its name."""
+    space, _, packet = name.partition("::")
+    return packet if space == "aten" else name
 
 
 def in_place(packet: str) -> bool:
