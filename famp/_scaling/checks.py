@@ -22,6 +22,10 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)  # the smallest double that rounds to float32 inf
 _MIN_SCALE = 2.0**-128 + 2.0**-149  # the smallest float32 whose float32 reciprocal is finite
+# The largest number that rounds below it (the tie between it and 2**-128 goes to the even one).
+_LOWEST_SCALE = 2.0**-128 + 2.0**-150
+# Formatted once: Dynamo (2.13) formats a float with a format spec in an f-string as a float.
+_SCALE_RANGE = f"(from about {_MIN_SCALE:.3g} to {_F32_MAX:.4g})"
 DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 # The floating dtypes loss scaling reads (unscaling, overflow checks, reports).
@@ -103,13 +107,16 @@ def check_scale(name: str, value: object, *, none_ok: bool = False) -> float:
     passes.
     """
     x = _real(name, value)
-    s = float32_value(value)  # type: ignore[arg-type]  # an int or a float: _real checked
     exact = value if isinstance(value, int) else x  # an int compares with floats exactly
-    if not (0.0 < exact <= _F32_MAX and s > 0.0 and math.isfinite(to_float32(1.0 / s))):
+    if torch.compiler.is_compiling():  # Dynamo may hold it as symbolic: comparisons only
+        s, usable = x, _LOWEST_SCALE < exact <= _F32_MAX  # the same set of values
+    else:
+        s = float32_value(value)  # type: ignore[arg-type]  # an int or a float: _real checked
+        usable = 0.0 < exact <= _F32_MAX and s > 0.0 and math.isfinite(to_float32(1.0 / s))
+    if not usable:
         raise ValueError(
             f"{name} must be {'None or ' if none_ok else ''}a number whose float32 value and "
-            f"float32 reciprocal are finite and > 0 (from about {_MIN_SCALE:.3g} to "
-            f"{_F32_MAX:.4g}), got {show(value)}"
+            f"float32 reciprocal are finite and > 0 {_SCALE_RANGE}, got {show(value)}"
         )
     return s
 

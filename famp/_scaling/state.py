@@ -86,8 +86,6 @@ class ScalerState:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
-        if torch.compiler.is_compiling():  # traced values came from a validated state
-            return
         statics = (
             self.growth_factor,
             self.backoff_factor,
@@ -98,6 +96,8 @@ class ScalerState:
             self.max_scale,
             self.hysteresis,
         )
+        # Also while Dynamo traces: a state built there (`dataclasses.replace`, the constructor)
+        # may not come from a validated one, and a bad static compiles into every later step.
         check_statics(*statics)
         for name, dtype in _LEAF_DTYPES:  # metadata only: no value is read
             leaf = getattr(self, name)
@@ -106,7 +106,8 @@ class ScalerState:
                     f"ScalerState.{name} must be a {dtype} tensor, got {leaf.dtype} (torch's "
                     f"update kernel refuses it): torch.tensor(..., dtype={dtype})"
                 )
-        if (self.overflow_count is None) != (self.hysteresis == 1):
+        # Not `(... is None) != (hysteresis == 1)`: compiled, the second may be a symbolic bool.
+        if self.hysteresis == 1 if self.overflow_count is not None else self.hysteresis != 1:
             raise ValueError(
                 "overflow_count must be a 0-d int32 tensor when hysteresis > 1 and None otherwise, "
                 f"got hysteresis={self.hysteresis!r} and overflow_count={self.overflow_count!r}"

@@ -11,6 +11,7 @@ recording backend checks that each mode really compiled the graph it names.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
 import types
@@ -480,3 +481,88 @@ def test_init_scaler_with_its_defaults_compiles_in_every_mode(mode: str) -> None
         assert_bitwise_equal(scaled, x * scale)
         statics = (state.growth_factor, state.backoff_factor, state.growth_interval)
         assert statics == (2.0, 0.5, 2000)
+
+
+def _replaced(state: famp.ScalerState, found: torch.Tensor, change: dict[str, Any]) -> Any:
+    return famp.update_scale(dataclasses.replace(state, **change), found).scale
+
+
+_BAD_REPLACEMENTS = [
+    ({"backoff_factor": 2.0}, ValueError, "backoff_factor must be a number in \\(0, 1\\), got 2.0"),
+    ({"growth_factor": 0.5}, ValueError, "growth_factor must be a finite number > 1.0, got 0.5"),
+    ({"scale": torch.tensor(8)}, TypeError, "ScalerState.scale must be a torch.float32 tensor"),
+    ({"hysteresis": 2}, ValueError, "overflow_count must be a 0-d int32 tensor"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "message"), _BAD_REPLACEMENTS)
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_state_rebuilt_inside_a_compiled_step_is_checked_as_eagerly(
+    change: dict[str, Any], error: type[Exception], message: str, fullgraph: bool
+) -> None:
+    """`dataclasses.replace` (loss-scaling.md's stand-in for `GradScaler.update(new_scale=...)`)
+    inside a compiled step refuses what it refuses eagerly.
+
+    Before 2026-12-01 `ScalerState` skipped its checks while Dynamo traced: the compiled step
+    took `backoff_factor=2.0` and doubled the scale on an overflow, `growth_factor=0.5` halved it
+    where it should grow. With `fullgraph=True` Dynamo wraps the error in its own `Unsupported`
+    ("Observed exception"), which names famp's message.
+    """
+    state = famp.init_scaler(8.0, growth_interval=1)
+    with pytest.raises(error, match=message):
+        _replaced(state, torch.tensor(1.0), change)
+    torch._dynamo.reset()
+    step = torch.compile(_replaced, fullgraph=fullgraph)
+    expected = torch._dynamo.exc.Unsupported if fullgraph else error
+    with pytest.raises(expected, match=message):
+        step(state, torch.tensor(1.0), change)
+    doubled = {"scale": state.scale * 2}
+    good = torch.compile(_replaced, fullgraph=True)(state, torch.tensor(1.0), doubled)
+    want, _ = torch_update(state.scale * 2, state.growth_tracker, 1.0, state)
+    assert_bitwise_equal(good, want)  # a valid replacement passes, torch's kernel's numbers
+
+
+_EDGE_BOUNDS = [
+    2.0**-128 + 2.0**-150,  # rounds to 2**-128 in float32: its reciprocal is inf
+    math.nextafter(2.0**-128 + 2.0**-150, 1.0),
+    2.0**-128,
+    float(torch.finfo(torch.float32).max),
+    math.nextafter(float(torch.finfo(torch.float32).max), math.inf),
+    2**128,
+    1,
+]
+
+
+def _with_min_scale(state: famp.ScalerState, low: float) -> torch.Tensor:
+    return dataclasses.replace(state, min_scale=low).scale * 1
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_compiled_checks_of_a_bound_refuse_what_eager_refuses(mode: str) -> None:
+    """Compiled, `min_scale` is checked by comparisons (Dynamo may hold it as a symbolic
+    float): the same values as eagerly, at both ends of the usable range."""
+    state = famp.init_scaler(8.0)
+    for low in _EDGE_BOUNDS:
+        try:
+            _with_min_scale(state, low)
+            eager_ok = True
+        except ValueError:
+            eager_ok = False
+        torch._dynamo.reset()
+        step = torch.compile(_with_min_scale, fullgraph=False, dynamic=mode == "dynamic")
+        try:
+            step(state, low)
+            compiled_ok = True
+        except ValueError:
+            compiled_ok = False
+        assert compiled_ok == eager_ok, (low, eager_ok)
+    assert not _ok(_EDGE_BOUNDS[0])  # both sides of the lower end
+    assert _ok(_EDGE_BOUNDS[1])
+
+
+def _ok(low: float) -> bool:
+    try:
+        famp.init_scaler(8.0, min_scale=low)
+    except ValueError:
+        return False
+    return True
