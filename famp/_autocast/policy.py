@@ -59,7 +59,10 @@ def _as_dtype(field: str, value: object) -> torch.dtype:
             accepted = "|".join(_DTYPE_NAMES)
             raise ValueError(f"{field} must be a dtype name ({accepted}); got {value!r}")
         return _DTYPE_NAMES[name]
-    raise TypeError(f"{field} must be a torch.dtype or a dtype name; got {type(value).__name__}")
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+    raise TypeError(
+        f"{field} must be a torch.dtype or a dtype name; got {type(value).__name__} {shown}"
+    )
 
 
 def cast_leaf(leaf: Any, dtype: torch.dtype) -> Any:

@@ -57,11 +57,12 @@ def test_policy_is_frozen() -> None:
         ({"output_dtype": torch.float8_e4m3fn}, ValueError, "torch.float8_e4m3fn"),
         ({"compute_dtype": "fp8"}, ValueError, "compute_dtype must be a dtype name"),
         ({"output_dtype": 3}, TypeError, "output_dtype must be a torch.dtype or a dtype name"),
+        ({"param_dtype": 3.5}, TypeError, "param_dtype must be .* dtype name; got float 3.5$"),
     ],
 )
 def test_policy_rejects_bad_dtypes(kwargs: dict[str, Any], exc: type, needle: str) -> None:
     fields = {"param_dtype": "f32", "compute_dtype": "bf16", "output_dtype": "f32", **kwargs}
-    with pytest.raises(exc, match=needle.replace(".", r"\.")):
+    with pytest.raises(exc, match=needle if needle.endswith("$") else needle.replace(".", r"\.")):
         famp.Policy(**fields)
 
 
