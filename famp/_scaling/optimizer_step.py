@@ -251,7 +251,13 @@ def optimizer_step(
                 else torch.zeros((), dtype=torch.float32, device=state.scale.device)
             )
         skip = (found_inf.reshape(()) != 0).float()  # the kernels skip on exactly 1.0 only
-        _fused_step(optimizer, _grad_scale(optimizer, state if scaled else None), skip)
+        grad_scale = _grad_scale(optimizer, state if scaled else None)
+        # Compiled, eagerly behind a graph break, as GradScaler.step runs (below): Dynamo may
+        # give up a frame at a graph break inside the step, which then ran without grad_scale.
+        if torch.compiler.is_compiling():
+            torch.compiler.disable(_fused_step)(optimizer, grad_scale, skip)  # type: ignore[no-untyped-call]
+        else:
+            _fused_step(optimizer, grad_scale, skip)
         return skip
     if torch.compiler.is_compiling():  # eagerly, behind a graph break, as GradScaler.step runs
         eager = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]

@@ -756,3 +756,47 @@ def test_optimizer_step_fused_multiplies_the_users_grad_scale_as_gradscaler(
         assert_models_equal(famp_model, model)
         assert_optimizer_states_equal(famp_opt, opt)
     assert_bitwise_equal(user, torch.tensor(user_scale))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_sgd_in_a_compiled_step_with_dynamic_shapes_equals_gradscaler(
+    momentum: float,
+) -> None:
+    """Before 2026-12-01 famp traced a fused step: with `dynamic=True` and `backward()` in the
+    compiled function, Dynamo gave up the rest of the frame at a graph break inside fused SGD's
+    step, which then ran without `grad_scale` (the scaled gradients applied: 256 times the
+    update) before famp raised `AttributeError`. The step now runs eagerly behind a graph break,
+    as `GradScaler.step`'s does. Against GradScaler eagerly, over steps with an overflow."""
+
+    def make_pair() -> tuple[torch.nn.Linear, torch.optim.SGD]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, fused=True)
+
+    (model, opt), (expected, expected_opt) = make_pair(), make_pair()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    state = famp.init_scaler(2.0**8, growth_interval=1)
+
+    @torch.compile(backend="eager", dynamic=True)
+    def step(
+        state: famp.ScalerState, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, famp.ScalerState]:
+        famp.scale(state, functional.mse_loss(model(x), y)).backward()
+        found_inf = famp.optimizer_step(opt, state)
+        return found_inf, famp.update_scale(state, found_inf)
+
+    g = torch.Generator().manual_seed(1)
+    for bad in (False, True, False):
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+        x = x.index_fill(0, torch.tensor([1]), math.inf) if bad else x
+        expected_opt.zero_grad()
+        scaler.scale(functional.mse_loss(expected(x), y)).backward()
+        scaler.step(expected_opt)
+        scaler.update()
+        opt.zero_grad()
+        found_inf, state = step(state, x, y)
+        assert found_inf.item() == float(bad)
+        assert_bitwise_equal(state.scale, scaler._scale)
+        assert_models_equal(model, expected)
+        assert_optimizer_states_equal(opt, expected_opt)
