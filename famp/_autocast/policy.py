@@ -9,6 +9,7 @@ and every non-tensor leaf (Python floats included) pass through unchanged.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,14 +36,7 @@ _CANONICAL: dict[torch.dtype, str] = {
     torch.float16: "float16",
     torch.float64: "float64",
 }
-_KEYS: dict[str, str] = {
-    "p": "params",
-    "params": "params",
-    "c": "compute",
-    "compute": "compute",
-    "o": "output",
-    "output": "output",
-}
+_KEYS: dict[str, str] = {k: v for v in ("params", "compute", "output") for k in (v[0], v)}
 # The dtypes a cast may change; float64 (and everything else) passes through.
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -72,36 +66,50 @@ def cast_leaf(leaf: Any, dtype: torch.dtype) -> Any:
     return leaf
 
 
-def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
-    """`tree` with `cast_leaf` applied to every leaf: what torch's `tree_map` gives.
+_Done = list[tuple[torch.Tensor, torch.Tensor]]  # the (tensor, cast) pairs of a tree so far
 
-    Trees of plain tuples, lists and dicts over plain leaves (tensors, None, numbers, strings)
-    are cast here, without torch's `tree_flatten`, which on torch 2.13-2.15 leaves a reference
-    cycle per call (a closure that calls itself) for the collector to find; other trees (named
-    tuples, registered nodes, subclasses) go through `tree_map`.
-    """
+
+def _cast_once(leaf: Any, dtype: torch.dtype, done: _Done) -> Any:
+    """`cast_leaf`, once per tensor of a tree, as `h32 = h.float(); attn(h32, h32, h32)`: a
+    cast per place broke `query is key is value` and rounded each place's gradient."""
+    if isinstance(leaf, torch.Tensor) and leaf.dtype in CASTABLE and leaf.dtype != dtype:
+        for source, cast in done:
+            if source is leaf:
+                return cast
+        cast = leaf.to(dtype=dtype)  # the keyword: torch parses it about 1 µs faster
+        done.append((leaf, cast))
+        return cast
+    return leaf
+
+
+def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
+    """`tree` with every leaf cast (`cast_leaf`), each tensor once (`_cast_once`). Plain
+    tuples, lists and dicts over plain leaves are cast here, without torch's `tree_flatten`,
+    which on torch 2.13-2.15 leaves a reference cycle per call (a closure that calls itself);
+    other trees (named tuples, registered nodes, subclasses) go through `tree_map`."""
     if isinstance(tree, torch.Tensor):
         return cast_leaf(tree, dtype)  # type: ignore[no-any-return]
+    done: _Done = []
     if type(tree) in (tuple, list):
         items: tuple[Any, ...] | list[Any] = tree  # type: ignore[assignment]
         if all(type(x) in FLAT_LEAVES for x in items):  # the common case, without recursion
-            return type(items)(cast_leaf(x, dtype) for x in items)  # type: ignore[return-value]
-    out = _cast_plain(tree, dtype, _MAX_DEPTH)
+            return type(items)(_cast_once(x, dtype, done) for x in items)  # type: ignore[return-value]
+    out = _cast_plain(tree, dtype, _MAX_DEPTH, done)
     if out is not _NOT_PLAIN:
         return out  # type: ignore[no-any-return]
-    return pytree.tree_map(lambda leaf: cast_leaf(leaf, dtype), tree)  # type: ignore[no-any-return]
+    return pytree.tree_map(partial(_cast_once, dtype=dtype, done=done), tree)  # type: ignore[no-any-return]
 
 
-def _cast_plain(tree: Any, dtype: torch.dtype, depth: int) -> Any:
+def _cast_plain(tree: Any, dtype: torch.dtype, depth: int, done: _Done) -> Any:
     """`tree` cast leaf by leaf if it is plain tuples, lists and dicts (as many levels as
     `depth`) over `FLAT_LEAVES`, else `_NOT_PLAIN`; a module function, so no cycle."""
     kind = type(tree)
     if kind in FLAT_LEAVES:
-        return cast_leaf(tree, dtype)
+        return _cast_once(tree, dtype, done)
     if depth == 0 or kind not in (tuple, list, dict):
         return _NOT_PLAIN
     values = tree.values() if kind is dict else tree
-    cast = [_cast_plain(x, dtype, depth - 1) for x in values]
+    cast = [_cast_plain(x, dtype, depth - 1, done) for x in values]
     if any(x is _NOT_PLAIN for x in cast):
         return _NOT_PLAIN
     return dict(zip(tree, cast, strict=True)) if kind is dict else kind(cast)
@@ -121,8 +129,10 @@ class Policy:
     ("bf16", "full", ...) is converted. The casts map every float16, bfloat16 and float32 tensor
     in a pytree to the field's dtype. They never narrow a float64 tensor (a policy that names
     float64 widens the others to it), and they pass complex, float8, integer, boolean and
-    non-tensor leaves (Python scalars included) through unchanged. `famp.autocast` computes in
-    `compute_dtype` and returns `output_dtype`; `param_dtype` is for storing parameters.
+    non-tensor leaves (Python scalars included) through unchanged. A tensor a tree holds
+    more than once is cast once (its places share the cast, as they shared the tensor).
+    `famp.autocast` computes in `compute_dtype` and returns `output_dtype`; `param_dtype` is
+    for storing parameters.
 
     Args:
         param_dtype: dtype parameters are stored in.
