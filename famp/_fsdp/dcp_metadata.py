@@ -160,11 +160,14 @@ def _inside(rel: str) -> bool:
     return bool(rel) and not os.path.isabs(rel) and ".." not in parts and "\x00" not in rel
 
 
+_INT64 = 2**63  # torch's sizes, offsets and strides are int64
+
+
 def _is_index(value: object, ndim: int) -> bool:
     return (
         isinstance(value, (tuple, list))
         and len(value) == ndim
-        and all(type(v) is int and v >= 0 for v in value)
+        and all(type(v) is int and 0 <= v < _INT64 for v in value)
     )
 
 
@@ -176,14 +179,25 @@ def _check_tensor_md(key: str, md: TensorStorageMetadata, where: str) -> None:
     ):
         raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has no dtype ({props!r})")
     if not isinstance(size, tuple) or not _is_index(size, len(size)):
-        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has size {size!r}")
+        raise ValueError(
+            f"DCP metadata {where!r}: tensor {key!r} has size {size!r}; its dims must be ints "
+            "from 0 to 2**63 - 1"
+        )
+    if math.prod(max(n, 1) for n in size) >= _INT64:  # torch.empty's strides overflow
+        raise ValueError(
+            f"DCP metadata {where!r}: tensor {key!r} has size {list(size)}, whose dims multiply "
+            "(zeros counted as 1) past 2**63 - 1: no torch tensor has it"
+        )
     if not isinstance(chunks, list) or not all(
         isinstance(c, ChunkStorageMetadata)
         and _is_index(getattr(c, "offsets", None), len(size))
         and _is_index(getattr(c, "sizes", None), len(size))
         for c in chunks
     ):
-        raise ValueError(f"DCP metadata {where!r}: tensor {key!r} has malformed chunks")
+        raise ValueError(
+            f"DCP metadata {where!r}: tensor {key!r} has malformed chunks (offsets and sizes "
+            "must be one int from 0 to 2**63 - 1 per dim)"
+        )
     check_chunks_tile(key, md)
 
 

@@ -132,6 +132,21 @@ def _chunks_as_dict(m: Any) -> None:
     m.state_dict_metadata[KEY].chunks = {}
 
 
+def _size_past_int64(m: Any) -> None:  # no element, so no chunk: it "tiles"
+    m.state_dict_metadata[KEY].size, m.state_dict_metadata[KEY].chunks = (0, 2**70), []
+
+
+def _strides_past_int64(m: Any) -> None:  # every dim fits, torch.empty's strides do not
+    m.state_dict_metadata[KEY].size, m.state_dict_metadata[KEY].chunks = (0, 2**62, 4), []
+
+
+def _empty_chunk_past_int64(m: Any) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    far = ChunkStorageMetadata(offsets=torch.Size([2**64, 0]), sizes=torch.Size([0, 3]))
+    m.state_dict_metadata[KEY].chunks.append(far)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -141,6 +156,9 @@ def _chunks_as_dict(m: Any) -> None:
         (_no_properties, f"tensor '{KEY}' has no dtype (None)"),
         (_string_offset, f"the record of '{KEY}' has offset '0'"),
         (_chunks_as_dict, f"tensor '{KEY}' has malformed chunks"),
+        (_size_past_int64, f"tensor '{KEY}' has size (0, {2**70}); its dims must be ints"),
+        (_strides_past_int64, f"tensor '{KEY}' has size [0, {2**62}, 4], whose dims multiply"),
+        (_empty_chunk_past_int64, f"tensor '{KEY}' has malformed chunks (offsets and sizes"),
     ],
 )
 def test_malformed_metadata_of_allowed_classes_is_one_clear_error(
@@ -152,6 +170,8 @@ def test_malformed_metadata_of_allowed_classes_is_one_clear_error(
     _tamper(ckpt, edit)
     with pytest.raises(ValueError, match=re.escape(message)):
         famp.load_dcp_optim_state(ckpt)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        famp.read_dcp_param_shapes(ckpt, key="optim")  # the metadata alone
     _cli_refuses(ckpt, capsys, message)
 
 
