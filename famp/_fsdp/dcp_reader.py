@@ -10,7 +10,8 @@ states is checked against the bytes before it is used:
 * every storage path stays inside the checkpoint directory, names a regular file (a symlink
   whose target lies outside the directory is refused) and every byte range lies inside its file;
 * every tensor record is read with `torch.load(weights_only=True)` and must hold exactly the
-  dtype and the chunk shape the metadata states (DCP itself casts silently); non-tensor items
+  dtype and the chunk shape the metadata states (DCP itself casts silently), on the CPU (a meta
+  tensor holds no data); non-tensor items
   are read with `torch.load(weights_only=True)` (DCP uses `weights_only=False`);
 * the saved chunks of every tensor must tile it exactly (no gap, no overlap).
 
@@ -139,6 +140,12 @@ class Checkpoint:
             raise ValueError(
                 f"DCP file {rel!r}: the record of {where} holds a {type(value).__name__}, "
                 "not a dense tensor"
+            )
+        if value.device.type != "cpu":  # read with map_location="cpu": a meta tensor stays one
+            raise ValueError(
+                f"DCP file {rel!r}: the record of {where} holds a tensor on device "
+                f"{value.device.type!r}, which has no data to read (the saved state dict still "
+                "held it there; torch's dcp.load refuses it too)"
             )
         if value.dtype != md.properties.dtype:
             raise ValueError(

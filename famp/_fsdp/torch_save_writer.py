@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import os
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,9 @@ def write_torch_save(
             set_element(tree, p, placeholder)
         else:
             set_element(tree, p, ckpt.read(key))
-    with torch.serialization.skip_data():
+    with torch.serialization.skip_data(), warnings.catch_warnings():
+        # A meta tensor (inside a tuple) has no data to skip: torch warns that skipping is a no-op.
+        warnings.filterwarnings("ignore", "Serializing tensors on the meta device", UserWarning)
         torch.save(tree, path)
     by_id = {id(t): (key, md) for key, md, t in tensors}
     jobs: list[tuple[str, int, str, int]] = []  # record name, data offset, key, bytes
@@ -157,11 +160,14 @@ def _storages(tree: Any) -> list[torch.Tensor]:
 
     `pickle` saves a tensor object once (later references are memo hits), and `torch.save`
     writes a storage once: tensors read from one non-tensor item may share one (views).
-    Placeholders own their storages; a storage of no bytes is told apart by its tensor.
+    Placeholders own their storages; a storage of no bytes is told apart by its tensor. A meta
+    tensor (plain data to DCP, inside a tuple) is pickled without a storage: no record.
     """
     seen: set[tuple[str, int]] = set()
     records = []
     for tensor in _pickling_order(tree):
+        if tensor.device.type == "meta":
+            continue
         storage = tensor.untyped_storage()
         idents = {("tensor", id(tensor))}
         if storage.nbytes():

@@ -435,7 +435,7 @@ def test_full_from_dcp_equals_dcp_to_torch_save(
     assert _leftovers(tmp_path) == []
 
 
-def test_full_from_dcp_with_tensors_in_sets_writes_dcp_to_torch_saves_records(
+def test_full_from_dcp_with_tensors_in_sets_and_meta_tensors_writes_dcp_to_torch_saves_records(
     tmp_path: pathlib.Path, trained: tuple[dict[str, Any], dict[str, Any]]
 ) -> None:
     # Sets are plain data to famp's reader, and pickle writes their tensors in iteration order.
@@ -444,7 +444,14 @@ def test_full_from_dcp_with_tensors_in_sets_writes_dcp_to_torch_saves_records(
     import zipfile
 
     model, osd = trained
-    extra = {"tags": {torch.ones(2), torch.arange(3.0)}, "nested": [1, {torch.zeros(4)}]}
+    # A meta tensor inside a tuple is plain data too (dcp_to_torch_save writes it), pickled
+    # without a storage record: --full exited 1 on it with the same AssertionError.
+    meta = (torch.empty(2, device="meta"), torch.ones(3), torch.empty(0, 4, device="meta"))
+    extra = {
+        "tags": {torch.ones(2), torch.arange(3.0)},
+        "nested": [1, {torch.zeros(4)}],
+        "meta": meta,
+    }
     ckpt = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -8,6 +8,7 @@ with one ``ValueError`` naming the file and the key, ``famp-reshard`` with one
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 import pickle
@@ -239,6 +240,36 @@ def test_a_truncated_distcp_file_names_the_file_and_the_key(
         famp.load_dcp_optim_state(ckpt)
     assert message in str(info.value)
     _cli_refuses(ckpt, capsys, message)
+
+
+def test_a_record_holding_a_meta_tensor_is_refused_naming_the_file_and_key(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP's writer stores a state dict's meta tensor as torch.save of it: dtype and shape, no
+    data. torch's dcp.load refuses it; famp returned it (exp_avg on 'meta') and famp-reshard
+    wrote meta tensors into rank files, exit 0."""
+    path, _ = _distcp_bytes(ckpt)
+    buffer = io.BytesIO()
+    torch.save(torch.empty(4, 3, device="meta"), buffer)
+    padded = buffer.getvalue() + b"\0" * 48  # the bytes the chunk's (4, 3) float32 claims
+    offset = path.stat().st_size
+    path.write_bytes(path.read_bytes() + padded)
+
+    def point_at_it(metadata: Any) -> None:
+        _record(metadata).offset, _record(metadata).length = offset, len(padded)
+
+    _tamper(ckpt, point_at_it)
+    message = (
+        f"DCP file '__0_0.distcp': the record of tensor '{KEY}' (chunk at offsets [0, 0]) holds "
+        "a tensor on device 'meta', which has no data to read"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+    out = ckpt.parent / "out"
+    assert main([str(ckpt), "-n", "2", "-o", str(out), "--format", "dcp"]) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_negative_offset_names_the_file_and_the_key(
