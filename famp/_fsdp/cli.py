@@ -95,7 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-n", "--world-size", type=_world_size, help="number of ranks to reshard to"
     )
-    parser.add_argument("-o", "--out", metavar="DIR", help="write rank00000.pt ... here (new dir)")
+    parser.add_argument(
+        "-o",
+        "--out",
+        metavar="DIR",
+        help="write rank00000.pt ... (--format dcp: a DCP checkpoint) into this new directory, "
+        "never a SOURCE, a path inside one or a directory holding one",
+    )
     parser.add_argument(
         "--full",
         metavar="FILE",
@@ -143,7 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="replace an existing --full file, or an --out directory of rank*.pt files",
+        help="replace an existing --full file, or an --out directory that holds only what "
+        "--format writes there (rank*.pt files; DCP's .metadata and __<r>_0.distcp files); "
+        "never a SOURCE, a path inside one or a directory holding one",
     )
     parser.add_argument(
         "--progress",

@@ -1,7 +1,8 @@
 """`famp-reshard`'s outputs written atomically: a temporary sibling renamed into place.
 
-Existing outputs are refused before anything is read (`--force` replaces a directory of rank
-files only); outputs get the modes `open` and `mkdir` would give them.
+Outputs that exist, or that are, hold or lie inside a SOURCE, are refused before
+anything is read (`--force` replaces a directory holding only what its `--format` writes);
+outputs get the modes `open` and `mkdir` would give them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
-_RANK_FILE = re.compile(r"rank\d+\.pt|__\d+_0\.distcp|\.metadata")
+# What famp-reshard writes into --out, per --format: a directory of only these is replaceable.
+_OWN_FILES = {
+    "rank-files": (re.compile(r"rank\d+\.pt"), "rank*.pt files"),
+    "dcp": (re.compile(r"__\d+_0\.distcp|\.metadata"), "DCP files (.metadata, __<r>_0.distcp)"),
+}
 
 
 def check_targets(args: argparse.Namespace) -> None:
-    """Reject existing outputs before reading anything."""
+    """Reject outputs that exist or overlap a SOURCE, before reading anything."""
     if args.dry_run:
         return
     for path, kind in ((args.out, "--out"), (args.full, "--full")):
@@ -28,8 +33,7 @@ def check_targets(args: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"{kind} {path!r}: directory {parent!r} does not exist")
-        if kind == "--full":
-            _check_outside_sources(path, args.sources)
+        _check_outside_sources(path, kind, args.sources)
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".famp-reshard-probe-", dir=parent))
         except OSError as err:
@@ -37,31 +41,46 @@ def check_targets(args: argparse.Namespace) -> None:
         if os.path.lexists(path) and not args.force:
             raise FileExistsError(f"{kind} {path!r} exists; pass --force to replace it")
         if kind == "--out" and os.path.lexists(path):
-            _check_replaceable(path)
+            check_replaceable(path, args.format)
 
 
-def _check_outside_sources(path: str, sources: Sequence[str]) -> None:
-    """`--full` is written after its sources are read, or while a DCP checkpoint streams: it
-    must not replace a SOURCE file, nor a file inside a SOURCE directory."""
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(os.path.join(folder, ""))
+
+
+def _check_outside_sources(path: str, kind: str, sources: Sequence[str]) -> None:
+    """An output is written after its sources are read, or while a DCP checkpoint streams: it
+    must not be a SOURCE, lie inside a SOURCE directory, or (`--out`, replaced whole) hold one."""
     target = os.path.realpath(path)
     for source in sources:
         real = os.path.realpath(source)
-        if target == real or target.startswith(os.path.join(real, "")):
-            raise ValueError(
-                f"--full {path!r} is SOURCE {source!r} or inside it: famp-reshard never writes "
-                "over the checkpoint it reads; give another path"
-            )
+        if target == real or _inside(target, real):
+            what = f"is SOURCE {source!r} or inside it"
+        elif _inside(real, target):
+            what = f"holds SOURCE {source!r}"
+        else:
+            continue
+        raise ValueError(
+            f"{kind} {path!r} {what}: famp-reshard never writes over the checkpoint it reads; "
+            "give another path"
+        )
 
 
-def _check_replaceable(out: str) -> None:
-    """`--force` replaces a directory of rank files only, never one holding anything else."""
+def check_replaceable(out: str, fmt: str) -> None:
+    """`--force` replaces a directory of what `fmt` writes only, never one holding more."""
     if not os.path.isdir(out) or os.path.islink(out):
         raise ValueError(f"--out {out!r} exists and is not a directory")
-    others = [n for n in os.listdir(out) if not _RANK_FILE.fullmatch(n)]
+    pattern, what = _OWN_FILES[fmt]
+    others = [
+        n
+        for n in os.listdir(out)
+        if not pattern.fullmatch(n) or os.path.isdir(os.path.join(out, n))
+    ]
     if others:
         raise ValueError(
-            f"--out {out!r} holds files other than rank*.pt ({sorted(others)[:3]}); famp-reshard "
-            "replaces only a directory it wrote"
+            f"--out {out!r} holds files other than the {what} that --format {fmt} writes "
+            f"({sorted(others)[:3]}); famp-reshard replaces only a directory of its own output "
+            "in that format"
         )
 
 
@@ -72,14 +91,15 @@ def place(tmp: str, target: str, force: bool) -> None:
     os.replace(tmp, target)
 
 
-def replace_dir(tmp: str, target: str, force: bool) -> None:
-    """Rename `tmp` to `target`; with `force`, an existing `target` goes only after."""
+def replace_dir(tmp: str, target: str, force: bool, fmt: str) -> None:
+    """Rename `tmp` to `target`; with `force`, an existing `target` of `fmt`'s files goes only
+    after."""
     if not os.path.lexists(target):
         os.rename(tmp, target)
         return
     if not force:
         raise FileExistsError(f"{target!r} exists; pass --force to replace it")
-    _check_replaceable(target)
+    check_replaceable(target, fmt)
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(tmp))
     moved = os.path.join(old, "x")
     os.rename(target, moved)

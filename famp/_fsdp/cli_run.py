@@ -115,7 +115,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
         write_dcp(path, tmp, keys, args.world_size, workers=workers, progress=bar.update)
         bar.close()
         set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
-        replace_dir(tmp, out, args.force)
+        replace_dir(tmp, out, args.force, "dcp")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -205,7 +205,7 @@ def _write_ranks(
             bar.update(1)
         bar.close()
         set_default_modes(tmp, [os.path.join(tmp, n) for n in os.listdir(tmp)])
-        replace_dir(tmp, out, force)
+        replace_dir(tmp, out, force, "rank-files")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

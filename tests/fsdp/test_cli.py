@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 import warnings
@@ -161,7 +162,7 @@ def test_existing_outputs_need_force(
     # --force never replaces a directory that holds anything but rank files.
     (out / "notes.txt").write_text("keep me")
     assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 1
-    assert "holds files other than rank*.pt" in capsys.readouterr().err
+    assert "holds files other than the rank*.pt files" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
 
 
@@ -320,6 +321,14 @@ def test_help_documents_sources_outputs_and_safety(capsys: pytest.CaptureFixture
         "exit status",
     ]:
         assert needle in text
+    # --force, as it behaves: per format, never a SOURCE (it said "an --out directory of
+    # rank*.pt files" while it replaced DCP checkpoints, SOURCE included)
+    force = " ".join(text[text.index("--force  ") :].split())
+    assert force.startswith(
+        "--force replace an existing --full file, or an --out directory that holds only what "
+        "--format writes there (rank*.pt files; DCP's .metadata and __<r>_0.distcp files); "
+        "never a SOURCE, a path inside one or a directory holding one"
+    ), force
 
 
 def test_python_m_famp_needs_the_reshard_subcommand(
@@ -682,3 +691,85 @@ def test_full_never_writes_over_or_into_its_source(
     assert main([full_file, "--full", str(link), "--force"]) == 1
     assert "famp-reshard never writes over the checkpoint it reads" in capsys.readouterr().err
     assert main([dcp_dir, "-n", "2", "--dry-run"]) == 0
+
+
+def _contents(path: str) -> dict[str, bytes | None]:
+    """Every file's bytes under `path` (None for a folder or a link), by relative path."""
+    return {
+        str(p.relative_to(path)): None if p.is_dir() or p.is_symlink() else p.read_bytes()
+        for p in pathlib.Path(path).rglob("*")
+    }
+
+
+@pytest.mark.parametrize(
+    ("out", "extra", "message"),
+    [
+        ("{ckpt}", [], "is SOURCE {ckpt!r} or inside it"),
+        ("{ckpt}", ["--format", "dcp"], "is SOURCE {ckpt!r} or inside it"),
+        ("{link}", [], "is SOURCE {ckpt!r} or inside it"),
+        ("{ckpt}/sub", [], "is SOURCE {ckpt!r} or inside it"),
+        ("{parent}", [], "holds SOURCE {ckpt!r}"),
+        ("{parent}", ["--format", "dcp"], "holds SOURCE {ckpt!r}"),
+    ],
+)
+def test_out_never_replaces_holds_or_lies_inside_its_source(
+    tmp_path: pathlib.Path,
+    dcp_dir: str,
+    capsys: pytest.CaptureFixture[str],
+    out: str,
+    extra: list[str],
+    message: str,
+) -> None:
+    """`famp-reshard ckpt -n 2 -o ckpt --force` deleted the DCP checkpoint it read, model weights
+    included, for two optimizer-only rank files, and exited 0 (--full was protected, --out not)."""
+    (tmp_path / "link").symlink_to(dcp_dir)
+    paths = {"ckpt": dcp_dir, "link": str(tmp_path / "link"), "parent": str(tmp_path)}
+    target = out.format(**paths)
+    before = _contents(str(tmp_path))
+    assert main([dcp_dir, "-n", "2", "-o", target, "--force", *extra]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {target!r} {message.format(**paths)}" in err, err
+    assert "famp-reshard never writes over the checkpoint it reads" in err, err
+    assert _contents(str(tmp_path)) == before
+    assert main([dcp_dir, "-n", "2", "--dry-run"]) == 0
+
+
+def test_out_never_replaces_the_rank_files_it_reads(
+    tmp_path: pathlib.Path, full_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([full_file, "-n", "3", "-o", str(tmp_path / "w3")]) == 0
+    files = [str(tmp_path / "w3" / f"rank{r:05d}.pt") for r in range(3)]
+    before = _contents(str(tmp_path / "w3"))
+    capsys.readouterr()
+    assert main([*files, "-n", "2", "-o", str(tmp_path / "w3"), "--force"]) == 1
+    assert f"--out {str(tmp_path / 'w3')!r} holds SOURCE {files[0]!r}" in capsys.readouterr().err
+    assert _contents(str(tmp_path / "w3")) == before
+
+
+def test_force_replaces_only_a_directory_of_what_its_format_writes(
+    tmp_path: pathlib.Path, dcp_dir: str, full_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--force replaced any directory of rank*.pt, .metadata and __<r>_0.distcp files: another
+    DCP checkpoint (model weights included) for rank files, or rank files for a DCP output."""
+    other = shutil.copytree(dcp_dir, tmp_path / "other_ckpt")  # not a SOURCE here
+    before = _contents(str(other))
+    assert main([full_file, "-n", "2", "-o", str(other), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "holds files other than the rank*.pt files that --format rank-files writes" in err, err
+    assert "['.metadata', '__0_0.distcp']" in err, err
+    assert _contents(str(other)) == before
+    ranks = tmp_path / "ranks"
+    assert main([full_file, "-n", "2", "-o", str(ranks)]) == 0
+    capsys.readouterr()
+    assert main([dcp_dir, "-n", "3", "-o", str(ranks), "--format", "dcp", "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "other than the DCP files (.metadata, __<r>_0.distcp) that --format dcp" in err, err
+    assert sorted(os.listdir(ranks)) == ["rank00000.pt", "rank00001.pt"]
+    (tmp_path / "dirs" / "rank00000.pt").mkdir(parents=True)  # a folder of that name
+    assert main([full_file, "-n", "2", "-o", str(tmp_path / "dirs"), "--force"]) == 1
+    assert "(['rank00000.pt'])" in capsys.readouterr().err
+    # a directory of its format's files is replaced: famp's own output, or another DCP checkpoint
+    assert main([dcp_dir, "-n", "3", "-o", str(other), "--format", "dcp", "--force"]) == 0
+    assert main([full_file, "-n", "3", "-o", str(ranks), "--force"]) == 0
+    assert sorted(os.listdir(ranks)) == ["rank00000.pt", "rank00001.pt", "rank00002.pt"]
+    assert _leftovers(tmp_path) == []
