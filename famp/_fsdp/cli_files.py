@@ -1,6 +1,6 @@
 """`famp-reshard`'s outputs written atomically: a temporary sibling renamed into place.
 
-Outputs that exist, or that are, hold or lie inside a SOURCE, are refused before
+Outputs that exist, or that are, hold or lie inside a SOURCE or each other, are refused before
 anything is read (`--force` replaces a directory holding only what its `--format` writes);
 outputs get the modes `open` and `mkdir` would give them.
 """
@@ -24,9 +24,11 @@ _OWN_FILES = {
 
 
 def check_targets(args: argparse.Namespace) -> None:
-    """Reject outputs that exist or overlap a SOURCE, before reading anything."""
+    """Reject outputs that exist, overlap a SOURCE or each other, before reading anything."""
     if args.dry_run:
         return
+    if args.out is not None and args.full is not None:
+        _check_apart(args.out, args.full)
     for path, kind in ((args.out, "--out"), (args.full, "--full")):
         if path is None:
             continue
@@ -42,10 +44,22 @@ def check_targets(args: argparse.Namespace) -> None:
             raise FileExistsError(f"{kind} {path!r} exists; pass --force to replace it")
         if kind == "--out" and os.path.lexists(path):
             check_replaceable(path, args.format)
+        if kind == "--full" and os.path.isdir(path):
+            raise ValueError(f"--full {path!r} is a directory; --full names a file to write")
 
 
 def _inside(path: str, folder: str) -> bool:
     return path.startswith(os.path.join(folder, ""))
+
+
+def _check_apart(out: str, full: str) -> None:
+    """`--out` is replaced whole once written: `--full` may be neither it nor inside it."""
+    o, f = os.path.realpath(out), os.path.realpath(full)
+    if o == f or _inside(f, o) or _inside(o, f):
+        raise ValueError(
+            f"--out {out!r} and --full {full!r} are the same path or one is inside the other: "
+            "give each its own path"
+        )
 
 
 def _check_outside_sources(path: str, kind: str, sources: Sequence[str]) -> None:
@@ -126,18 +140,16 @@ def set_default_modes(directory: str | None, files: Sequence[str]) -> None:
         os.chmod(directory, 0o777 & ~mask)
 
 
-def atomic_save(obj: object, path: str, force: bool) -> None:
-    """`torch.save(obj)` to a temporary sibling of `path`, renamed into place when whole."""
+def save_temp(obj: object, path: str) -> str:
+    """`torch.save(obj)` to a temporary sibling of `path`; `place` it once every output is
+    written (the caller removes it on failure)."""
     parent, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
     os.close(fd)
     try:
         torch.save(obj, tmp)
         set_default_modes(None, [tmp])
-        if os.path.lexists(path) and not force:
-            raise FileExistsError(f"--full {path!r} exists; pass --force to replace it")
-        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.unlink(tmp)
         raise
+    return tmp

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from famp._fsdp.build import fsdp2_layout
-from famp._fsdp.cli_files import atomic_save, place, replace_dir, set_default_modes
+from famp._fsdp.cli_files import place, replace_dir, save_temp, set_default_modes
 from famp._fsdp.cli_report import (
     Progress,
     RankStats,
@@ -66,18 +66,28 @@ def _run_optim(args: argparse.Namespace) -> int:
     source = read_source(args)
     out = sys.stdout
     print_source(source, out)
+    ranks = layout = None
     if args.world_size is not None:
         check_inferred_shapes(source.shapes, source.inferred, args.model_key)
         layout = fsdp2_layout(source.shapes, args.world_size)
-        if args.dry_run:
-            ranks = _LazyShards(source.full, layout, copy=False)
-            stats = [rank_stats(shard, layout, r) for r, (_, shard) in enumerate(ranks)]
-        else:
-            ranks = _LazyShards(source.full, layout, copy=True)  # a view would save all storage
-            stats = _write_ranks(ranks, layout, args.out, args.force, _progress_on(args, source))
-        print_ranks(stats, layout, out)
-    if args.full is not None and not args.dry_run:
-        atomic_save(source.full, args.full, args.force)
+        # checks every shard's input; copies: a view would save all of its storage
+        ranks = _LazyShards(source.full, layout, copy=not args.dry_run)
+    # --full first, placed last: a failure anywhere leaves no output
+    tmp = None if args.full is None or args.dry_run else save_temp(source.full, args.full)
+    try:
+        if ranks is not None and layout is not None:
+            if args.dry_run:
+                stats = [rank_stats(shard, layout, r) for r, (_, shard) in enumerate(ranks)]
+            else:
+                stats = _write_ranks(
+                    ranks, layout, args.out, args.force, _progress_on(args, source)
+                )
+            print_ranks(stats, layout, out)
+        if tmp is not None:
+            place(tmp, args.full, args.force)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     if args.dry_run:
         print("dry run: nothing written", file=out)
     else:

@@ -773,3 +773,56 @@ def test_force_replaces_only_a_directory_of_what_its_format_writes(
     assert main([full_file, "-n", "3", "-o", str(ranks), "--force"]) == 0
     assert sorted(os.listdir(ranks)) == ["rank00000.pt", "rank00001.pt", "rank00002.pt"]
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("source", ["dcp", "file"])
+@pytest.mark.parametrize("force", [[], ["--force"]])
+@pytest.mark.parametrize(("out", "full"), [("X", "X"), ("X", "X/f.pt"), ("X", "D")])
+def test_out_and_full_are_checked_against_each_other_before_anything_is_written(
+    tmp_path: pathlib.Path,
+    dcp_dir: str,
+    full_file: str,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    force: list[str],
+    out: str,
+    full: str,
+) -> None:
+    """`-o X --full X` wrote the rank files to X, then failed on --full (exit 1, X left);
+    `--full` naming a directory (D exists) failed only once the rank files were in place."""
+    (tmp_path / "X").mkdir()  # an empty --out: replaceable with --force
+    (tmp_path / "D").mkdir()
+    src = dcp_dir if source == "dcp" else full_file
+    out_path, full_path = str(tmp_path / out), str(tmp_path / full)
+    before = _contents(str(tmp_path))
+    assert main([src, "-n", "2", "-o", out_path, "--full", full_path, *force]) == 1
+    err = capsys.readouterr().err
+    if full == "D" and force:
+        assert f"--full {full_path!r} is a directory" in err, err
+    elif full != "D":
+        assert f"--out {out_path!r} and --full {full_path!r} are the same path or one is" in err
+    assert _contents(str(tmp_path)) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_full_from_files_with_rank_files_writes_both_or_nothing(
+    tmp_path: pathlib.Path, full_file: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From torch.save files, --full was written after the rank files were in place: a failure
+    on it (ENOSPC) left the rank files behind with exit 1."""
+    real_save = torch.save
+    argv = [full_file, "-n", "3", "-o", str(tmp_path / "w3"), "--full", str(tmp_path / "f.pt")]
+    before = sorted(os.listdir(tmp_path))
+    for failing in (".f.pt.tmp-", "rank00002.pt"):  # --full's temporary file, the last rank
+
+        def save(obj: object, path: Any, failing: str = failing) -> None:
+            if os.path.basename(path).startswith(failing):
+                raise OSError(28, "No space left on device")
+            real_save(obj, path)
+
+        monkeypatch.setattr(torch, "save", save)
+        assert main(argv) == 1
+        assert sorted(os.listdir(tmp_path)) == before, failing
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, "w3", "f.pt"])
