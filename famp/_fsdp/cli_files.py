@@ -98,11 +98,25 @@ def check_replaceable(out: str, fmt: str) -> None:
         )
 
 
+def temp_path(path: str) -> str:
+    """`path`'s name in a new temporary sibling directory: `torch.save` names a file's records
+    after its name (`full.pt`: `full/data.pkl`), so what is written there is, once `place`d,
+    the file `torch.save(obj, path)` writes. `discard` removes it."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent), name)
+
+
+def discard(tmp: str) -> None:
+    """Remove a `temp_path` and its directory, if they are still there."""
+    shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+
+
 def place(tmp: str, target: str, force: bool) -> None:
-    """Rename the streamed `--full` file `tmp` to `target`; an existing one needs `force`."""
+    """Rename the `temp_path` file `tmp` to `target`; an existing one needs `force`."""
     if os.path.lexists(target) and not force:
         raise FileExistsError(f"--full {target!r} exists; pass --force to replace it")
     os.replace(tmp, target)
+    os.rmdir(os.path.dirname(tmp))
 
 
 def replace_dir(tmp: str, target: str, force: bool, fmt: str) -> None:
@@ -141,15 +155,13 @@ def set_default_modes(directory: str | None, files: Sequence[str]) -> None:
 
 
 def save_temp(obj: object, path: str) -> str:
-    """`torch.save(obj)` to a temporary sibling of `path`; `place` it once every output is
-    written (the caller removes it on failure)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
-    os.close(fd)
+    """`torch.save(obj)` to a `temp_path` of `path`; `place` it once every output is written
+    (the caller `discard`s it on failure)."""
+    tmp = temp_path(path)
     try:
         torch.save(obj, tmp)
         set_default_modes(None, [tmp])
     except BaseException:
-        os.unlink(tmp)
+        discard(tmp)
         raise
     return tmp

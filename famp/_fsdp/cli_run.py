@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from famp._fsdp.build import fsdp2_layout
-from famp._fsdp.cli_files import place, replace_dir, save_temp, set_default_modes
+from famp._fsdp.cli_files import (
+    discard,
+    place,
+    replace_dir,
+    save_temp,
+    set_default_modes,
+    temp_path,
+)
 from famp._fsdp.cli_report import (
     Progress,
     RankStats,
@@ -56,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
             _run_optim(args)
         place(tmp, target, args.force)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        discard(tmp)
     print(f"wrote the whole checkpoint (as dcp_to_torch_save does) to {target}")
     return 0
 
@@ -86,8 +92,8 @@ def _run_optim(args: argparse.Namespace) -> int:
         if tmp is not None:
             place(tmp, args.full, args.force)
     finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp is not None:
+            discard(tmp)
     if args.dry_run:
         print("dry run: nothing written", file=out)
     else:
@@ -155,9 +161,7 @@ def _stream_full_dcp(args: argparse.Namespace) -> str:
     from famp._fsdp.dcp_reader import Checkpoint
     from famp._fsdp.torch_save_writer import largest_piece, write_torch_save
 
-    parent, name = os.path.split(os.path.abspath(args.full))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
-    os.close(fd)
+    tmp = temp_path(args.full)  # its name, so that torch.save names the records as for args.full
     buffer = 64 * 2**20 if args.max_memory is None else min(64 * 2**20, int(args.max_memory))
     workers = 1 if args.workers is None else int(args.workers)
     try:
@@ -167,7 +171,7 @@ def _stream_full_dcp(args: argparse.Namespace) -> str:
         write_torch_save(args.sources[0], tmp, buffer_bytes=buffer, workers=workers)
         set_default_modes(None, [tmp])
     except BaseException:
-        os.unlink(tmp)
+        discard(tmp)
         raise
     return tmp
 

@@ -1,8 +1,10 @@
 """`dcp_to_torch_save`'s file written offline, streamed: one saved chunk in memory at a time.
 
 `torch.save` writes the nested dict with every tensor a placeholder whose bytes are skipped;
-then each tensor's bytes are written into its zip record, chunk by chunk, and the records'
-CRC-32 fields are set, so the file equals what `dcp_to_torch_save` writes. Records are disjoint
+then each tensor's bytes are written into its zip record, chunk by chunk, and what torch derives
+from them is set (`zip_records.py`: the records' CRC-32s and the file's serialization id), so
+the file equals, byte for byte, what `dcp_to_torch_save` writes to the same name (`torch.save`
+names the records after the file: `full.pt` holds `full/data.pkl`, ...). Records are disjoint
 byte ranges of one file: `workers` processes may write shares of them in parallel.
 """
 
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from famp._fsdp.dcp_paths import set_element
 from famp._fsdp.dcp_reader import Checkpoint
+from famp._fsdp.zip_records import set_crcs, set_serialization_id
 
 
 def write_torch_save(
@@ -111,7 +114,8 @@ def write_torch_save(
                 if progress is not None:
                     progress(futures[future])
     with open(path, "r+b") as f, zipfile.ZipFile(path) as zf:
-        _set_crcs(f, zf, crcs)
+        set_crcs(f, zf, crcs)
+    set_serialization_id(path, crcs)
 
 
 def _write_records(
@@ -246,22 +250,3 @@ def _write_bytes(f: Any, data: torch.Tensor, buffer: bytearray, crc: int) -> int
         f.write(chunk)
         crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def _set_crcs(f: Any, zf: zipfile.ZipFile, crcs: dict[str, int]) -> None:
-    """Write each record's CRC-32 into its local header and its central directory entry."""
-    for info in zf.infolist():
-        if info.filename in crcs:
-            f.seek(info.header_offset + 14)
-            f.write(struct.pack("<I", crcs[info.filename]))
-    f.seek(zf.start_dir)
-    for info in zf.infolist():
-        entry = f.tell()
-        header = f.read(46)
-        if header[:4] != b"PK\x01\x02":
-            raise AssertionError("unexpected zip central directory")
-        name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
-        if info.filename in crcs:
-            f.seek(entry + 16)
-            f.write(struct.pack("<I", crcs[info.filename]))
-        f.seek(entry + 46 + name_len + extra_len + comment_len)

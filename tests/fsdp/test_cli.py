@@ -103,6 +103,10 @@ def test_rank_files_are_compact_shards_and_round_trip(
     files = [str(out / f"rank{r:05d}.pt") for r in range(3)]
     assert main([*files, "--full", str(back)]) == 0
     assert_osd_bitwise_equal(load_dict(back), full)
+    import zipfile
+
+    with zipfile.ZipFile(back) as zf:  # named as torch.save names back.pt's records
+        assert zf.namelist()[0] == "back/data.pkl"
     assert _leftovers(tmp_path) == []
 
 
@@ -427,31 +431,32 @@ def test_full_from_dcp_equals_dcp_to_torch_save(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model, "optim": osd, "extra": extra}, checkpoint_id=ckpt, no_dist=True)
-        dcp_to_torch_save(ckpt, tmp_path / "torch.pt")
-    argv = [str(ckpt), "--full", str(tmp_path / "famp.pt")]
+        (tmp_path / "torch").mkdir()  # the same name: torch.save names the records after it
+        dcp_to_torch_save(ckpt, tmp_path / "torch" / "full.pt")
+    argv = [str(ckpt), "--full", str(tmp_path / "full.pt")]
     argv += [] if max_memory is None else ["--max-memory", max_memory]
     assert main(argv + ([] if workers is None else ["--workers", str(workers)])) == 0
-    expected = torch.load(tmp_path / "torch.pt", weights_only=True)
-    assert_same_tree(torch.load(tmp_path / "famp.pt", weights_only=True), expected)
+    expected = torch.load(tmp_path / "torch" / "full.pt", weights_only=True)
+    assert_same_tree(torch.load(tmp_path / "full.pt", weights_only=True), expected)
     import zipfile
 
-    with zipfile.ZipFile(tmp_path / "famp.pt") as zf:
+    with zipfile.ZipFile(tmp_path / "full.pt") as zf:
         assert zf.testzip() is None  # every record's CRC-32 is right
-    if workers is not None:  # the same file, byte for byte, as one process writes
-        (tmp_path / "one").mkdir()  # the same name: torch.save's records are named after it
-        assert main([str(ckpt), "--full", str(tmp_path / "one" / "famp.pt")]) == 0
-        assert (tmp_path / "famp.pt").read_bytes() == (tmp_path / "one" / "famp.pt").read_bytes()
+        assert zf.namelist()[0] == "full/data.pkl"  # was '.full.pt/...', the temporary name's
+    # The same file, byte for byte, for any --workers and --max-memory. Before 2026-12-01 the
+    # records were named after the temporary file, their CRC-32s were in the local headers
+    # where torch's writer puts them after the bytes, and the serialization id was the one of
+    # the file with its tensors' bytes skipped.
+    assert (tmp_path / "full.pt").read_bytes() == (tmp_path / "torch" / "full.pt").read_bytes()
     assert _leftovers(tmp_path) == []
 
 
-def test_full_from_dcp_with_tensors_in_sets_and_meta_tensors_writes_dcp_to_torch_saves_records(
+def test_full_from_dcp_with_tensors_in_sets_and_meta_tensors_writes_dcp_to_torch_saves_file(
     tmp_path: pathlib.Path, trained: tuple[dict[str, Any], dict[str, Any]]
 ) -> None:
     # Sets are plain data to famp's reader, and pickle writes their tensors in iteration order.
     # famp did not walk sets when it numbered torch.save's records: --full exited 1 with
     # "AssertionError: tensors pickled in an unexpected order".
-    import zipfile
-
     model, osd = trained
     # A meta tensor inside a tuple is plain data too (dcp_to_torch_save writes it), pickled
     # without a storage record: --full exited 1 on it with the same AssertionError.
@@ -465,17 +470,10 @@ def test_full_from_dcp_with_tensors_in_sets_and_meta_tensors_writes_dcp_to_torch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model, "optim": osd, "extra": extra}, checkpoint_id=ckpt, no_dist=True)
-        dcp_to_torch_save(ckpt, tmp_path / "torch.pt")
-    assert main([str(ckpt), "--full", str(tmp_path / "famp.pt")]) == 0
-
-    def records(path: pathlib.Path) -> dict[str, bytes]:  # by name within the archive
-        with zipfile.ZipFile(path) as zf:
-            return {n.split("/", 1)[1]: zf.read(n) for n in zf.namelist()}
-
-    ours, theirs = records(tmp_path / "famp.pt"), records(tmp_path / "torch.pt")
-    assert sorted(ours) == sorted(theirs)
-    differ = [n for n in ours if ours[n] != theirs[n]]
-    assert differ == [".data/serialization_id"]  # a random id of each save
+        (tmp_path / "torch").mkdir()
+        dcp_to_torch_save(ckpt, tmp_path / "torch" / "full.pt")
+    assert main([str(ckpt), "--full", str(tmp_path / "full.pt")]) == 0
+    assert (tmp_path / "full.pt").read_bytes() == (tmp_path / "torch" / "full.pt").read_bytes()
 
 
 def test_full_from_dcp_with_rank_files_writes_both_or_nothing(
@@ -816,7 +814,7 @@ def test_full_from_files_with_rank_files_writes_both_or_nothing(
     for failing in (".f.pt.tmp-", "rank00002.pt"):  # --full's temporary file, the last rank
 
         def save(obj: object, path: Any, failing: str = failing) -> None:
-            if os.path.basename(path).startswith(failing):
+            if failing in str(path):
                 raise OSError(28, "No space left on device")
             real_save(obj, path)
 
@@ -826,3 +824,28 @@ def test_full_from_files_with_rank_files_writes_both_or_nothing(
     monkeypatch.undo()
     assert main(argv) == 0
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "w3", "f.pt"])
+
+
+def test_full_keeps_torch_saves_id_where_torch_computes_it_otherwise(
+    tmp_path: pathlib.Path, dcp_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """famp sets the serialization id by torch's rule, checked once against the installed torch
+    (the byte-for-byte tests show it holds on 2.13 to 2.15); where a torch computed it
+    otherwise, the file would keep the id torch.save gave it and differ in that record only."""
+    import zipfile
+
+    from famp._fsdp import zip_records
+
+    assert zip_records._rule_holds()
+    monkeypatch.setattr(zip_records, "_rule_holds", lambda: False)
+    (tmp_path / "torch").mkdir()
+    dcp_to_torch_save(dcp_dir, tmp_path / "torch" / "full.pt")
+    assert main([dcp_dir, "--full", str(tmp_path / "full.pt")]) == 0
+    with (
+        zipfile.ZipFile(tmp_path / "full.pt") as ours,
+        zipfile.ZipFile(tmp_path / "torch" / "full.pt") as theirs,
+    ):
+        assert ours.testzip() is None
+        assert ours.namelist() == theirs.namelist()
+        differ = [n for n in ours.namelist() if ours.read(n) != theirs.read(n)]
+    assert differ == ["full/.data/serialization_id"]
