@@ -42,6 +42,7 @@ from famp._fsdp.cli_sources import (
     Source,
     check_inferred_shapes,
     is_dcp_source,
+    layout_shapes,
     read_source,
     sharding_entry,
 )
@@ -75,9 +76,9 @@ def _run_optim(args: argparse.Namespace) -> int:
     ranks = layout = None
     if args.world_size is not None:
         check_inferred_shapes(source.shapes, source.inferred, args.model_key)
-        layout = fsdp2_layout(source.shapes, args.world_size)
+        layout = fsdp2_layout(layout_shapes(source.shapes, source.shapeless), args.world_size)
         # checks every shard's input; copies: a view would save all of its storage
-        ranks = _LazyShards(source.full, layout, copy=not args.dry_run)
+        ranks = _LazyShards(source.full, layout, source.shapeless, copy=not args.dry_run)
     # --full first, placed last: a failure anywhere leaves no output
     tmp = None if args.full is None or args.dry_run else save_temp(source.full, args.full)
     try:
@@ -112,7 +113,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
     path, out = args.sources[0], args.out
     # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
-    shapes, inferred = dcp_param_shapes(path, args.model_key, args.key)
+    shapes, inferred, _ = dcp_param_shapes(path, args.model_key, args.key)  # state's shapes
     check_inferred_shapes(shapes, inferred, args.model_key)
     fsdp2_layout(shapes, args.world_size)
     ckpt = reader.Checkpoint(path)
@@ -179,8 +180,11 @@ def _stream_full_dcp(args: argparse.Namespace) -> str:
 class _LazyShards(Sequence[tuple[str, dict[str, Any]]]):
     """`(file name, shard)` per rank, each shard cut (as a compact copy) only when asked for."""
 
-    def __init__(self, full: Mapping[str, Any], layout: FSDP2Layout, *, copy: bool) -> None:
+    def __init__(
+        self, full: Mapping[str, Any], layout: FSDP2Layout, shapeless: Sequence[str], *, copy: bool
+    ) -> None:
         self.full, self.layout, self.copy = full, layout, copy
+        self.shapeless = set(shapeless)  # stand-ins in `layout`, recorded in no `sharding`
         self.width = max(5, len(str(layout.world_size - 1)))
         shard_optim_state(full, layout, 0)  # validate everything before any output
 
@@ -191,8 +195,8 @@ class _LazyShards(Sequence[tuple[str, dict[str, Any]]]):
         if not 0 <= rank < len(self):
             raise IndexError(rank)
         shard = shard_optim_state(self.full, self.layout, rank, copy=self.copy)
-        spec = specs(self.layout)  # recorded, so that these files read back as a source
-        shard[SHARDING] = sharding_entry(
+        spec = {f: v for f, v in specs(self.layout).items() if f not in self.shapeless}
+        shard[SHARDING] = sharding_entry(  # recorded, so that these files read back as a source
             {f: s for f, (s, _) in spec.items()}, {f: d for f, (_, d) in spec.items()}
         )
         return f"rank{rank:0{self.width}d}.pt", shard

@@ -42,12 +42,24 @@ class UsageError(ValueError):
 @dataclass
 class Source:
     """A SOURCE read: the full optimizer state, parameter shapes, and a description; `inferred`
-    names the parameters whose shapes were read off the optimizer state (no model entry)."""
+    names the parameters whose shapes were read off the optimizer state (no model entry), and
+    `shapeless` those of no known shape and no state (`layout_shapes`)."""
 
     full: dict[str, Any]
     shapes: dict[str, torch.Size]
     what: str
     inferred: set[str] = field(default_factory=set)
+    shapeless: list[str] = field(default_factory=list)
+
+
+_STAND_IN = torch.Size([1])
+
+
+def layout_shapes(shapes: Mapping[str, torch.Size], shapeless: Sequence[str]) -> dict[str, Any]:
+    """`shapes` for a layout, with a stand-in `(1,)` for each parameter of no known shape: one
+    with no model entry and no state (a frozen parameter saved with `ignore_frozen_params=True`)
+    has nothing to cut, so its shape changes no shard; rank files record no sharding for it."""
+    return {**shapes, **dict.fromkeys(shapeless, _STAND_IN)}
 
 
 def check_inferred_shapes(
@@ -79,8 +91,9 @@ def read_source(args: argparse.Namespace) -> Source:
         bar = Progress("reading", total, progress_wanted(args, total), human)
         full = load_optim_state(path, args.key, bar.update)
         bar.close()
-        shapes, inferred = dcp_param_shapes(path, args.model_key, args.key)
-        return Source(full, shapes, f"DCP checkpoint {path} (key {args.key!r})", inferred)
+        shapes, inferred, shapeless = dcp_param_shapes(path, args.model_key, args.key)
+        what = f"DCP checkpoint {path} (key {args.key!r})"
+        return Source(full, shapes, what, inferred, shapeless)
     for path in sources:
         if os.path.isdir(path):
             raise ValueError(f"SOURCE {path!r} is a directory: give one DCP checkpoint alone")
@@ -90,13 +103,10 @@ def read_source(args: argparse.Namespace) -> Source:
     if len(objs) == 1 and SHARDING not in shards[0]:  # one rank's file is read as rank files
         obj, path, full = objs[0], sources[0], shards[0]
         model = obj.get(args.model_key) if "state" not in obj else None
-        from_model = _shapes_from_model(full, model)
-        if from_model is not None:
-            return Source(full, from_model, f"full state dict {path}")
-        shapes = _shapes_from_state(full, path)
-        return Source(full, shapes, f"full state dict {path}", set(shapes))
-    shapes, dims, unknown = _shapes_from_shards(shards, sources)
-    layout = fsdp2_layout(shapes, len(shards), shard_dims=dims)
+        shapes, inferred, shapeless = _full_shapes(full, model, path)
+        return Source(full, shapes, f"full state dict {path}", inferred, shapeless)
+    shapes, dims, unknown, shapeless = _shapes_from_shards(shards, sources)
+    layout = fsdp2_layout(layout_shapes(shapes, shapeless), len(shards), shard_dims=dims)
     if unknown and not args.assume_dim0:
         check_shards(shards, layout, "shards")  # bad input first (exit 1), then the dims
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
@@ -117,7 +127,8 @@ def read_source(args: argparse.Namespace) -> Source:
             f"state is not the whole of the parameters that entry records ({err}): give every "
             "rank's file, in rank order"
         ) from err
-    return Source(full, shapes, f"{len(shards)} FSDP2 rank files {sources[0]} ...")
+    what = f"{len(shards)} FSDP2 rank files {sources[0]} ..."
+    return Source(full, shapes, what, shapeless=shapeless)
 
 
 def _check_rank_order(sources: list[str]) -> None:
@@ -190,24 +201,26 @@ def _tensor_shapes(entry: object) -> list[torch.Size]:
     return [v.shape for v in values if isinstance(v, torch.Tensor)]
 
 
-def _shapes_from_state(full: Mapping[str, Any], where: str) -> dict[str, torch.Size]:
-    state = full.get("state", {})
-    shapes = {}
+def _full_shapes(
+    full: Mapping[str, Any], model: object, where: str
+) -> tuple[dict[str, torch.Size], set[str], list[str]]:
+    """A full state's parameter shapes: from the model's tensors, else from the state tensors
+    (`inferred`); a parameter with neither a model tensor nor state is `shapeless`."""
+    state, model = full.get("state", {}), model if isinstance(model, Mapping) else {}
+    shapes, inferred, shapeless = {}, set(), []
     for fqn in group_fqns(full.get("param_groups"), f"{where}: param_groups"):
-        shape = param_shape_from_state(f"{where}: state[{fqn!r}]", _tensor_shapes(state.get(fqn)))
+        if isinstance(model.get(fqn), torch.Tensor):
+            shapes[fqn] = model[fqn].shape
+            continue
+        if fqn not in state:
+            shapeless.append(fqn)
+            continue
+        shape = param_shape_from_state(f"{where}: state[{fqn!r}]", _tensor_shapes(state[fqn]))
         if shape is None:
             raise KeyError(f"{where}: parameter {fqn!r} has no state tensor to read its shape from")
         shapes[fqn] = shape
-    return shapes
-
-
-def _shapes_from_model(full: Mapping[str, Any], model: object) -> dict[str, torch.Size] | None:
-    if not isinstance(model, Mapping):
-        return None
-    fqns = group_fqns(full.get("param_groups"), "--key: param_groups")
-    if not all(isinstance(model.get(f), torch.Tensor) for f in fqns):
-        return None
-    return {f: model[f].shape for f in fqns}
+        inferred.add(fqn)
+    return shapes, inferred, shapeless
 
 
 def sharding_entry(shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int]) -> dict[str, Any]:
@@ -245,24 +258,28 @@ def _recorded_spec(entry: Any, fqn: str, path: str) -> tuple[list[int], int]:
 
 def _shapes_from_shards(
     shards: Sequence[Mapping[str, Any]], paths: Sequence[str]
-) -> tuple[dict[str, torch.Size], dict[str, int], list[str]]:
-    """Global shapes and shard dims of FSDP2 rank files, and the parameters whose dim is unknown.
+) -> tuple[dict[str, torch.Size], dict[str, int], list[str], list[str]]:
+    """Global shapes and shard dims of FSDP2 rank files, the parameters whose dim is unknown,
+    and those of no known shape (neither recorded nor with state on any rank).
 
     Recorded in `sharding`, or else dim 0: certain where the rows differ between ranks, unknown
     where the shards are the same shape on every rank (the third result).
     """
     recorded = _recorded(shards, paths)
-    shapes, dims, unknown = {}, {}, []
+    shapes, dims, unknown, shapeless = {}, {}, [], []
     for fqn in group_fqns(shards[0].get("param_groups"), f"{paths[0]}: param_groups"):
-        if recorded is not None:
-            if fqn not in recorded:
-                raise KeyError(
-                    f"{paths[0]}[{SHARDING!r}] has no entry for parameter {fqn!r}: record "
-                    "every parameter, with or without state (docs/fsdp.md's save recipe)"
-                )
+        if recorded is not None and fqn in recorded:
             shape, dims[fqn] = _recorded_spec(recorded[fqn], fqn, paths[0])
             shapes[fqn] = torch.Size(shape)
             continue
+        if all(fqn not in shard.get("state", {}) for shard in shards):
+            shapeless.append(fqn)  # no state on any rank: no shape needed (`layout_shapes`)
+            continue
+        if recorded is not None:
+            raise KeyError(
+                f"{paths[0]}[{SHARDING!r}] has no entry for parameter {fqn!r}, which has "
+                "state: record every parameter (docs/fsdp.md's save recipe)"
+            )
         locals_ = []
         for shard, path in zip(shards, paths, strict=True):
             entry = shard.get("state", {}).get(fqn) if isinstance(shard, Mapping) else None
@@ -276,4 +293,4 @@ def _shapes_from_shards(
         if len(locals_[0]) > 1 and len(shards) > 1 and len(set(locals_)) == 1:
             unknown.append(fqn)  # the same on every rank: dim 0, or any dim that divides evenly
         shapes[fqn] = torch.Size([sum(s[0] for s in locals_), *locals_[0][1:]])
-    return shapes, dims, unknown
+    return shapes, dims, unknown, shapeless

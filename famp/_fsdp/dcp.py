@@ -94,6 +94,12 @@ def read_dcp_param_shapes(
     without one, the common shape of the parameter's saved optimizer-state tensors of at least one
     dimension (`exp_avg`, `exp_avg_sq`, ...), or `torch.Size([])` if all of them are 0-d.
 
+    A parameter with neither (a frozen one the optimizer holds without state, saved with
+    `StateDictOptions(ignore_frozen_params=True)`, which leaves it out of the model entries) has
+    no shape in the checkpoint: give the layout its shape from the model
+    (`{n: p.shape for n, p in model.named_parameters()}`). `famp.load_dcp_optim_state` and
+    `famp-reshard` read such checkpoints, as torch does.
+
     Args:
         checkpoint_id: the checkpoint directory.
         key: the top-level key of the model state dict (`{"model": msd, ...}`).
@@ -104,10 +110,10 @@ def read_dcp_param_shapes(
 
     Raises:
         FileNotFoundError: `checkpoint_id` does not exist.
-        KeyError: `optim_key` is not in the checkpoint, or a parameter has neither a model entry
-            nor optimizer state to read its shape from.
-        ValueError: as for `famp.load_dcp_optim_state`, or a parameter's state tensors disagree
-            on its shape.
+        KeyError: `optim_key` is not in the checkpoint.
+        ValueError: as for `famp.load_dcp_optim_state`, a parameter's state tensors disagree
+            on its shape, or a parameter has neither a model entry nor optimizer state to read
+            its shape from (a `KeyError` before 2026-12-01).
 
     Examples:
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp, famp
@@ -122,13 +128,24 @@ def read_dcp_param_shapes(
         {'w': torch.Size([2, 3]), 'b': torch.Size([2])}
         >>> tmp.cleanup()
     """
-    return dcp_param_shapes(checkpoint_id, key, optim_key)[0]
+    shapes, _, shapeless = dcp_param_shapes(checkpoint_id, key, optim_key)
+    if shapeless:
+        fqn = next(iter(shapeless))
+        more = f" (and {len(shapeless) - 1} more)" if len(shapeless) > 1 else ""
+        raise ValueError(
+            f"parameter {fqn!r}{more} has no entry {key}.{fqn} and no optimizer state to read its "
+            f"shape from in {os.fspath(checkpoint_id)!r} (a frozen parameter saved with "
+            "ignore_frozen_params=True?): take the shapes from the model, "
+            "{n: p.shape for n, p in model.named_parameters()}"
+        )
+    return shapes
 
 
 def dcp_param_shapes(
     checkpoint_id: str | os.PathLike[str], key: str, optim_key: str
-) -> tuple[dict[str, torch.Size], set[str]]:
-    """`read_dcp_param_shapes`, and the FQNs whose shapes were read off the optimizer state."""
+) -> tuple[dict[str, torch.Size], set[str], list[str]]:
+    """`read_dcp_param_shapes`; the FQNs whose shapes were read off the optimizer state; and, in
+    `param_groups` order, those left out: no model entry and no optimizer state at all."""
     from famp._fsdp import dcp_reader as reader
     from famp._fsdp.dcp_metadata import is_tensor_entry
 
@@ -143,25 +160,32 @@ def dcp_param_shapes(
     else:
         groups = reader.read_entries(checkpoint_id, [(optim_key, "param_groups")])[optim_key]
         optim = canonical({"param_groups": groups["param_groups"]}, optim_key)
-    state: dict[str, list[torch.Size]] = {}
+    state: dict[str, list[torch.Size]] = {}  # the top-level state tensors' shapes, by FQN
     for _, md, path in ckpt.entries([(optim_key,)]):
-        if is_tensor_entry(md):
-            fqn = state_fqn(path, flat, optim["param_groups"])
-            if fqn is not None:
-                state.setdefault(fqn, []).append(torch.Size(md.size))  # type: ignore[union-attr]
-    shapes, inferred = {}, set()
+        deep = not flat and len(path) > 4 and path[1] == "state"  # inside a dict or list
+        fqn = str(path[2]) if deep else state_fqn(path, flat, optim["param_groups"])
+        if fqn is not None:
+            sizes = state.setdefault(fqn, [])
+            if is_tensor_entry(md) and not deep:
+                sizes.append(torch.Size(md.size))  # type: ignore[union-attr]
+    shapes, inferred, shapeless = {}, set(), []
     for fqn in group_fqns(optim["param_groups"], f"{optim_key}.param_groups"):
         shape = model.get(fqn)
+        if shape is None and fqn not in state:  # no state at all: nothing to cut
+            shapeless.append(fqn)
+            continue
         if shape is None:
             inferred.add(fqn)
-            shape = param_shape_from_state(f"{optim_key}.state.{fqn}", state.get(fqn, []))
+            shape = param_shape_from_state(f"{optim_key}.state.{fqn}", state[fqn])
         if shape is None:
-            raise KeyError(
-                f"parameter {fqn!r} has no entry {key}.{fqn} and no optimizer state to read its "
-                f"shape from in {os.fspath(checkpoint_id)!r}"
+            raise ValueError(
+                f"parameter {fqn!r} has no entry {key}.{fqn}, and its optimizer state holds no "
+                f"tensor at its top level to read its shape from, in "
+                f"{os.fspath(checkpoint_id)!r}: save the model's state dict beside it under "
+                f"{key!r}"
             )
         shapes[fqn] = shape
-    return shapes, inferred
+    return shapes, inferred, shapeless
 
 
 def param_shape_from_state(where: str, shapes: Sequence[torch.Size]) -> torch.Size | None:

@@ -340,6 +340,75 @@ def _fsdp2_docs_load_shard(rank: int, world_size: int, out_dir: str) -> dict[str
     return record
 
 
+def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """A DCP checkpoint of an optimizer that holds a frozen parameter (no state), saved with
+    ``ignore_frozen_params=True`` (no model entry for it either): loaded by DCP itself, and
+    famp-reshard's rank files (docs/fsdp-dcp.md's ``load_shard``) and DCP output of it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    from famp._fsdp.cli import main as famp_reshard
+    from tests.fsdp.fsdp_helpers import docs_block
+
+    ignore = StateDictOptions(ignore_frozen_params=True)
+    lenient = StateDictOptions(ignore_frozen_params=True, strict=False)  # no frozen model entry
+
+    def frozen() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = fsdp2_sharded(None)
+        model[2].weight.requires_grad_(False)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def dcp_load(path: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, optim = frozen()
+        msd, osd = get_state_dict(model, optim, options=ignore)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model,
+            optim,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=lenient,
+        )
+        return model, optim
+
+    model, optim = frozen()
+    _train(model, optim, steps=2, seed=3)
+    msd, osd = get_state_dict(model, optim, options=ignore)
+    ckpt, files, dcp_out = (os.path.join(out_dir, n) for n in ("frozen", "frozen_w", "frozen_d"))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    dist.barrier()
+    if rank == 0:
+        for argv in (["-o", files], ["-o", dcp_out, "--format", "dcp"]):
+            if famp_reshard([ckpt, "-n", str(world_size), *argv, "--no-progress"]) != 0:
+                raise RuntimeError(f"famp-reshard {argv} of a checkpoint without frozen params")
+    dist.barrier()
+    namespace: dict[str, Any] = {}
+    exec(docs_block("fsdp-dcp.md", "def load_shard"), namespace)
+    by_files = frozen()
+    namespace["load_shard"](*by_files, os.path.join(files, f"rank{rank:05d}.pt"))
+    by_dcp, from_famp_dcp = dcp_load(ckpt), dcp_load(dcp_out)
+    return {
+        "model_keys": sorted(msd),
+        "trained": _local(optim.state_dict()),
+        **{
+            name: {
+                "optim": _local(pair[1].state_dict()),
+                "model": _local(dict(pair[0].named_parameters())),
+            }
+            for name, pair in (
+                ("by_dcp", by_dcp),
+                ("by_famp_files", by_files),
+                ("by_famp_dcp", from_famp_dcp),
+            )
+        },
+    }
+
+
 def _twins() -> nn.Module:
     torch.manual_seed(0)  # two layers of the same shapes: a swap of their states shows no shape
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -554,6 +623,7 @@ def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
         torch.set_num_threads(1)
         result = {"fsdp2": run_fsdp2(rank, world_size), "fsdp1": run_fsdp1(rank, world_size)}
         result["fsdp2"]["docs_load_shard"] = _fsdp2_docs_load_shard(rank, world_size, out_dir)
+        result["fsdp2"]["frozen_dcp"] = _fsdp2_frozen_dcp(rank, world_size, out_dir)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
 )
 
 import famp
@@ -849,3 +850,51 @@ def test_full_keeps_torch_saves_id_where_torch_computes_it_otherwise(
         assert ours.namelist() == theirs.namelist()
         differ = [n for n in ours.namelist() if ours.read(n) != theirs.read(n)]
     assert differ == ["full/.data/serialization_id"]
+
+
+def test_a_checkpoint_saved_without_frozen_parameters_reads_as_torch_reads_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A frozen layer the optimizer holds (no state), saved with ignore_frozen_params=True: no
+    model entry and no state gives famp no shape for it, and famp-reshard refused every output
+    (KeyError, exit 1) where torch's dcp.load and dcp_to_torch_save read the checkpoint. Such a
+    parameter has nothing to cut: rank files list it in param_groups and record no sharding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 5))
+    model[0].requires_grad_(False)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(5, 4)).square().sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
+    assert sorted(msd) == ["2.bias", "2.weight"]
+    assert sorted(osd["state"]) == sorted(msd)
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    ckpt = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt, no_dist=True)
+        dcp_to_torch_save(ckpt, tmp_path / "converted.pt")
+    assert_osd_bitwise_equal(famp.load_dcp_optim_state(ckpt), full)
+    layout = famp.fsdp2_layout({n: p.shape for n, p in model.named_parameters()}, 2)
+    torch.save(full, tmp_path / "full.pt")
+    for source in (ckpt, tmp_path / "converted.pt", tmp_path / "full.pt"):
+        out = tmp_path / f"w2_{source.name}"
+        assert main([str(source), "-n", "2", "-o", str(out)]) == 0
+        files = [str(out / f"rank{r:05d}.pt") for r in range(2)]
+        for rank, path in enumerate(files):
+            shard = load_dict(path)
+            assert sorted(shard.pop("sharding")) == ["2.bias", "2.weight"]
+            assert_osd_bitwise_equal(shard, famp.shard_optim_state(full, layout, rank))
+        back = tmp_path / f"back_{source.name}.pt"
+        assert main([*files, "--full", str(back)]) == 0  # famp's rank files read back
+        assert_osd_bitwise_equal(load_dict(back), full)
+    assert main([str(ckpt), "-n", "3", "--dry-run"]) == 0
+    out = tmp_path / "d3"
+    assert main([str(ckpt), "-n", "3", "-o", str(out), "--format", "dcp"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_to_torch_save(out, tmp_path / "from_d3.pt")
+    assert_same_tree(load_dict(tmp_path / "from_d3.pt"), load_dict(tmp_path / "converted.pt"))
+    # where a shape is needed and missing: one clear error naming the parameter
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' \(and 1 more\) has no entry"):
+        famp.read_dcp_param_shapes(ckpt)

@@ -362,3 +362,21 @@ def test_the_docs_load_shard_restores_the_optimizer_and_refuses_mismatched_files
             "the model shape [1, 6] placed (Shard(dim=1),)"
         )
         assert rec["untouched"] == [{}, {}]  # nothing loaded where it raised
+
+
+def test_famp_reshard_of_a_checkpoint_saved_without_frozen_parameters_loads_as_dcp_does(
+    records,
+) -> None:
+    """A frozen parameter the optimizer holds, saved with ignore_frozen_params=True: no state
+    and no model entry. famp-reshard refused the checkpoint (exit 1: no shape for '2.weight');
+    now its rank files (through docs/fsdp-dcp.md's ``load_shard``) and its DCP output load on
+    every rank as DCP's own load of the source does, bit for bit."""
+    _, ranks = records
+    for record in ranks:
+        rec = record["fsdp2"]["frozen_dcp"]
+        assert "2.weight" not in rec["model_keys"]
+        assert 2 not in rec["trained"]["state"]  # the frozen parameter: no state
+        assert_same_osd(rec["by_dcp"]["optim"], rec["trained"])
+        for name in ("by_famp_files", "by_famp_dcp"):
+            assert_same_osd(rec[name]["optim"], rec["by_dcp"]["optim"])
+        assert_same_osd(rec["by_famp_dcp"]["model"], rec["by_dcp"]["model"])
