@@ -340,13 +340,18 @@ def _fsdp2_docs_load_shard(rank: int, world_size: int, out_dir: str) -> dict[str
     return record
 
 
-def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """A DCP checkpoint of an optimizer that holds a frozen parameter (no state), saved with
-    ``ignore_frozen_params=True`` (no model entry for it either): loaded by DCP itself, and
-    famp-reshard's rank files (docs/fsdp-dcp.md's ``load_shard``) and DCP output of it."""
+def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str, kind: str) -> dict[str, Any]:
+    """A DCP checkpoint of an optimizer that holds a frozen parameter, loaded by DCP itself, and
+    famp-reshard's rank files (docs/fsdp-dcp.md's ``load_shard``) and DCP output of it.
+
+    ``adamw``: the parameter has no state, and ``ignore_frozen_params=True`` leaves it out of the
+    model entries. ``adagrad``: Adagrad gives every parameter state when it is built, so the
+    frozen one's is saved (default options) and famp's rank file holds it.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
+        get_optimizer_state_dict,
         get_state_dict,
         set_state_dict,
     )
@@ -354,17 +359,20 @@ def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str) -> dict[str, Any
     from famp._fsdp.cli import main as famp_reshard
     from tests.fsdp.fsdp_helpers import docs_block
 
-    ignore = StateDictOptions(ignore_frozen_params=True)
-    lenient = StateDictOptions(ignore_frozen_params=True, strict=False)  # no frozen model entry
+    adamw = kind == "adamw"
+    saving = StateDictOptions(ignore_frozen_params=adamw)
+    loading = StateDictOptions(ignore_frozen_params=adamw, strict=not adamw)  # no model entry
 
     def frozen() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = fsdp2_sharded(None)
         model[2].weight.requires_grad_(False)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = model.parameters()
+        optim = torch.optim.AdamW(params, lr=1e-2) if adamw else torch.optim.Adagrad(params, lr=0.1)
+        return model, optim
 
     def dcp_load(path: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         model, optim = frozen()
-        msd, osd = get_state_dict(model, optim, options=ignore)
+        msd, osd = get_state_dict(model, optim, options=saving)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
@@ -372,29 +380,39 @@ def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str) -> dict[str, Any
             optim,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=lenient,
+            options=loading,
         )
         return model, optim
 
     model, optim = frozen()
     _train(model, optim, steps=2, seed=3)
-    msd, osd = get_state_dict(model, optim, options=ignore)
-    ckpt, files, dcp_out = (os.path.join(out_dir, n) for n in ("frozen", "frozen_w", "frozen_d"))
+    msd, osd = get_state_dict(model, optim, options=saving)
+    ckpt, files, dcp_out = (os.path.join(out_dir, f"frozen_{kind}_{n}") for n in "cwd")
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     dist.barrier()
     if rank == 0:
         for argv in (["-o", files], ["-o", dcp_out, "--format", "dcp"]):
             if famp_reshard([ckpt, "-n", str(world_size), *argv, "--no-progress"]) != 0:
-                raise RuntimeError(f"famp-reshard {argv} of a checkpoint without frozen params")
+                raise RuntimeError(f"famp-reshard {argv} of the {kind} checkpoint failed")
     dist.barrier()
     namespace: dict[str, Any] = {}
     exec(docs_block("fsdp-dcp.md", "def load_shard"), namespace)
+    mine = os.path.join(files, f"rank{rank:05d}.pt")
     by_files = frozen()
-    namespace["load_shard"](*by_files, os.path.join(files, f"rank{rank:05d}.pt"))
+    namespace["load_shard"](*by_files, mine)
     by_dcp, from_famp_dcp = dcp_load(ckpt), dcp_load(dcp_out)
+    by_to_load = frozen()
+    shard = {k: v for k, v in torch.load(mine, weights_only=True).items() if k != "sharding"}
+    by_to_load[1].load_state_dict(
+        famp.optim_state_dict_to_load(
+            shard, famp.layout_of(by_to_load[0]), rank, by_to_load[1], model=by_to_load[0]
+        )
+    )
     return {
         "model_keys": sorted(msd),
         "trained": _local(optim.state_dict()),
+        "file": torch.load(mine, weights_only=True),
+        "fqn_state_by_dcp": _local(get_optimizer_state_dict(*by_dcp)),
         **{
             name: {
                 "optim": _local(pair[1].state_dict()),
@@ -404,6 +422,7 @@ def _fsdp2_frozen_dcp(rank: int, world_size: int, out_dir: str) -> dict[str, Any
                 ("by_dcp", by_dcp),
                 ("by_famp_files", by_files),
                 ("by_famp_dcp", from_famp_dcp),
+                ("by_famp_to_load", by_to_load),
             )
         },
     }
@@ -623,7 +642,10 @@ def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
         torch.set_num_threads(1)
         result = {"fsdp2": run_fsdp2(rank, world_size), "fsdp1": run_fsdp1(rank, world_size)}
         result["fsdp2"]["docs_load_shard"] = _fsdp2_docs_load_shard(rank, world_size, out_dir)
-        result["fsdp2"]["frozen_dcp"] = _fsdp2_frozen_dcp(rank, world_size, out_dir)
+        for kind in ("adamw", "adagrad"):
+            result["fsdp2"][f"frozen_dcp_{kind}"] = _fsdp2_frozen_dcp(
+                rank, world_size, out_dir, kind
+            )
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

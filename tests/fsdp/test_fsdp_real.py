@@ -373,10 +373,34 @@ def test_famp_reshard_of_a_checkpoint_saved_without_frozen_parameters_loads_as_d
     every rank as DCP's own load of the source does, bit for bit."""
     _, ranks = records
     for record in ranks:
-        rec = record["fsdp2"]["frozen_dcp"]
+        rec = record["fsdp2"]["frozen_dcp_adamw"]
         assert "2.weight" not in rec["model_keys"]
         assert 2 not in rec["trained"]["state"]  # the frozen parameter: no state
         assert_same_osd(rec["by_dcp"]["optim"], rec["trained"])
+        for name in ("by_famp_files", "by_famp_dcp", "by_famp_to_load"):
+            assert_same_osd(rec[name]["optim"], rec["by_dcp"]["optim"])
+        assert_same_osd(rec["by_famp_dcp"]["model"], rec["by_dcp"]["model"])
+        assert "2.weight" not in rec["file"]["sharding"]
+
+
+def test_a_frozen_parameters_state_is_in_famps_shards_and_dropped_by_torchs_load(records) -> None:
+    """Adagrad gives every parameter state when it is built, the frozen '2.weight' (id 2) too,
+    and DCP saves it. torch's set_optimizer_state_dict drops the state of a parameter with
+    requires_grad=False, which the checkpoint does not record (its tensors are detached): famp's
+    rank file holds it, as the saving job's ranks did; loaded through load_shard, and famp's DCP
+    output through dcp.load, it is dropped as from the source, bit for bit.
+    famp.optim_state_dict_to_load keeps it: the saving job's state, unused by Adagrad's steps
+    while the parameter gets no gradient."""
+    _, ranks = records
+    for record in ranks:
+        rec = record["fsdp2"]["frozen_dcp_adagrad"]
+        assert "2.weight" in rec["file"]["state"]
+        assert "2.weight" not in rec["fqn_state_by_dcp"]["state"]
+        assert 2 in rec["trained"]["state"]
+        assert 2 not in rec["by_dcp"]["optim"]["state"]
         for name in ("by_famp_files", "by_famp_dcp"):
             assert_same_osd(rec[name]["optim"], rec["by_dcp"]["optim"])
         assert_same_osd(rec["by_famp_dcp"]["model"], rec["by_dcp"]["model"])
+        to_load = rec["by_famp_to_load"]["optim"]
+        assert_same_osd(to_load["state"].pop(2), rec["trained"]["state"][2])
+        assert_same_osd(to_load, rec["by_dcp"]["optim"])
