@@ -6,12 +6,7 @@ absolute finite value (`amax`, 0-d float32); plus `found_inf`, equal to what
 `NonfiniteReport.summary()` is asked for. With a process group, one all-gather gives every rank
 every rank's figures.
 
-How it reads memory: compiled, each leaf is one fused read (inductor fuses the count and the
-masked max). Eagerly on the CPU, each leaf first gets a read-only `aminmax`; only leaves whose
-extremes are not finite get the masked passes (reading a CPU tensor is a memory read, not a device
-sync, as in `kernels.py`). Elsewhere eagerly, every leaf takes the masked passes.
-
-Under `torch.func.vmap` the figures are per sample (the branch-free passes run).
+How each leaf is read is `figures.py`'s. Under `torch.func.vmap` the figures are per sample.
 
 Deliberately not supported: sparse layouts (pass `t.coalesce().values()`), integer leaves.
 """
@@ -27,8 +22,9 @@ import optree
 import torch
 
 from famp import _collectives
-from famp._compat import OPTREE_GLOBAL_NAMESPACE, functorch_transforms_active, torch_pytree
+from famp._compat import OPTREE_GLOBAL_NAMESPACE, torch_pytree
 from famp._scaling.checks import FLOAT_DTYPES
+from famp._scaling.figures import leaf_figures
 from famp._typing import PyTree, Tensor
 
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -182,43 +178,6 @@ def _entry_name(entry: Any) -> str:
     return field if isinstance(field, str) else str(entry.entry)
 
 
-def _exact(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(non-finite count as int64, largest finite |x| as float32), branch-free."""
-    if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return torch.zeros((), dtype=torch.int64, device=x.device), zero
-    finite = torch.isfinite(x)
-    count = finite.logical_not().sum(dtype=torch.int64)
-    amax = torch.where(finite, x.abs(), 0).amax().to(torch.float32)
-    return count, amax
-
-
-def _leaf_figures(xs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """Counts and amaxes of plain tensors: read-only extremes first on the CPU, eagerly."""
-    cpu = not (torch.compiler.is_compiling() or functorch_transforms_active()) and all(
-        type(x) is torch.Tensor and x.device.type == "cpu" for x in xs
-    )
-    if not cpu:
-        pairs = [_exact(x) for x in xs]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-    nonempty = [i for i, x in enumerate(xs) if x.numel()]
-    counts = [torch.zeros((), dtype=torch.int64) for _ in xs]
-    amaxes = [torch.zeros((), dtype=torch.float32) for _ in xs]
-    if not nonempty:
-        return counts, amaxes
-    extremes = torch.stack(
-        [e.to(torch.float64) for i in nonempty for e in torch.aminmax(xs[i])]
-    ).view(-1, 2)
-    finite = torch.isfinite(extremes).all(1).tolist()  # a CPU memory read, not a device sync
-    widest = extremes.abs().amax(1).to(torch.float32)
-    for j, i in enumerate(nonempty):
-        if finite[j]:
-            amaxes[i] = widest[j]
-        else:
-            counts[i], amaxes[i] = _exact(xs[i])
-    return counts, amaxes
-
-
 def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     """Count the non-finite elements of every leaf and find its largest finite magnitude.
 
@@ -282,7 +241,7 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
                 f"{leaf.layout}; only strided tensors are supported"
             )
         local.append(leaf)
-    counts, amaxes = _leaf_figures(local)
+    counts, amaxes = leaf_figures(local)
     device = local[0].device if local else torch.device("cpu")
     if counts:
         any_bad = torch.stack([c.to(device) for c in counts]).ne(0).any()
