@@ -7,6 +7,8 @@ collectives, so every other module stays pure and runs in one process.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -130,35 +132,95 @@ def reduce_found_inf_over_meshes(found_inf: torch.Tensor, dtensors: list[Any]) -
 
 # --- every rank's nonfinite_report figures (used by nonfinite_report's `group=`) -----------------
 
+NO_RANK = -1  # the dtype code of a leaf that no rank holds (None everywhere)
+UNKNOWN = -2  # compiled: the dtype code of a leaf this rank lacks, which it cannot read
+
 
 def all_gather_report(
-    counts: list[torch.Tensor], amaxes: list[torch.Tensor], found_inf: torch.Tensor, group: Any
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
-    """Every rank's counts, amaxes and found_inf, in one all-gather of one int64 vector.
+    slots: list[tuple[torch.Tensor, torch.Tensor, int] | None],
+    found_inf: torch.Tensor,
+    group: Any,
+    paths: list[str],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int, list[int]]:
+    """Every rank's figures of each leaf slot, in one all-gather of one int64 vector.
 
-    Each rank packs its counts, the bit patterns of its float32 amaxes and its found_inf into
-    one int64 vector (exact: no float conversion of a count or an amax); entry r of each
-    returned 1-d tensor is rank r's. `found_inf` is the max over ranks, as `all_reduce_max`.
+    `slots` holds per leaf path (`None` leaves included) this rank's (count, float32 amax, dtype
+    code), or `None` where its leaf is `None`: a count of -1 and a NaN amax there, so that every
+    path keeps one slot on every rank. The vector holds the counts, the amaxes' bit patterns
+    (exact: no float conversion), the dtype codes and found_inf; entry r of each returned 1-d
+    tensor is rank r's, and `found_inf` is the max over ranks, as `all_reduce_max`. Eagerly, the
+    ranks first compare their leaf paths (`check_same_paths`). Also returns each slot's dtype
+    code: this rank's, or for a `None` leaf the first rank's that holds one (eagerly; `NO_RANK`
+    where none does, `UNKNOWN` compiled).
     """
     check_group(group)
-    n = len(counts)
+    eager = not torch.compiler.is_compiling()
     device = found_inf.device
+    if eager:
+        check_same_paths(paths, group, device)
+    n = len(slots)
+    nan = torch.tensor(math.nan)
+    rows = [(torch.tensor(-1), nan, NO_RANK) if s is None else s for s in slots]
     packed = torch.cat(
         [
-            torch.stack([c.to(device) for c in counts])
+            torch.stack([row[0].to(device) for row in rows])
             if n
             else torch.zeros(0, dtype=torch.int64, device=device),
-            torch.stack([a.to(device).view(torch.int32).to(torch.int64) for a in amaxes])
+            torch.stack([row[1].to(device).view(torch.int32).to(torch.int64) for row in rows])
             if n
             else torch.zeros(0, dtype=torch.int64, device=device),
+            torch.tensor([row[2] for row in rows], dtype=torch.int64, device=device),
             found_inf.view(torch.int32).to(torch.int64).reshape(1),
         ]
     )
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(packed) for _ in range(world_size)]
     dist.all_gather(gathered, packed, group=group)
-    table = torch.stack(gathered)  # (world_size, 2n + 1)
+    table = torch.stack(gathered)  # (world_size, 3n + 1)
     out_counts = [table[:, i] for i in range(n)]
     out_amax = [table[:, n + i].to(torch.int32).view(torch.float32) for i in range(n)]
-    found = table[:, 2 * n].to(torch.int32).view(torch.float32).amax()
-    return out_counts, out_amax, found, world_size
+    found = table[:, 3 * n].to(torch.int32).view(torch.float32).amax()
+    codes = [NO_RANK if s is None else s[2] for s in slots]
+    if any(s is None for s in slots):  # read the others' dtypes: a host sync, eagerly only
+        held = table[:, 2 * n : 3 * n].T.tolist() if eager else None
+        for i, s in enumerate(slots):
+            if s is None:
+                codes[i] = (
+                    UNKNOWN if held is None else next((c for c in held[i] if c >= 0), NO_RANK)
+                )
+    return out_counts, out_amax, found, world_size, codes
+
+
+def check_same_paths(paths: list[str], group: Any, device: torch.device) -> None:
+    """Raise the same ValueError on every rank of `group` unless they all hold these leaf paths.
+
+    One all-gather of a fixed size (the number of paths and a 63-bit digest of them), read on
+    the host, before any collective whose size depends on the tree: different trees would make
+    different sizes, which gloo refuses and NCCL hangs on. On a difference, every rank gathers
+    every rank's paths to name it.
+    """
+    digest = hashlib.blake2b("\0".join(paths).encode(), digest_size=8).digest()
+    header = torch.tensor(
+        [len(paths), int.from_bytes(digest, "little") >> 1], dtype=torch.int64, device=device
+    )
+    world_size = dist.get_world_size(group)
+    gathered = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(gathered, header, group=group)
+    if torch.stack(gathered).eq(header).all():  # a host read: one bool
+        return
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, paths, group=group)
+    first = every[0]
+    rank, other = next((r, p) for r, p in enumerate(every) if p != first)
+    missing = [p for p in first if p not in other]
+    extra = [p for p in other if p not in first]
+    named = "; ".join(
+        f"only on rank {r}: " + ", ".join(repr(p) for p in ps[:3]) + (", ..." if ps[3:] else "")
+        for r, ps in ((0, missing), (rank, extra))
+        if ps
+    )
+    raise ValueError(
+        f"famp.nonfinite_report: the ranks' trees differ, so their figures cannot be gathered "
+        f"leaf by leaf (a None leaf counts as a leaf): rank 0 has {len(first)} leaves, "
+        f"rank {rank} has {len(other)}; {named or 'the same paths in another order'}"
+    )

@@ -4,7 +4,8 @@ Per leaf of a tree, the number of non-finite elements (`counts`, 0-d int64) and 
 absolute finite value (`amax`, 0-d float32); plus `found_inf`, equal to what
 `famp.unscale_and_check` reports on the same tree. Everything stays a tensor: no host sync until
 `NonfiniteReport.summary()` is asked for. With a process group, one all-gather gives every rank
-every rank's figures.
+every rank's figures, one slot per leaf path (`None` leaves included: `_collectives`), eagerly
+after a check that the ranks' paths agree, read on the host.
 
 How each leaf is read is `figures.py`'s. Under `torch.func.vmap` the figures are per sample.
 
@@ -42,14 +43,15 @@ class NonfiniteReport:
     Attributes:
         counts: The input's structure, each leaf a 0-d int64 tensor: the number of non-finite
             (inf or NaN) elements. With a group, a 1-d tensor of length world size, entry r
-            from rank r.
+            from rank r (-1 where rank r's leaf is `None`).
         amax: The input's structure, each leaf a 0-d float32 tensor: the largest absolute finite
             value (0 for an empty or all-non-finite leaf; float64 values are rounded to float32).
-            With a group, 1-d as `counts`.
+            With a group, 1-d as `counts` (NaN where rank r's leaf is `None`).
         found_inf: 0-d float32, 1.0 iff any count (on any rank, with a group) is non-zero.
         paths: Static: each leaf's path, as `summary` prints it: its keys, indices and named
             tuples' field names, joined by dots (`"moments.var"`).
-        dtypes: Static: each leaf's dtype name.
+        dtypes: Static: each leaf's dtype name. With a group, for a leaf `None` on this rank,
+            the first rank's that holds one (`"none"` if none does; compiled `"unknown"`).
         world_size: Static: the group's size, or `None` without a group.
     """
 
@@ -92,6 +94,8 @@ class NonfiniteReport:
         head: list[tuple[float, str, str, float]] = []
         for path, dtype, cs, ms in zip(self.paths, self.dtypes, counts, amaxes, strict=True):
             for rank, (count, amax) in enumerate(zip(cs, ms, strict=True)):
+                if count < 0:  # a None leaf on that rank (with a group)
+                    continue
                 where = path if self.world_size is None else f"{path} (rank {rank})"
                 if count:
                     big = f"{amax:.4g}" if amax < math.inf else "beyond float32's range"
@@ -100,10 +104,9 @@ class NonfiniteReport:
                     top = torch.finfo(_DTYPES[dtype]).max
                     bits = -math.inf if count else math.log2(top / amax) if amax > 0 else math.inf
                     head.append((bits, where, dtype, amax))
-        leaves = len(self.paths)
+        held = sum(c >= 0 for cs in counts for c in cs)
         lines = [
-            f"found_inf = {self.found_inf.item():g}: "
-            f"{len(bad)} of {leaves * (self.world_size or 1)} "
+            f"found_inf = {self.found_inf.item():g}: {len(bad)} of {held} "
             f"leaves{' (leaf, rank)' if self.world_size else ''} hold non-finite values"
         ]
         bad.sort(key=lambda b: (-b[0], b[1]))
@@ -190,9 +193,17 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     `torch.compile(fullgraph=True)`, where each leaf is read once.
 
     With `group`, one all-gather gives every rank every rank's figures: each leaf of
-    `counts` and `amax` is a 1-d tensor of length `group`'s size, entry r from rank r.
-    DTensor leaves (FSDP2 gradients) report this rank's local shard. `None` leaves stay
-    `None`.
+    `counts` and `amax` is a 1-d tensor of length `group`'s size, entry r from rank r,
+    matched by leaf path. A `None` leaf (FSDP1 with `use_orig_params=True` gives one to a
+    parameter with no element on a rank) is a leaf here too: -1 and NaN stand for the ranks
+    where it is `None`. Eagerly, the ranks first compare their leaf paths in a small all-gather
+    read on the host (the one sync, with a second where this rank holds a `None` leaf: the
+    dtype of others' tensors there); trees that differ raise the same `ValueError` on every
+    rank. Compiled, nothing is read: give every rank the same paths, and the dtype of a leaf
+    this rank lacks is `"unknown"`. Before 2026-12-01 famp gathered the tensors by position:
+    `None` leaves in different places filed a rank's figures under another leaf, or failed in
+    the collective. DTensor leaves (FSDP2 gradients) report this rank's local shard. Without
+    `group`, `None` leaves stay `None`.
 
     Args:
         tree: A pytree of float16/bfloat16/float32/float64 tensors (DTensors included).
@@ -205,6 +216,8 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     Raises:
         TypeError: A leaf is not a floating tensor, or is sparse; the message names its path.
             `group` is not a process group.
+        ValueError: With `group`, eagerly, the ranks' trees have different leaf paths (on
+            every rank; the message names them).
 
     Examples:
         >>> import famp, torch
@@ -219,13 +232,18 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
     # Dynamo cannot flatten a dict without leaves (`{}`, `{"w": None}`): compiled, it is a leaf
     # of its own, which the report's trees hold as it is (it has no figures).
     bare = _bare if torch.compiler.is_compiling() else None
-    paths, every, spec = optree.tree_flatten_with_accessor(tree, is_leaf=bare)
+    # With a group, a None leaf is a slot too: its figures come from the ranks that hold a tensor.
+    paths, every, spec = optree.tree_flatten_with_accessor(
+        tree, is_leaf=bare, none_is_leaf=group is not None
+    )
     kept = [not (bare and bare(leaf)) for leaf in every]
     paths = [p for p, k in zip(paths, kept, strict=True) if k]
     leaves = [leaf for leaf, k in zip(every, kept, strict=True) if k]
     local: list[Tensor] = []
     dtensors = []
     for path, leaf in zip(paths, leaves, strict=True):
+        if leaf is None:
+            continue
         if not isinstance(leaf, torch.Tensor) or leaf.dtype not in FLOAT_DTYPES:
             what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise TypeError(
@@ -250,11 +268,18 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if dtensors:
         found_inf = _collectives.reduce_found_inf_over_meshes(found_inf, dtensors)
-    world_size = None
+    names, dtypes, world_size = (
+        [_path_str(p) for p in paths],
+        [_NAMES[x.dtype] for x in local],
+        None,
+    )
     if group is not None:
-        counts, amaxes, found_inf, world_size = _collectives.all_gather_report(
-            counts, amaxes, found_inf, group
+        own = iter(zip(counts, amaxes, [list(_NAMES).index(x.dtype) for x in local], strict=True))
+        slots = [None if leaf is None else next(own) for leaf in leaves]
+        counts, amaxes, found_inf, world_size, codes = _collectives.all_gather_report(
+            slots, found_inf, group, names
         )
+        dtypes = [(*_NAMES.values(), "unknown", "none")[c] for c in codes]  # -2, -1: see there
     counts, amaxes = (
         [next(it) if k else x for k, x in zip(kept, every, strict=True)]
         for it in (iter(counts), iter(amaxes))
@@ -263,7 +288,7 @@ def nonfinite_report(tree: PyTree, *, group: Any = None) -> NonfiniteReport:
         optree.tree_unflatten(spec, counts),
         optree.tree_unflatten(spec, amaxes),
         found_inf,
-        tuple(_path_str(p) for p in paths),
-        tuple(_NAMES[x.dtype] for x in local),
+        tuple(names),
+        tuple(dtypes),
         world_size,
     )

@@ -396,3 +396,70 @@ def test_summary_of_a_float64_leaf_beyond_float32s_range_says_so() -> None:
     assert torch.isfinite(tree["w"][0])  # the largest finite |x| is 1e300
     line = report.summary().splitlines()[1]
     assert line == "  w: 1 non-finite (float64), largest finite |x| beyond float32's range"
+
+
+# --- gloo ranks whose None leaves differ (FSDP1 use_orig_params=True), or whose trees differ -----
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_none_leaves_in_different_places_on_each_rank_keep_their_figures_by_path() -> None:
+    # Before 2026-12-01 famp gathered each rank's non-None leaves by position: rank 1's "b" was
+    # filed under "a", and trees with different numbers of tensors aborted gloo.
+    from tests.scaling.report_none_worker import worker
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = {(row[0], row[1]): row[2:] for row in collect_ranks(procs, results, 10, 150)}
+    absent = (-1, math.nan)
+    for name in ("moved", "fsdp1", "moved compiled"):
+        local = [rows[(name.split()[0], r)][1] for r in range(2)]  # each rank's own figures
+        assert any(v is None for v in local[0].values())  # some leaf is None on rank 0 only
+        for rank in range(2):
+            got, _, dtypes, paths, text, found, unscale_found = rows[(name, rank)]
+            assert sorted(paths) == sorted(local[0])  # optree lists dict keys sorted
+            for key, figure in got.items():
+                count_dtype, counts, amax_dtype, amaxes = figure
+                assert (count_dtype, amax_dtype) == (torch.int64, torch.float32)
+                for r in range(2):
+                    mine = local[r][key]
+                    expected = absent if mine is None else (mine[1], mine[3])
+                    assert counts[r] == expected[0], (name, key, r)
+                    assert repr(amaxes[r]) == repr(expected[1]), (name, key, r)  # NaN: by repr
+            assert found == unscale_found == 1.0
+            if name != "moved compiled":  # eagerly, every rank prints the same summary
+                assert text == rows[(name, 0)][4]
+            if name == "fsdp1":  # run after the errors below: the group still works
+                assert dtypes == ("float32",) * 4
+                assert "  _fsdp_wrapped_module.2.weight (rank 1): 1 non-finite (float32)" in text
+                assert text.count("non-finite (") == 1
+            elif name == "moved":
+                assert dtypes == ("float16", "bfloat16", "none", "float32")
+                assert text == (
+                    "found_inf = 1: 2 of 4 leaves (leaf, rank) hold non-finite values\n"
+                    "  b (rank 1): 1 non-finite (bfloat16), largest finite |x| 3\n"
+                    "  h (rank 1): 1 non-finite (float32), largest finite |x| 4\n"
+                    "headroom of float16/bfloat16 leaves, lowest first:\n"
+                    "  b (rank 1): none, it overflowed (bfloat16, largest finite |x| 3)\n"
+                    "  a (rank 0): 15.0 bits (float16, largest finite |x| 2)"
+                )
+            else:  # compiled, a rank cannot read the dtypes of the leaves it lacks
+                mine = rows[("moved", rank)]
+                assert dtypes == tuple(
+                    d if local[rank][k] else "unknown" for k, d in zip(paths, mine[2], strict=True)
+                )
+                assert repr(got) == repr(mine[0])  # NaN for absent entries: by repr
+    for name, only in (("extra", "only on rank 1: 'c'"), ("renamed", "only on rank 0: 'b'")):
+        messages = {rows[(name, r)][1] for r in range(2)}
+        assert all(rows[(name, r)][0] == "ValueError" for r in range(2))
+        assert len(messages) == 1  # every rank raises the same error
+        (message,) = messages
+        assert "the ranks' trees differ" in message
+        assert only in message
+    assert "rank 0 has 2 leaves, rank 1 has 3" in rows[("extra", 0)][1]
+    assert "only on rank 1: 'z'" in rows[("renamed", 0)][1]
