@@ -13,6 +13,7 @@ from typing import Any, cast
 import optree
 import torch
 
+from famp import _collectives
 from famp._compat import functorch_transforms_active
 from famp._scaling.state import ScalerState
 from famp._typing import PyTree, Tensor, TreeT
@@ -147,11 +148,19 @@ def all_finite(tree: PyTree) -> Tensor:
     Eagerly, dense floating tensors on one device are read once each, by `torch.aminmax` (a NaN
     or an infinity shows in the minimum or the maximum); `torch.isfinite` would write a mask.
 
+    DTensor leaves (FSDP2 gradients) are checked shard by shard and the answer is reduced over
+    their mesh's non-replicated dimensions, as `famp.unscale_and_check` reduces `found_inf`
+    (so with DTensors, a rank's plain leaves count on every rank of the mesh too): every rank
+    gets the same plain tensor, `found_inf == 0`, eagerly and compiled. Before 2026-12-01 the
+    result was a DTensor there (on torch 2.13 each rank read its own shard's answer), which
+    `famp.select_tree` refused.
+
     Args:
-        tree: A pytree of tensors (`None` leaves are skipped).
+        tree: A pytree of tensors (`None` leaves are skipped), DTensors included.
 
     Returns:
-        A 0-d `torch.bool` tensor on the first leaf's device (CPU for an empty tree).
+        A 0-d `torch.bool` tensor (never a DTensor) on the first leaf's device (its local
+        shard's for a DTensor; CPU for an empty tree).
 
     Raises:
         TypeError: A leaf is not a tensor; the message names its path.
@@ -162,6 +171,16 @@ def all_finite(tree: PyTree) -> Tensor:
         tensor(False)
     """
     leaves = check_tensors("all_finite", tree, leaves_and_rebuild(tree)[0])
+    dtensors = [x for x in leaves if type(x) not in PLAIN_TENSORS and _collectives.is_dtensor(x)]
+    if dtensors:  # each rank's shards, then the answer over the mesh, as unscale_and_check's
+        local = [_collectives.local_shard(x) if _collectives.is_dtensor(x) else x for x in leaves]
+        found_inf = _all_finite(local).logical_not().to(torch.float32)
+        return _collectives.reduce_found_inf_over_meshes(found_inf, dtensors).eq(0)
+    return _all_finite(leaves)
+
+
+def _all_finite(leaves: list[Tensor]) -> Tensor:
+    """`all_finite` of plain (or sparse) tensors: this process's answer."""
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device

@@ -119,3 +119,38 @@ def test_big_tensors_with_one_nan_anywhere(threads: int) -> None:
         assert famp.all_finite([torch.ones(5_000_000)]).item() is True
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fsdp2_dtensor_grads_give_one_plain_answer_on_every_rank_as_torch() -> None:
+    # Before 2026-12-01 all_finite returned a DTensor on DTensor leaves (torch 2.13:
+    # Partial(product), so each rank read its own shard's answer; 2.14, 2.15: Replicate), and
+    # select_tree with it raised "mixed torch.Tensor and DTensor".
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers import collect_ranks
+    from tests.scaling.all_finite_worker import CASES, worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = collect_ranks(procs, results, 2 * len(CASES), 240)
+    assert sorted((row[0], row[1]) for row in rows) == sorted((c, r) for c in CASES for r in (0, 1))
+    for case, rank, answers, torch_says, found_inf, scaler_found, chosen, stepped in rows:
+        assert torch_says == (case == "finite"), (case, rank)
+        for kind, dtype, shape, value in answers:  # eagerly, then compiled
+            assert (kind, dtype, shape) == ("Tensor", torch.bool, ())
+            assert value == torch_says, (case, rank)
+        assert found_inf == float(not torch_says)  # unscale_and_check's, reduced over the mesh
+        assert scaler_found in (None, found_inf)  # GradScaler.unscale_'s, through DTensor dispatch
+        assert chosen == [0.0 if torch_says else 1.0] * 2
+        assert stepped
