@@ -37,6 +37,31 @@ def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     return None
 
 
+def keywords_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any = None) -> None:
+    """The second global pre-hook: torch calls it with the keyword inputs of a module `pre_hook`
+    has just asked them for (`ask_keywords`), and then famp judges whether torch takes the
+    module's fast path (`unreached.judge`); for any other module, it does nothing."""
+    if kwargs is None:
+        return
+    module.__dict__["_forward_pre_hooks_with_kwargs"].pop(_handles["keywords"].id, None)
+    stack = calls()
+    if stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block()):
+        from famp._autocast.unreached import judge  # unreached imports hooks
+
+        judge(record, module, args, kwargs)
+
+
+def ask_keywords(module: torch.nn.Module) -> None:
+    """From `pre_hook`: have torch call `keywords_hook`, which runs next, with `module`'s keyword
+    inputs. torch tests at each global pre-hook whether the module's own (private) dict of
+    pre-hooks called with keyword inputs holds its key; the key is out again as it runs. The
+    dict is no hook: `nn.TransformerEncoderLayer`'s fast path, off where a module of its tree
+    has a hook, stays on."""
+    handle = _handles.get("keywords")
+    if handle is not None:
+        module.__dict__["_forward_pre_hooks_with_kwargs"][handle.id] = True
+
+
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
     """Registered with its keyword inputs: (module, args, kwargs, output); torch calls it with
     (module, args, output) after a forward that raised, and while Dynamo traces (`_count`)."""
@@ -92,8 +117,12 @@ def _count(change: int, post: bool, eager: bool) -> None:
                 if kind == "pre"
                 else register_module_forward_hook(post_hook, always_call=True, with_kwargs=True)
             )
+            if kind == "pre":  # right after it, so that torch calls it next
+                _handles["keywords"] = register_module_forward_pre_hook(keywords_hook)
         elif change < 0 and _users[kind] == 0:
             remove_global_forward_hook(_handles.pop(kind))  # the post-hook's: with kwargs
+            if kind == "pre":
+                _handles.pop("keywords").remove()
 
 
 def use(change: int, post: bool, eager: bool = False) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from famp._autocast import hooks
+from famp._autocast.fast_path import takes_fast_path
 from famp._autocast.patterns import AutocastWarning
 from famp._autocast.recompute import calls
 from famp._autocast.region import region
@@ -75,29 +77,47 @@ def decline(
 ) -> contextlib.ExitStack | None:
     """The context to run `module` in, eagerly, if famp's interception does not reach inside it
     (see the module docstring), else None. `scope`: the autocast state famp's rules give it
-    (None: the call's own, already in effect)."""
+    (None: the call's own, already in effect). A fast-path module's answer needs its keyword
+    inputs, which torch gives no global pre-hook: famp's pre-hook asks them of its second one
+    (`hooks.ask_keywords`), which answers through `judge`; None till then."""
     if not record.track or torch.compiler.is_compiling():
         return None
     if isinstance(module, torch.jit.ScriptModule):
         return _script(record, module, scope)
+    if isinstance(module, FAST_PATH_MODULES):
+        hooks.ask_keywords(module)
+    return None
+
+
+def judge(record: Any, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any) -> None:
+    """With `module`'s keyword inputs, as `decline` asked: leave it to torch's fast path if
+    torch takes it there; without module rules, till the module's call ends."""
+    if not record.patterns:
+        declined = _fast_path(record, module, args, kwargs, None)
+        if declined is not None:  # its hook goes with it (closed by the region at last)
+            declined.callback(hooks.on_exit(module, declined.close).remove)
+    elif record.entered and record.entered[-1] is module and record.declined[-1] is None:
+        record.declined[-1] = _fast_path(record, module, args, kwargs, record.scopes[-1])
+
+
+def _fast_path(
+    record: Any,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    scope: tuple[bool, Any] | None,
+) -> contextlib.ExitStack | None:
     if not (
-        isinstance(module, FAST_PATH_MODULES)
-        and not module.training
-        and not torch.is_autocast_enabled()  # torch's own test (CUDA's autocast) declines
-        and torch_function_modes() == sum(1 for r in calls() if r.intercepts)  # famp's only
-    ):
-        return None
-    tensors = [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        torch_function_modes() == sum(1 for r in calls() if r.intercepts)  # famp's only
+        and takes_fast_path(module, args, kwargs)
     ):
         return None
     warned = record.transform.warned
     if "fast path" not in warned and any(r.overrides is not None for r in calls()):
         warned.add("fast path")
         warnings.warn(
-            f"famp.autocast: op overrides do not apply inside {type(module).__name__} in "
-            "eval mode without grad, where torch runs it on its inference fast path; famp "
+            f"famp.autocast: op overrides do not apply inside {type(module).__name__} where "
+            "torch runs it on its inference fast path (eval mode, no grad needed, ...); famp "
             "leaves that path to torch (autocast state as torch.autocast's, no interception)."
             " Call it with grad enabled or in train mode to apply the overrides there.",
             AutocastWarning,
