@@ -419,8 +419,7 @@ def add_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> tuple[Any
     (plain `dict`s, which Dynamo builds faster than `OrderedDict`s; torch only iterates them);
     the dicts read through the module's `__dict__` come back themselves after the graph (read
     as attributes, torch 2.13 rebuilt them as plain `dict`s, which take no handle)."""
-    own = module.__dict__["_forward_pre_hooks"]
-    with_kwargs = module.__dict__["_forward_pre_hooks_with_kwargs"]
+    own, with_kwargs = pre_hooks(module)
     if torch.compiler.is_compiling():  # set in `__dict__`: Dynamo traces no `Module.__setattr__`
         module.__dict__["_forward_pre_hooks"] = {_KEYWORDS_HOOK_KEY: hook, **own}
         module.__dict__["_forward_pre_hooks_with_kwargs"] = {
@@ -443,6 +442,12 @@ def remove_pre_hook(module: torch.nn.Module, own: Any, with_kwargs: Any, key: An
     else:
         own.pop(key, None)
         with_kwargs.pop(key, None)
+
+
+def pre_hooks(module: torch.nn.Module) -> tuple[Any, Any]:
+    """A module's own forward pre-hooks and the keys torch calls with keyword inputs (private
+    dicts; a global pre-hook whose key is in the second gets them too: `hooks.ask_keywords`)."""
+    return module.__dict__["_forward_pre_hooks"], module.__dict__["_forward_pre_hooks_with_kwargs"]
 
 
 def forward_hooks(module: torch.nn.Module, hooks: Any = None) -> Any:

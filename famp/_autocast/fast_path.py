@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from famp._compat import no_torch_function
+from famp._compat import forward_hooks, no_torch_function, pre_hooks
 
 _DEVICES = ("cpu", "cuda", "xpu")
 
@@ -122,10 +122,7 @@ def _hooked(layer: torch.nn.Module) -> bool:
     aside: they run after famp's judgment and before the layer's `forward` looks (famp's keyword
     pre-hook takes itself out there, keywords.py; one of the user's may too). A layer whose own
     pre-hook stays is left to torch as one taking its fast path (a known limit)."""
-    for m in layer.modules():
-        if m.__dict__["_forward_hooks"] or (m is not layer and m.__dict__["_forward_pre_hooks"]):
-            return True
-    return False
+    return any(forward_hooks(m) or (m is not layer and pre_hooks(m)[0]) for m in layer.modules())
 
 
 def _layer(layer: torch.nn.TransformerEncoderLayer, src: Any, given: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils.hooks import RemovableHandle
 
 from famp._autocast.recompute import calls, drop_abandoned_replays, in_block
-from famp._compat import remove_global_forward_hook, traced_module_hooks
+from famp._compat import pre_hooks, remove_global_forward_hook, traced_module_hooks
 
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
@@ -43,7 +43,7 @@ def keywords_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any = 
     module's fast path (`unreached.judge`); for any other module, it does nothing."""
     if kwargs is None:
         return
-    module.__dict__["_forward_pre_hooks_with_kwargs"].pop(_handles["keywords"].id, None)
+    pre_hooks(module)[1].pop(_handles["keywords"].id, None)
     stack = calls()
     if stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block()):
         from famp._autocast.unreached import judge  # unreached imports hooks
@@ -59,7 +59,7 @@ def ask_keywords(module: torch.nn.Module) -> None:
     has a hook, stays on."""
     handle = _handles.get("keywords")
     if handle is not None:
-        module.__dict__["_forward_pre_hooks_with_kwargs"][handle.id] = True
+        pre_hooks(module)[1][handle.id] = True
 
 
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:

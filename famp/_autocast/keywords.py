@@ -33,7 +33,7 @@ import torch
 from famp._autocast.mode import own_cast
 from famp._autocast.patterns import match
 from famp._autocast.recompute import calls, observe
-from famp._compat import add_pre_hook, remove_pre_hook
+from famp._compat import add_pre_hook, pre_hooks, remove_pre_hook
 
 
 def cast_keywords(
@@ -73,8 +73,7 @@ def _step_aside(record: Any, module: torch.nn.Module, declined: Any) -> None:
     """Take this hook out of `module`'s dicts till `declined` (its fast-path context) closes,
     then put it back if the root's hooks still hold it (a KeyboardInterrupt may have taken them
     off first: then it stays off)."""
-    own = module.__dict__["_forward_pre_hooks"]
-    with_kwargs = module.__dict__["_forward_pre_hooks_with_kwargs"]
+    own, with_kwargs = pre_hooks(module)
     keys = [key for key, hook in own.items() if hook is cast_keywords]
     for key in keys:
         del own[key]
