@@ -141,5 +141,5 @@ def test_a_compiled_call_of_a_module_adds_no_global_hook(fn: str) -> None:
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert_bitwise_equal(compiled(x), expected)
     eager, traced = probe.seen
-    assert eager == 2  # famp's pre-hook and forward hook
+    assert eager == 3  # famp's pre-hooks (the second: fast-path modules' keywords), forward hook
     assert traced == (0 if fn == "the module" else 2)
