@@ -40,9 +40,7 @@ def torchrun(
     Judge the job by the files the ranks write into `out`, not by the exit code alone: gloo's
     teardown sometimes aborts a process that has finished its work (torch's, not famp's).
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -142,6 +140,27 @@ def collect_ranks(procs: list[Any], results: Any, count: int, timeout: float) ->
     assert all(code in (0, -signal.SIGABRT) for code in codes), codes
     assert len(rows) == count, rows
     return rows
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago, for a rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_ranks(target: Any, world_size: int, args: Any, count: int, timeout: float) -> list[Any]:
+    """Run `target(*args(rank, port, results))` in `world_size` spawned processes and collect
+    their `count` rows (`collect_ranks`): `args` places the rank, a free port and the queue."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=args(r, port, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return collect_ranks(procs, results, count, timeout)
 
 
 def assert_trees_bitwise_equal(actual: object, expected: object, *, autograd: bool = False) -> None:

@@ -128,22 +128,10 @@ def test_fsdp2_dtensor_grads_give_one_plain_answer_on_every_rank_as_torch() -> N
     # Before 2026-12-01 all_finite returned a DTensor on DTensor leaves (torch 2.13:
     # Partial(product), so each rank read its own shard's answer; 2.14, 2.15: Replicate), and
     # select_tree with it raised "mixed torch.Tensor and DTensor".
-    import socket
-
-    import torch.multiprocessing as mp
-
-    from tests.helpers import collect_ranks
+    from tests.helpers import spawn_ranks
     from tests.scaling.all_finite_worker import CASES, worker
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = collect_ranks(procs, results, 2 * len(CASES), 240)
+    rows = spawn_ranks(worker, 2, lambda r, port, q: (r, 2, port, q), 2 * len(CASES), 240)
     assert sorted((row[0], row[1]) for row in rows) == sorted((c, r) for c in CASES for r in (0, 1))
     for case, rank, answers, torch_says, found_inf, scaler_found, chosen, stepped in rows:
         assert torch_says == (case == "finite"), (case, rank)

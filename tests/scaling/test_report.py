@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import math
-import socket
 from typing import Any
 
 import hypothesis
@@ -12,12 +11,11 @@ import hypothesis.strategies as st
 import optree
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import famp
 from famp._compat import torch_pytree
 from tests.conftest import compiled
-from tests.helpers import assert_bitwise_equal, collect_ranks
+from tests.helpers import assert_bitwise_equal, spawn_ranks
 from tests.scaling.report_worker import case_tree
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -266,25 +264,13 @@ def test_group_must_be_a_process_group() -> None:
 CASES = [0, 1, 2]  # 0, 1: non-finite values on rank (case % world size) only; 2: all finite
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(world_size: int) -> list[tuple[Any, ...]]:
     from tests.scaling.report_worker import worker
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, world_size, port, CASES, results))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    return collect_ranks(procs, results, (world_size + 2) * len(CASES) + world_size, 120)
+    count = (world_size + 2) * len(CASES) + world_size
+    return spawn_ranks(
+        worker, world_size, lambda r, port, q: (r, world_size, port, CASES, q), count, 120
+    )
 
 
 @pytest.mark.slow
@@ -409,13 +395,8 @@ def test_none_leaves_in_different_places_on_each_rank_keep_their_figures_by_path
     # filed under "a", and trees with different numbers of tensors aborted gloo.
     from tests.scaling.report_none_worker import worker
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = {(row[0], row[1]): row[2:] for row in collect_ranks(procs, results, 10, 150)}
+    reported = spawn_ranks(worker, 2, lambda r, port, q: (r, 2, port, q), 10, 150)
+    rows = {(row[0], row[1]): row[2:] for row in reported}
     absent = (-1, math.nan)
     for name in ("moved", "fsdp1", "moved compiled"):
         local = [rows[(name.split()[0], r)][1] for r in range(2)]  # each rank's own figures

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import math
-import socket
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers import collect_ranks
+from tests.helpers import spawn_ranks
 
 WORLD_SIZE = 2
 # (rank -> has an inf) cases, run in one pair of processes to pay the start-up once.
 CASES = [(False, True), (True, True), (False, False)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, results: Any) -> None:
@@ -114,13 +106,8 @@ def _dtensor_case(rank: int) -> tuple[float, float, bool, bool, bool, bool]:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_found_inf_is_max_reduced_across_gloo_ranks() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    rows = collect_ranks(procs, results, WORLD_SIZE * (len(CASES) + 1), 90)
+    count = WORLD_SIZE * (len(CASES) + 1)
+    rows = spawn_ranks(_worker, WORLD_SIZE, lambda r, port, q: (r, port, q), count, 90)
     dtensor_rows = [row for row in rows if row[0] == "dtensor"]
     rows = [row for row in rows if row[0] != "dtensor"]
     for rank, case, local, found, found_sub, dtype, shape, same_grads, w1 in rows:
