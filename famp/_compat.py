@@ -196,17 +196,17 @@ def modes_see_every_binding() -> bool:
         for value in list(vars(module).values())
         if isinstance(value, types.FunctionType)
     ]
-    methods = [
-        value for value in vars(torch.Tensor).values() if isinstance(value, types.FunctionType)
-    ]
-    called = {name for f in (*python, *methods) for name in f.__code__.co_names}
     for namespace in (getattr(torch._C, name) for name in _BINDINGS):
-        for name in dir(namespace):  # torch.* itself: public, or called by those (`_unique2`)
+        for name in dir(namespace):  # every aten op's binding, private ones too (_weight_norm)
             value = getattr(namespace, name)
-            if isinstance(value, types.BuiltinFunctionType) and (
-                not name.startswith("_")
-                or namespace is not torch._C._VariableFunctions
-                or name in called
+            if (
+                isinstance(value, types.BuiltinFunctionType)
+                and not name.startswith("__")
+                and (
+                    not name.startswith("_")
+                    or namespace is not torch._C._VariableFunctions
+                    or hasattr(torch.ops.aten, name)  # generated: modes see each call eagerly
+                )
             ):
                 functions.add(value)
     functions.update(f for f in python if _ASKS & set(f.__code__.co_names))

@@ -1462,6 +1462,13 @@ REACHED: dict[str, tuple[str, Callable[..., Any], Callable[..., torch.Tensor]]] 
         lambda h: (h, h * 2),
         lambda a, b: torch.einsum("bchw,bdhw->bcd", a, b),
     ),
+    # A private binding that torch's modules call (nn.utils.parametrizations.weight_norm), not
+    # torch's functions: missed compiled before 2026-12-01 (0.0039 off with nn.Linear).
+    "torch._weight_norm": (
+        "_weight_norm",
+        lambda h: (h, h.mean((1, 2, 3), keepdim=True)),
+        lambda v, g: torch._weight_norm(v, g, 0),
+    ),
 }
 
 
@@ -1493,6 +1500,30 @@ def test_an_override_reaches_the_op_compiled_as_eagerly(case: str, rule: str) ->
         assert_bitwise_equal(actual, expected)
         for g, e in zip(torch.autograd.grad(actual, (x, w)), e_grads, strict=True):
             assert_bitwise_equal(g, e)
+
+
+@pytest.mark.parametrize("rule", ["lower", "float32"])
+def test_an_override_of_a_private_op_called_directly_applies_compiled(rule: str) -> None:
+    # torch._addmm_activation (CPU table: lower; no derivative) outside every torch function:
+    # compiled, it ran as if not overridden before 2026-12-01.
+    bias, m1, m2 = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(2)).unbind()
+
+    def function(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+        return torch._addmm_activation(bias[0], m1, m2).float()
+
+    with torch.autocast("cpu", enabled=False):
+        dtype = BF16 if rule == "lower" else F32
+        expected = function(*(t.to(dtype) for t in (bias, m1, m2)))
+    rules = _cpu_rules({"_addmm_activation": rule})
+    f = famp.autocast(function, "c=bf16,o=f32", rules=rules, compile=False)
+    torch._dynamo.reset()
+    for actual in (
+        f(bias, m1, m2),
+        torch.compile(f, fullgraph=True, backend="aot_eager")(bias, m1, m2),
+    ):
+        assert_bitwise_equal(actual, expected)
+    if rule == "float32":  # the case that would show the default rule
+        assert not torch.equal(expected, function(*(t.to(BF16) for t in (bias, m1, m2))))
 
 
 REFLECTED = {  # torch's reflected operators, and an op each calls: Tensor.__rsub__ calls rsub
