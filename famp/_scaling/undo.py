@@ -1,22 +1,19 @@
 """A non-fused optimizer's step, undone where it was skipped, without reading `skip` on the host.
 
 `step_and_undo_if` copies what `optimizer.step()` may change, steps, and selects the copies back
-with `torch.where(skip, before, after)`, in place: the parameters, their `.grad` (some
-implementations write into it), every tensor of `optimizer.state`, and every tensor entry of each
-param group other than `'params'` (optimizers that keep counters there: timm's Lamb, apex
-FusedLAMB, several Lion and Adan ports), also tensors inside lists, tuples and dicts (SOAP and
-Shampoo ports keep per-parameter lists of preconditioner statistics, written in place). A group's
-tensors are copied in one multi-tensor clone. Every tensor a choice can restore is selected back,
-written or not: version counters miss writes (foreach ops on DTensors, FSDP2's state, leave the
-DTensor's as it was; so does a write through `.data`). What a tensor choice cannot restore
-(state created on a first step, Python numbers such as `SparseAdam`'s count or `group['step']
-+= 1`, keys added or removed, lists grown, sparse tensors written in place: SGD's momentum and
-sparse grads) is restored after one host read of `skip`, on the steps that changed it only.
+with `torch.where(skip, before, after)`, in place: the parameters, their `.grad` (some steps write
+into it), every tensor of `optimizer.state` and of each param group but `'params'` (timm's Lamb
+counts there), also inside lists, tuples and dicts (SOAP's per-parameter statistics). Every such
+tensor is selected back, written or not: version counters miss writes (foreach ops on DTensors, a
+write through `.data`), and inference tensors keep none. What a choice cannot restore (state
+created on a first step, Python numbers such as `SparseAdam`'s count, keys added, lists grown,
+sparse tensors written in place) is restored after one host read of `skip`, on the steps that
+changed it only.
 
 State outside the parameters' entries is undone alike: `optimizer.state` keys that are no
-parameter (MADGRAD's `state['k']`), the optimizer's own attributes (Ranger21's iteration count;
-torch's own, hooks and flags, are left as the step set them), and the random generators a step
-draws from (torch's default ones, the CPU's and the parameters' devices', and the attributes').
+parameter (MADGRAD's `state['k']`), the optimizer's own attributes (torch's own are left as the
+step set them), and the random generators (torch's default ones, the CPU's and the parameters'
+devices', and the attributes'), put back whichever thread drew from them during the step.
 """
 
 from __future__ import annotations
@@ -93,12 +90,9 @@ def _unflat(spec: Any, leaves: list[Any]) -> dict[Any, Any]:
 
 class _Entries:
     """A dict's entries (an optimizer state, or a param group but its `'params'`) as they were:
-    its tensors, also those inside lists, tuples and dicts, copied; its other values kept. Used
-    under `torch.no_grad()`.
-
-    A restore puts the same objects back, holding their old values: a scheduler or a user may hold
-    a group's tensor (a tensor `lr`), and a list appended in place is rebuilt as it was.
-    """
+    its tensors, also inside lists, tuples and dicts, copied (under `torch.no_grad()`); its other
+    values kept. A restore puts the same objects back with their old values: a scheduler or a user
+    may hold a group's tensor (a tensor `lr`), and a list appended in place is rebuilt as it was."""
 
     def __init__(
         self,
@@ -107,9 +101,8 @@ class _Entries:
         held: frozenset[int] = _NONE,
         generators: bool = False,
     ) -> None:
-        """`held`: ids of tensors the undo restores itself (parameters, grads), not copied here.
-        `generators`: random generators among the values are kept by their state too (a step
-        that draws from one advances it)."""
+        """`held`: ids of tensors the undo restores itself (parameters, grads), not copied here;
+        `generators`: random generators among the values kept by their state too (draws)."""
         self.leaves, self.spec = _flat(entries)
         leaves = enumerate(self.leaves)
         self.at = [i for i, v in leaves if isinstance(v, torch.Tensor) and id(v) not in held]
@@ -119,7 +112,9 @@ class _Entries:
             if isinstance(g, torch.Generator)
         ]
         self.tensors: list[Tensor] = [self.leaves[i] for i in self.at]
-        self.versions = [_compat.tensor_version(t) for t in self.tensors]
+        self.versions = [
+            None if t.is_inference() else _compat.tensor_version(t) for t in self.tensors
+        ]
         if tensors_at_once and self.tensors:  # one multi-tensor clone (dense, alike)
             self.copies = list(_compat.foreach_clone([t.detach() for t in self.tensors]))
         else:
@@ -149,7 +144,7 @@ class _Entries:
             elif _tensor_like(new, copy):  # never by version: see the module's docstring
                 where = new.detach() if new.requires_grad else new
                 torch.where(on(new.device), copy, new, out=where)
-            elif new is not old or _compat.tensor_version(new) != version:
+            elif new is not old or version is None or _compat.tensor_version(new) != version:
                 changed = True  # replaced, or written (that the version saw): not a tensor choice
         return changed
 
@@ -160,7 +155,7 @@ class _Entries:
                 t.detach().copy_(copy)
             elif t.layout != torch.strided:  # sparse (SGD's momentum, sparse grads): put back
                 t.copy_(copy)
-            elif _compat.tensor_version(t) != version:  # reshaped in place: put back
+            elif version is None or _compat.tensor_version(t) != version:  # reshaped: put back
                 t.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
         for g, state in self.generators:
             g.set_state(state.view(torch.uint8))
