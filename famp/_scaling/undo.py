@@ -7,8 +7,8 @@ counts there), also inside lists, tuples and dicts (SOAP's per-parameter statist
 tensor is selected back, written or not: version counters miss writes (foreach ops on DTensors, a
 write through `.data`), and inference tensors keep none. What a choice cannot restore (state
 created on a first step, Python numbers such as `SparseAdam`'s count, keys added, lists grown,
-sparse tensors written in place) is restored after one host read of `skip`, on the steps that
-changed it only.
+sparse tensors written in place, a `.grad` the step replaced or freed) is restored after one host
+read of `skip`, on the steps that changed it only.
 
 State outside the parameters' entries is undone alike: `optimizer.state` keys that are no
 parameter (MADGRAD's `state['k']`), the optimizer's own attributes (torch's own are left as the
@@ -277,6 +277,8 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
             new = p.detach()
             torch.where(on(new.device), old, new, out=new)
         untensorlike |= before_grads.select(dict(enumerate(grads)), on)
+        # a .grad the step replaced or freed (`p.grad = None`): put back after a host read
+        untensorlike |= any(p.grad is not g for p, g in zip(params, grads, strict=True))
         for s, olds in zip(states, before, strict=True):
             for p, old_state in zip(params, olds, strict=True):
                 new_state = s.get(p)
@@ -286,6 +288,8 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                     untensorlike |= old_state.select(new_state, on, held)
         if untensorlike and bool(skip):  # the one host sync, on a step that created state
             before_grads.restored()  # a sparse one written in place
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
             for group, old_group in zip(all_groups, groups, strict=True):
                 entries = old_group.restored()
                 for k in [k for k in group if k != "params" and k not in entries]:
