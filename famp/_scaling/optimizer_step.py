@@ -181,8 +181,14 @@ def optimizer_step(
     once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
     counts its steps in a Python int; `group['step'] += 1`; a key added to a param group; a
     list appended to, an attribute set, random numbers drawn; a state entry that is a
-    parameter's `.grad` itself). On CUDA, a non-capturable optimizer keeps `step` on the CPU,
-    and undoing it waits for the device (pass `capturable=True` or `fused=True` to avoid that).
+    parameter's `.grad` itself; a `.grad` the step replaced or freed, put back on a skip). On
+    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the
+    device (pass `capturable=True` or `fused=True` to avoid that). Known limits of stepping a
+    skipped step (non-fused, no step hook): a `step()` that raises on non-finite gradients
+    (`clip_grad_norm_(..., error_if_nonfinite=True)` inside it), or `capturable=True` on the CPU,
+    raises where `GradScaler` calls no `step()`; and a skipped step puts torch's default
+    generators back as they were, so what another thread drew from them during the step is
+    drawn again (and its draws cost a host sync). A step hook (a no-op one) avoids both.
     Fused `SGD` with momentum leaves its buffers uninitialized after a skipped first step; famp
     zeroes them, so the next step equals a first step (bit for bit with `dampening=0`). Update
     the scale afterwards: `famp.update_scale(state, found_inf)`.
@@ -252,14 +258,16 @@ def optimizer_step(
             )
         skip = (found_inf.reshape(()) != 0).float()  # the kernels skip on exactly 1.0 only
         grad_scale = _grad_scale(optimizer, state if scaled else None)
-        # Compiled, eagerly behind a graph break, as GradScaler.step runs (below): Dynamo may
-        # give up a frame at a graph break inside the step, which then ran without grad_scale.
+        # Compiled, eagerly behind a graph break (the fused kernel runs eagerly under a compiled
+        # GradScaler.step too): Dynamo may give up a frame at a graph break inside the step,
+        # which then ran without grad_scale.
         if torch.compiler.is_compiling():
             torch.compiler.disable(_fused_step)(optimizer, grad_scale, skip)  # type: ignore[no-untyped-call]
         else:
             _fused_step(optimizer, grad_scale, skip)
         return skip
-    if torch.compiler.is_compiling():  # eagerly, behind a graph break, as GradScaler.step runs
+    if torch.compiler.is_compiling():  # eagerly, behind a graph break: eager GradScaler's bits
+        # (compiled torch compiles the optimizer.step() that GradScaler.step calls: other bits)
         eager = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
         return cast(Tensor, eager(optimizer, state, found_inf, group, scaled))
     return _step(optimizer, state, found_inf, group, scaled)
