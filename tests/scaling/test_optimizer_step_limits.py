@@ -157,6 +157,40 @@ def test_a_step_hook_lets_a_step_that_raises_on_overflow_equal_gradscaler() -> N
         assert_optimizer_states_equal(famp_opt, opt)
 
 
+def _capturable_run(famp_side: bool, hooked: bool) -> int:
+    """The step at which a CPU Adam with `capturable=True` raises, its first step skipped."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True, foreach=False)
+    if hooked:
+        opt.register_step_post_hook(_no_op_hook)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = famp.init_scaler(2.0**10)
+    for step, bad in enumerate([math.inf, None]):
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        (famp.scale(state, loss) if famp_side else scaler.scale(loss)).backward()
+        inject(model, bad)
+        try:
+            if famp_side:
+                state = famp.update_scale(state, famp.optimizer_step(opt, state))
+            else:
+                scaler.step(opt)
+                scaler.update()
+        except AssertionError as e:  # torch's check of capturable's devices
+            if "capturable=True" not in str(e):
+                raise
+            return step
+    raise AssertionError("no step raised")
+
+
+def test_a_step_hook_makes_a_capturable_cpu_optimizer_raise_where_gradscaler_does() -> None:
+    # GradScaler first calls step() on the second step, which raises; famp steps the skipped
+    # first one too, unless a step hook is registered.
+    assert _capturable_run(famp_side=False, hooked=False) == 1
+    assert _capturable_run(famp_side=True, hooked=False) == 0
+    assert _capturable_run(famp_side=True, hooked=True) == 1
+
+
 def _draws_during_skipped_steps(step: Callable[[torch.optim.Optimizer], None]) -> list[int]:
     """What a thread draws from torch's default CPU generator while `step` runs skipped steps."""
     torch.manual_seed(0)
