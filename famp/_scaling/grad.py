@@ -51,7 +51,8 @@ def eager_grad(
     active, in inference mode, for an `argnums` out of range or repeated, for arguments with no
     tensor, and when a differentiated leaf is not a floating tensor or already requires grad:
     `torch.func.grad` then gives its own results or errors. Runs `fn` once in every other
-    case. The pytree is torch's, as `torch.func.grad` flattens the arguments and the aux with
+    case, and leaves grad mode as it found it, however `fn` leaves it, as `torch.func.grad`
+    does. The pytree is torch's, as `torch.func.grad` flattens the arguments and the aux with
     it.
     """
     if (
@@ -79,11 +80,14 @@ def eager_grad(
     inputs = rebuild(fresh)
     for i, value in zip(picked, (inputs,) if isinstance(argnums, int) else inputs, strict=True):
         new_args[i] = value
-    if torch.is_grad_enabled():  # the usual case: no context manager to enter and leave
+    enabled = torch.is_grad_enabled()
+    if not enabled:
+        torch.set_grad_enabled(True)
+    try:
         grads, aux, owned, outer = _differentiated(fn, new_args, kwargs, fresh)
-    else:
-        with torch.enable_grad():
-            grads, aux, owned, outer = _differentiated(fn, new_args, kwargs, fresh)
+    finally:  # grad mode as it was, however fn left it (as torch.func.grad restores it)
+        if torch.is_grad_enabled() is not enabled:
+            torch.set_grad_enabled(enabled)
     if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
         aux = _detached(aux)
     return grads, rebuild, aux, owned

@@ -416,3 +416,33 @@ def test_a_reentrant_checkpoint_without_grad_inputs_warns_as_torch_does() -> Non
         _, grads, _, _ = famp.value_and_grad(_checkpointed_loss(True))(state, p, x)
     assert torch.count_nonzero(grads["a"]) == 0
     assert torch.count_nonzero(grads["b"]) > 0
+
+
+@pytest.mark.parametrize("outside", [True, False])
+@pytest.mark.parametrize("inside", [True, False])
+def test_grad_mode_after_the_call_is_torch_func_grads_whatever_the_loss_leaves(
+    outside: bool, inside: bool
+) -> None:
+    # A loss that switches grad mode and returns (a metrics helper that forgets to switch back):
+    # torch.func.grad restores the mode the call found. Before 2026-12-01 the eager path left
+    # it off after a loss that switched it off.
+    state, v = famp.init_scaler(2.0**10), torch.randn(4)
+
+    def loss_fn(p: torch.Tensor) -> torch.Tensor:
+        loss = (p.sin() * p).sum()
+        torch.set_grad_enabled(inside)
+        return loss
+
+    try:
+        torch.set_grad_enabled(outside)
+        e_value, e_grads, e_found = oracle(loss_fn, state, 0, False, v)
+        expected_mode = torch.is_grad_enabled()
+        torch.set_grad_enabled(outside)
+        value, grads, found_inf, _ = famp.value_and_grad(loss_fn)(state, v)
+        mode = torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+    assert mode == expected_mode == outside
+    assert_bitwise_equal(value, e_value)
+    assert_bitwise_equal(grads, e_grads)
+    assert_bitwise_equal(found_inf, e_found)
