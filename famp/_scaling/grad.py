@@ -40,6 +40,7 @@ def eager_grad(
     argnums: int | tuple[int, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    saved: Tensor,
 ) -> tuple[list[Tensor], Callable[[list[Any]], Any], Any, list[bool]] | None:
     """`torch.func.grad(fn, argnums, has_aux=True)(*args, **kwargs)`, or `None` where it must run.
 
@@ -49,16 +50,19 @@ def eager_grad(
 
     `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
     active, in inference mode, for an `argnums` out of range or repeated, for arguments with no
-    tensor, and when a differentiated leaf is not a floating tensor or already requires grad:
-    `torch.func.grad` then gives its own results or errors. Runs `fn` once in every other
-    case, and leaves grad mode as it found it, however `fn` leaves it, as `torch.func.grad`
-    does. The pytree is torch's, as `torch.func.grad` flattens the arguments and the aux with
-    it.
+    tensor, when a differentiated leaf is not a floating tensor or already requires grad, and
+    when `saved` (a tensor `fn` saves for backward: the scale), an argument or a keyword
+    argument is an inference tensor (one made under `torch.inference_mode`, which plain
+    autograd cannot differentiate or save; `torch.func.grad` can): `torch.func.grad` then
+    gives its own results or errors. Runs `fn` once in every other case, and leaves grad mode
+    as it found it, however `fn` leaves it, as `torch.func.grad` does. The pytree is torch's,
+    as `torch.func.grad` flattens the arguments and the aux with it.
     """
     if (
         torch.compiler.is_compiling()
         or functorch_transforms_active()
         or torch.is_inference_mode_enabled()
+        or saved.is_inference()
     ):
         return None
     picked = (argnums,) if isinstance(argnums, int) else argnums
@@ -75,7 +79,12 @@ def eager_grad(
         for x in leaves
     ):
         return None
-    fresh = [x.detach().requires_grad_() for x in leaves]
+    if _holds_inference(args, picked, kwargs):
+        return None
+    try:
+        fresh = [x.detach().requires_grad_() for x in leaves]
+    except RuntimeError:  # an inference tensor (checked only here, where it costs nothing)
+        return None
     new_args = list(args)
     inputs = rebuild(fresh)
     for i, value in zip(picked, (inputs,) if isinstance(argnums, int) else inputs, strict=True):
@@ -85,12 +94,49 @@ def eager_grad(
         torch.set_grad_enabled(True)
     try:
         grads, aux, owned, outer = _differentiated(fn, new_args, kwargs, fresh)
+    except RuntimeError as error:
+        if "Inference tensors cannot be saved for backward" in str(error):
+            raise RuntimeError(_INFERENCE_MESSAGE) from error
+        raise
     finally:  # grad mode as it was, however fn left it (as torch.func.grad restores it)
         if torch.is_grad_enabled() is not enabled:
             torch.set_grad_enabled(enabled)
     if not outer:  # nothing outside asked for a graph: drop the one built for the fresh leaves
         aux = _detached(aux)
     return grads, rebuild, aux, owned
+
+
+_INFERENCE_MESSAGE = (
+    "famp.value_and_grad differentiates eagerly with plain autograd, which cannot save for "
+    "backward a tensor made under torch.inference_mode that the loss function reads from "
+    "outside its arguments (torch.func.grad can): clone it outside inference mode "
+    "(`t.clone()`), or pass it as an argument, which makes famp use torch.func.grad"
+)
+
+
+def _holds_inference(
+    args: tuple[Any, ...], picked: tuple[int, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether an argument not differentiated, or a keyword argument, holds an inference tensor.
+
+    Plain autograd refuses to save one for backward, where `torch.func.grad` saves it: such a
+    call takes `torch.func.grad`. Objects that are not tensors or plain containers (a module,
+    say) are not walked.
+    """
+    n = len(args)
+    for i, value in enumerate((*args, *kwargs.values())):
+        if i < n and (i in picked or i - n in picked):
+            continue
+        if type(value) is torch.Tensor:  # the usual case, without a list
+            if value.is_inference():
+                return True
+            continue
+        tensors: list[Any] = []
+        if not _gather(value, tensors):
+            tensors = torch_pytree.tree_leaves(value)
+        if any(isinstance(t, torch.Tensor) and t.is_inference() for t in tensors):
+            return True
+    return False
 
 
 def _differentiated(

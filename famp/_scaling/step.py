@@ -55,8 +55,9 @@ def value_and_grad(
     `fn` returned it, never scaled. The gradients are returned even after an overflow (they then
     hold inf or NaN): skip the update with `famp.skip_on_overflow`. Composes with
     `torch.compile(fullgraph=True)` and `torch.func.vmap`. Eagerly, outside transforms, with
-    arguments that do not require grad (`p.detach()`), the gradients come from plain autograd,
-    and those that share memory with no other tensor are unscaled in place, at
+    arguments that do not require grad (`p.detach()`) and are not inference tensors, the
+    gradients come from plain autograd (`torch.func.grad`'s values; see the loss-scaling
+    guide), and those that share memory with no other tensor are unscaled in place, at
     `GradScaler.unscale_`'s speed. Compiled on the CPU, inductor unscales big ones (128 MiB of
     float32 or float64) in place too, where nothing else reads them.
 
@@ -140,7 +141,8 @@ def value_and_grad(
                 f"the first argument must be a famp.ScalerState, got {type(state).__name__}"
             )
         loss_fn = functools.partial(scaled_loss, state)
-        result = eager_grad(loss_fn, argnums, args, kwargs)  # torch.func.grad's, faster eagerly
+        # torch.func.grad's, faster eagerly
+        result = eager_grad(loss_fn, argnums, args, kwargs, state.scale)
         if result is None:
             grads, (loss, aux) = torch.func.grad(loss_fn, argnums=argnums, has_aux=True)(
                 *args, **kwargs

@@ -446,3 +446,68 @@ def test_grad_mode_after_the_call_is_torch_func_grads_whatever_the_loss_leaves(
     assert_bitwise_equal(value, e_value)
     assert_bitwise_equal(grads, e_grads)
     assert_bitwise_equal(found_inf, e_found)
+
+
+@pytest.mark.parametrize("made_in_inference_mode", ["params", "x", "x as keyword", "state"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_inference_tensors_get_torch_func_grads_and_gradscalers_results(
+    made_in_inference_mode: str, overflow: bool
+) -> None:
+    # Plain autograd cannot differentiate an inference tensor or save one for backward, where
+    # torch.func.grad can: such calls take torch.func.grad. Before 2026-12-01 eager famp raised
+    # ("Setting requires_grad=True on inference tensor outside InferenceMode", "Inference
+    # tensors cannot be saved for backward").
+    model = cnn()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(6, 1, 8, 8)
+    if overflow:
+        x.view(-1)[7] = torch.inf
+    y = torch.randint(0, 10, (6,))
+    state = famp.init_scaler(2.0**16)
+    args: dict[str, Any] = {"params": params, "x": x, "state": state}
+    key = made_in_inference_mode.split()[0]
+    with torch.inference_mode():
+        args[key] = optree.tree_map(torch.clone, args[key])
+    assert all(t.is_inference() for t in optree.tree_leaves(args[key]))
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+    step = famp.value_and_grad(loss_fn)
+    if made_in_inference_mode == "x as keyword":
+        value, grads, found_inf, new_state = step(args["state"], args["params"], x=args["x"], y=y)
+    else:
+        value, grads, found_inf, new_state = step(args["state"], args["params"], args["x"], y)
+    e_value, e_grads, e_found = oracle(loss_fn, state, 0, False, params, x, y)
+    assert_bitwise_equal(value, e_value)
+    assert_trees_bitwise_equal(grads, e_grads)
+    assert_bitwise_equal(found_inf, e_found)
+    assert found_inf.item() == float(overflow)
+    assert_bitwise_equal(new_state.scale, famp.update_scale(state, e_found).scale)
+    # And GradScaler's unscale of the module's .grad, after scaler.scale(loss).backward().
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(loss_fn(dict(model.named_parameters()), x, y)).backward()
+    scaler.unscale_(opt)
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        assert_bitwise_equal(grads[name], param.grad)
+    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
+
+
+def test_an_inference_tensor_read_from_a_closure_is_refused_with_the_way_out() -> None:
+    # Where fn reads it from outside its arguments, famp cannot see it before plain autograd
+    # refuses to save it (torch.func.grad saves it): famp's error names the workaround.
+    with torch.inference_mode():
+        frozen = torch.randn(4, 4)
+    state, w = famp.init_scaler(2.0**8), torch.randn(4, 4)
+
+    def loss_fn(w: torch.Tensor) -> torch.Tensor:
+        return (w @ frozen).sin().sum()
+
+    oracle(loss_fn, state, 0, False, w)  # torch.func.grad differentiates it
+    with pytest.raises(RuntimeError, match=r"pass it as an argument") as caught:
+        famp.value_and_grad(loss_fn)(state, w)
+    assert "Inference tensors cannot be saved for backward" in str(caught.value.__cause__)
+    frozen_arg = famp.value_and_grad(lambda w, f: (w @ f).sin().sum())(state, w, frozen)
+    assert_bitwise_equal(frozen_arg[1], oracle(loss_fn, state, 0, False, w)[1])
