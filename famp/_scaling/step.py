@@ -59,7 +59,9 @@ def value_and_grad(
     gradients come from plain autograd (`torch.func.grad`'s values; see the loss-scaling
     guide), and those that share memory with no other tensor are unscaled in place, at
     `GradScaler.unscale_`'s speed. Compiled on the CPU, inductor unscales big ones (128 MiB of
-    float32 or float64) in place too, where nothing else reads them.
+    float32 or float64) in place too, where nothing else reads them. Compiled on torch before
+    2.15, a custom `torch.autograd.Function`'s `backward` is dropped silently (torch's bug,
+    pytorch/pytorch#193279; see the loss-scaling guide); eagerly it runs.
 
     Args:
         fn: The loss function. Returns a floating tensor with one element (any shape: `()`,

@@ -511,3 +511,47 @@ def test_an_inference_tensor_read_from_a_closure_is_refused_with_the_way_out() -
     assert "Inference tensors cannot be saved for backward" in str(caught.value.__cause__)
     frozen_arg = famp.value_and_grad(lambda w, f: (w @ f).sin().sum())(state, w, frozen)
     assert_bitwise_equal(frozen_arg[1], oracle(loss_fn, state, 0, False, w)[1])
+
+
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: `round` forward, the identity backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+# Dynamo's own tracing of torch.func.grad over an autograd.Function instantiates the Function
+# (seen with torch 2.13), which torch deprecates.
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be")
+def test_a_custom_backward_is_honoured_eagerly_and_compiled_as_torch_func_grad_compiled() -> None:
+    # A known limit of torch (docs/loss-scaling.md, pytorch/pytorch#193279): compiled,
+    # torch.func.grad drops an autograd.Function's custom backward before torch 2.15 and
+    # differentiates its forward (round: zeros), silently. famp compiled differentiates with
+    # torch.func.grad, so it gives what torch gives; eagerly, plain autograd's (the backward).
+    weights = torch.tensor([1.0, 2.0, 3.0])
+
+    def loss_fn(w: torch.Tensor) -> torch.Tensor:
+        return (_RoundSTE.apply(w) * weights).sum()
+
+    state, w = famp.init_scaler(2.0**10), torch.tensor([0.3, 1.7, -2.2])
+    _, grads, _, _ = famp.value_and_grad(loss_fn)(state, w)
+    assert_bitwise_equal(grads, oracle(loss_fn, state, 0, False, w)[1])
+    assert_bitwise_equal(grads, weights)
+    torch._dynamo.reset()
+    step = torch.compile(famp.value_and_grad(loss_fn), backend="aot_eager", fullgraph=True)
+    compiled = step(state, w)[1]
+    torch._dynamo.reset()
+    by_torch = torch.compile(torch.func.grad(loss_fn), backend="aot_eager", fullgraph=True)(w)
+    torch._dynamo.reset()
+    assert_bitwise_equal(compiled, by_torch)
+    expected = weights if torch.__version__ >= "2.15" else torch.zeros(3)
+    assert_bitwise_equal(compiled, expected)
