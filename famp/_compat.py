@@ -97,10 +97,8 @@ def traced_module_hooks(pre: Callable[..., Any] | None, post: Callable[..., Any]
 
 
 def remove_global_forward_hook(handle: Any) -> None:
-    """Remove a hook of `register_module_forward_hook(..., with_kwargs=True)`: on torch 2.13-2.15
-    its handle leaves the hook's id in a private dict of such hooks, which would then grow by one
-    entry per famp call with module rules, and make `torch.compile(module)` warn of global hooks
-    ever after (`_has_any_global_hook`)."""
+    """Remove a hook of `register_module_forward_hook(..., with_kwargs=True)` and its id, which
+    torch 2.13-2.15 leaves in a private dict (`torch.compile(module)` warned ever after)."""
     import torch.nn.modules.module as torch_module
 
     handle.remove()
@@ -413,12 +411,8 @@ _keyword_hook_keys = itertools.count(0xFA500000)  # eagerly, negated: never a ha
 
 def add_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> tuple[Any, ...]:
     """Give `module` the forward pre-hook `hook`, with keyword inputs and first among its own, in
-    its hook dicts (private); `remove_pre_hook(*returned)` takes it off. Eagerly in the dicts
-    themselves: a hook handle costs about 7 µs made and removed, this 0.4. While Dynamo traces
-    (no handle, no change of a module's hook dicts in place) copies holding it take their place
-    (plain `dict`s, which Dynamo builds faster than `OrderedDict`s; torch only iterates them);
-    the dicts read through the module's `__dict__` come back themselves after the graph (read
-    as attributes, torch 2.13 rebuilt them as plain `dict`s, which take no handle)."""
+    its hook dicts (private; a handle costs 7 µs, this 0.4); `remove_pre_hook(*returned)` takes it
+    off. While Dynamo traces (no handle, no change in place) plain `dict` copies holding it."""
     own, with_kwargs = pre_hooks(module)
     if torch.compiler.is_compiling():  # set in `__dict__`: Dynamo traces no `Module.__setattr__`
         module.__dict__["_forward_pre_hooks"] = {_KEYWORDS_HOOK_KEY: hook, **own}
@@ -444,9 +438,16 @@ def remove_pre_hook(module: torch.nn.Module, own: Any, with_kwargs: Any, key: An
         with_kwargs.pop(key, None)
 
 
+def keywords_pre_hook(hook: Callable[..., Any] | None) -> int:
+    """Put `hook` among torch's global pre-hooks at a key that stays (None: take it off); the key:
+    a handle's id, new each call, made a compiled graph that reads it recompile at each call."""
+    table = sys.modules["torch.nn.modules.module"]._global_forward_pre_hooks
+    table.pop(-0xFA4C, None) if hook is None else table.update({-0xFA4C: hook})
+    return -0xFA4C
+
+
 def pre_hooks(module: torch.nn.Module) -> tuple[Any, Any]:
-    """A module's own forward pre-hooks and the keys torch calls with keyword inputs (private
-    dicts; a global pre-hook whose key is in the second gets them too: `hooks.ask_keywords`)."""
+    """A module's own forward pre-hooks and the keys given keyword inputs (global ones' too)."""
     return module.__dict__["_forward_pre_hooks"], module.__dict__["_forward_pre_hooks_with_kwargs"]
 
 

@@ -36,6 +36,8 @@ from famp._autocast.unreached import UNREACHED, decline, may_enter, switched
 from famp._autocast.weights import WeightCasts, dtype_switched, replay_starts, unwatched
 from famp._compat import forward_hooks, is_compiled_module
 
+SCRIPTED = torch.jit.ScriptModule  # refuses Python hooks of its own: its keyword inputs as given
+
 
 class CallRecord:
     """What one call of a transformed function knows: its policy, rules, module scopes, cache."""
@@ -71,13 +73,11 @@ class CallRecord:
         self.late: list[torch.nn.Module] = []  # matched modules left from their last hook
         self.late_hooks: list[Any] = []  # traced: their own hook dicts (raised.leave_last)
         self.raised: list[torch.nn.Module] = []  # traced: matched modules that raised, caught
-        # Keyword inputs (keywords.py): the modules rules match below the current root; the hooks
-        # given them while a root runs; the module whose scope famp's pre-hook entered last.
+        # Keyword inputs (keywords.py): the modules rules match below the current root; traced,
+        # the hooks given them while a root runs; the module whose scope famp entered last.
         self.root_matched: list[torch.nn.Module] = []
         self.root_hooks: list[Any] = []
-        self.keyword_hooks: list[Any] = []  # a recomputation's, for `replay_matched`
         self.entering: torch.nn.Module | None = None
-        self.replay_matched: list[torch.nn.Module] = []  # a recomputation's, given as it starts
         self.paths: list[str] = []  # the module paths of the roots entered (eagerly)
         # Per module entered: the context that leaves it to torch's fast path, or None; and every
         # such context opened (closed by the call's region at the latest: a KeyboardInterrupt).
@@ -97,7 +97,7 @@ class CallRecord:
     def frozen(self) -> Callable[[], CallRecord]:
         """A factory of this call's record as it is now, with a fresh cast cache."""
         args = (self.transform, self.device_type, self.module_policy, tuple(self.scopes), self.held)
-        return partial(CallRecord.replayed, *args, self.root_matched)
+        return partial(CallRecord.replayed, *args)
 
     @staticmethod
     def replayed(
@@ -106,13 +106,12 @@ class CallRecord:
         module_policy: dict[int, Policy | None],
         scopes: tuple[tuple[bool, torch.dtype] | None, ...],
         held: list[torch.nn.Module],
-        matched: list[torch.nn.Module],
     ) -> CallRecord:
         record = CallRecord(transform, device_type)
         record.group = replay_starts()  # the records below this replay's, in `calls()`
         record.track = True  # a recomputation runs eagerly, in backward
         record.module_policy, record.held = module_policy, held  # the ids' modules kept alive
-        record.scopes, record.replay_matched = list(scopes), matched
+        record.scopes = list(scopes)
         record.hooked = bool(record.patterns) or record.intercepts
         return record
 
@@ -127,11 +126,9 @@ class CallRecord:
             self.hooked = self.tree is None
         if self.hooked:
             hooks.use(change, post=bool(self.patterns), eager=eager)
-        if change > 0 and self.replay_matched:
-            self.keyword_hooks = keywords.add(self.replay_matched)
-        elif change < 0 and (self.keyword_hooks or self.root_hooks):
-            keywords.remove(self.keyword_hooks + self.root_hooks)  # a root's: if it never left
-            self.keyword_hooks, self.root_hooks = [], []
+        if change < 0 and self.root_hooks:  # traced, a root's: if it never left
+            keywords.remove(self.root_hooks)
+            self.root_hooks = []
         if change < 0 and self.tree is not None:
             unhook_tree(self.tree)
 
@@ -151,7 +148,8 @@ class CallRecord:
             observe(self, args)
         if not self.scopes:  # `module` is a root: its paths start here, each time it is one
             self.enter_root(module)
-            self.root_hooks.extend(keywords.add(self.root_matched))  # off at its exit
+            if torch.compiler.is_compiling():  # traced: keyword hooks of their own, off at its exit
+                self.root_hooks.extend(keywords.add(self.root_matched))
         policy = self.module_policy.get(id(module))
         outer = self.scopes[-1] if self.scopes else None
         self.entering = None
@@ -170,7 +168,9 @@ class CallRecord:
         # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
         if module.__dict__.get("inplace") is not True:
             args = own_cast(policy.cast_to_compute, args)
-        self.entering = module  # its keyword inputs: seen (and cast) by its own pre-hook, next
+        self.entering = module  # its keyword inputs: cast by famp's next hook (keywords.py)
+        if len(self.scopes) > 1 and not self.root_hooks and not isinstance(module, SCRIPTED):
+            hooks.ask_keywords(module)  # no root (its call had begun), nor one traced hooks reach
         self.declined.append(decline(self, module, args, inner) if self.track else None)
         if forward_hooks(module):  # the module's own forward hooks run in its scope: leave last
             self._leave_last(module)

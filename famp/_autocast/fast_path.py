@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from famp._autocast.recompute import calls
 from famp._compat import forward_hooks, no_torch_function, pre_hooks
 
 _DEVICES = ("cpu", "cuda", "xpu")
@@ -119,10 +120,18 @@ def _layer_tensors(layer: torch.nn.TransformerEncoderLayer) -> tuple[Any, ...]:
 
 def _hooked(layer: torch.nn.Module) -> bool:
     """Whether a module of `layer`'s tree has a forward (pre-)hook, the layer's own pre-hooks
-    aside: they run after famp's judgment and before the layer's `forward` looks (famp's keyword
-    pre-hook takes itself out there, keywords.py; one of the user's may too). A layer whose own
-    pre-hook stays is left to torch as one taking its fast path (a known limit)."""
-    return any(forward_hooks(m) or (m is not layer and pre_hooks(m)[0]) for m in layer.modules())
+    aside: they run after famp's judgment and before the layer's `forward` looks (one of the
+    user's may take itself out there). A layer whose own pre-hook stays is left to torch as one
+    taking its fast path (a known limit). A module inside it that a famp call's module rule
+    matches counts as hooked (its rule applies on the composite path only)."""
+    return any(
+        forward_hooks(m) or (m is not layer and (pre_hooks(m)[0] or _ruled(m)))
+        for m in layer.modules()
+    )
+
+
+def _ruled(module: torch.nn.Module) -> bool:
+    return any(r.scopes and r.module_policy.get(id(module)) is not None for r in calls())
 
 
 def _layer(layer: torch.nn.TransformerEncoderLayer, src: Any, given: dict[str, Any]) -> bool:

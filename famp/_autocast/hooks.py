@@ -6,8 +6,10 @@ their scopes there, and such modules run as `unreached.decline` says
 (`CallRecord.enter_module`). A forward hook, which module rules need to leave their scopes, is
 present only while a call with module rules runs: any global hook sends every module call through
 torch's slower hook path, and each one costs it more. All are registered with torch's public
-functions. Dynamo cannot trace the creation of their handles: while tracing they go through
-famp._compat (their additions and removals cancel out in a graph). A compiled call of a module
+functions, but the second pre-hook (keyword inputs: `keywords_hook`), set at a key that stays
+from call to call (`famp._compat.keywords_pre_hook`), which a compiled graph may read. Dynamo
+cannot trace the creation of their handles: while tracing they go through famp._compat (their
+additions and removals cancel out in a graph). A compiled call of a module
 with module rules needs none: its matched modules get hooks of their own (`tree_hooks.py`).
 """
 
@@ -21,12 +23,19 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from famp._autocast.keywords import cast_keywords
 from famp._autocast.recompute import calls, drop_abandoned_replays, in_block
-from famp._compat import pre_hooks, remove_global_forward_hook, traced_module_hooks
+from famp._compat import (
+    keywords_pre_hook,
+    pre_hooks,
+    remove_global_forward_hook,
+    traced_module_hooks,
+)
 
 _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook (all threads)
 _HOOK_LOCK = threading.Lock()
 _handles: dict[str, RemovableHandle] = {}
+_keys: dict[str, int] = {}  # "keywords": `keywords_hook`'s key while set (the same each call)
 
 
 def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
@@ -37,29 +46,35 @@ def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     return None
 
 
-def keywords_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any = None) -> None:
+def keywords_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any = None) -> Any:
     """The second global pre-hook: torch calls it with the keyword inputs of a module `pre_hook`
-    has just asked them for (`ask_keywords`), and then famp judges whether torch takes the
-    module's fast path (`unreached.judge`); for any other module, it does nothing."""
+    has just asked them for (`ask_keywords`); then famp judges whether torch takes a fast-path
+    module's fast path (`unreached.judge`), and casts a matched module's keyword inputs
+    (`keywords.cast_keywords`). Another thread's call of the module (famp's call not in it)
+    leaves the key to the call that asked."""
     if kwargs is None:
-        return
-    pre_hooks(module)[1].pop(_handles["keywords"].id, None)
+        return None
     stack = calls()
-    if stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block()):
-        from famp._autocast.unreached import judge  # unreached imports hooks
+    if not (stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block())):
+        return None
+    pre_hooks(module)[1].pop(_keys["keywords"], None)
+    from famp._autocast.unreached import FAST_PATH_MODULES, judge  # unreached imports hooks
 
+    if isinstance(module, FAST_PATH_MODULES):
         judge(record, module, args, kwargs)
+    return cast_keywords(module, args, kwargs)
 
 
 def ask_keywords(module: torch.nn.Module) -> None:
-    """From `pre_hook`: have torch call `keywords_hook`, which runs next, with `module`'s keyword
-    inputs. torch tests at each global pre-hook whether the module's own (private) dict of
-    pre-hooks called with keyword inputs holds its key; the key is out again as it runs. The
+    """From `pre_hook` (a matched or fast-path module): have torch call `keywords_hook`, which
+    runs next, with `module`'s keyword inputs. torch tests at each global pre-hook whether the
+    module's own (private) dict of pre-hooks called with keyword inputs holds its key; the key is
+    out again as it runs, so a copy of the module made later (`copy.deepcopy`) has none. The
     dict is no hook: `nn.TransformerEncoderLayer`'s fast path, off where a module of its tree
     has a hook, stays on."""
-    handle = _handles.get("keywords")
-    if handle is not None:
-        pre_hooks(module)[1][handle.id] = True
+    key = _keys.get("keywords")
+    if key is not None:
+        pre_hooks(module)[1][key] = True
 
 
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
@@ -118,11 +133,12 @@ def _count(change: int, post: bool, eager: bool) -> None:
                 else register_module_forward_hook(post_hook, always_call=True, with_kwargs=True)
             )
             if kind == "pre":  # right after it, so that torch calls it next
-                _handles["keywords"] = register_module_forward_pre_hook(keywords_hook)
+                _keys["keywords"] = keywords_pre_hook(keywords_hook)  # after `pre_hook`
         elif change < 0 and _users[kind] == 0:
             remove_global_forward_hook(_handles.pop(kind))  # the post-hook's: with kwargs
             if kind == "pre":
-                _handles.pop("keywords").remove()
+                keywords_pre_hook(None)
+                del _keys["keywords"]
 
 
 def use(change: int, post: bool, eager: bool = False) -> None:

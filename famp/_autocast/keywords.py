@@ -1,27 +1,27 @@
 """Keyword inputs of the modules module rules match: cast as their positional inputs are.
 
 torch gives a global forward pre-hook, through which famp enters a matched module's scope and
-casts its positional inputs (`CallRecord.enter_module`), no keyword inputs. So each time a call
-enters a root, famp gives every module a rule matches below it a forward pre-hook of its own,
-with keyword inputs and first among its hooks (as `register_forward_pre_hook(with_kwargs=True,
-prepend=True)` would, for less: `famp._compat.add_pre_hook`), and takes them off when the root
-is left; a checkpointed block's recomputation gives them to the matched modules of the root it
-ran in while it runs. torch runs such a hook right after the global ones, so its module's own
-pre-hooks see the cast keyword inputs as they see the cast positional ones. The hook casts only
-where famp's global pre-hook has just entered that module's scope on this thread
-(`CallRecord.entering`): another thread's call of the module, or one outside famp's call, is
-left alone.
+casts its positional inputs (`CallRecord.enter_module`), no keyword inputs, unless the module's
+own (private) dict of pre-hooks called with keyword inputs holds that global hook's key. So
+eagerly famp's global pre-hook puts the key of its second global pre-hook there as it enters a
+matched module (`hooks.ask_keywords`), and that hook, which torch calls next, takes the key out
+and casts the keyword inputs (`cast_keywords`), before the module's own pre-hooks, which see them
+cast as they see the positional ones. Nothing of famp's stays in the module's dicts: a copy of
+the module made while the call runs (`copy.deepcopy` in a `forward`) has none of famp's hooks.
+Before 2026-12-01 famp gave the matched modules below a root pre-hooks of their own while the
+root ran, and such a copy kept one for ever (not scriptable, off `nn.TransformerEncoderLayer`'s
+inference fast path). While Dynamo traces a call without famp's eager global hooks, each time the
+call enters a root famp gives every module a rule matches below it a pre-hook of its own in
+copies of its hook dicts (with keyword inputs, first among its hooks: `famp._compat.add_pre_hook`),
+whose own dicts are back when the root is left. The cast applies only where famp's global pre-hook
+has just entered that module's scope on this thread (`CallRecord.entering`): another thread's
+call of the module, or one outside famp's call, is left alone.
 
 A root's own keyword inputs are out of a hook's reach: its call has begun when famp finds it.
 `famp.autocast(module, ...)` casts them itself (`of_root`); a root entered otherwise (by
 `torch.func.functional_call`, or a function calling a module) keeps them as given, and eagerly
 famp warns (`patterns.warn_uncast_keywords`), as for a TorchScript module, which refuses
 Python hooks of its own.
-
-`nn.TransformerEncoderLayer` takes no inference fast path while a module of its tree has a hook:
-where famp leaves such a layer to that path (`unreached.decline`), its keyword pre-hook takes
-itself out of the layer's dicts once it has run, before the layer's `forward` looks, and is put
-back as the layer is left, for its next call in the root.
 """
 
 from __future__ import annotations
@@ -33,26 +33,23 @@ import torch
 from famp._autocast.mode import own_cast
 from famp._autocast.patterns import match
 from famp._autocast.recompute import calls, observe
-from famp._compat import add_pre_hook, pre_hooks, remove_pre_hook
+from famp._compat import add_pre_hook, remove_pre_hook
 
 
 def cast_keywords(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The pre-hook: `module`'s keyword inputs cast to its rule's compute dtype, if this thread's
-    innermost famp call has just entered its scope (and it does not write into its input);
-    eagerly, first seen in the scope around it, as `CallRecord.enter_module` sees the positional
-    ones (a reentrant checkpoint's output among them is recomputed there).
-    Without `kwargs`, torch calls a hook taken off since the module's call began (famp's global
-    pre-hook drops what a backward that raised in a recomputation left): nothing to do."""
+    """`module`'s keyword inputs cast to its rule's compute dtype, if this thread's innermost famp
+    call has just entered its scope (and it does not write into its input); eagerly, first seen
+    in the scope around it, as `CallRecord.enter_module` sees the positional ones (a reentrant
+    checkpoint's output among them is recomputed there). From `hooks.keywords_hook`, and the
+    pre-hook `add` gives while Dynamo traces; without `kwargs` (a hook taken off since the
+    module's call began) nothing to do."""
     stack = calls()
     if kwargs is None or not stack or stack[-1].entering is not module:
         return None
     record = stack[-1]
     record.entering = None
-    declined = record.declined[-1] if record.declined else None  # `module`'s, just entered
-    if declined is not None and isinstance(module, torch.nn.TransformerEncoderLayer):
-        _step_aside(record, module, declined)
     policy = record.module_policy.get(id(module))
     if not kwargs or policy is None:
         return None
@@ -69,27 +66,6 @@ def cast_keywords(
     return args, own_cast(policy.cast_to_compute, kwargs)
 
 
-def _step_aside(record: Any, module: torch.nn.Module, declined: Any) -> None:
-    """Take this hook out of `module`'s dicts till `declined` (its fast-path context) closes,
-    then put it back if the root's hooks still hold it (a KeyboardInterrupt may have taken them
-    off first: then it stays off)."""
-    own, with_kwargs = pre_hooks(module)
-    keys = [key for key, hook in own.items() if hook is cast_keywords]
-    for key in keys:
-        del own[key]
-        with_kwargs.pop(key, None)
-
-    def back() -> None:
-        held = {entry[3] for entry in record.root_hooks + record.keyword_hooks}
-        for key in reversed(keys):
-            if key in held:
-                own[key] = cast_keywords
-                own.move_to_end(key, last=False)
-                with_kwargs[key] = True
-
-    declined.callback(back)
-
-
 def of_root(record: Any, fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword inputs of a call of `fn` whose record is `record`: cast if `fn` is a module
     a rule matches (its path is `""`), whose own hooks cannot reach them."""
@@ -102,7 +78,8 @@ def of_root(record: Any, fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def add(modules: list[torch.nn.Module]) -> list[Any]:
-    """Give each of `modules` the pre-hook; what `remove` takes to take them off again."""
+    """Give each of `modules` the pre-hook `cast_keywords`, while Dynamo traces; what `remove`
+    takes to take them off again."""
     return [add_pre_hook(m, cast_keywords) for m in modules]
 
 
