@@ -36,6 +36,12 @@ _users = {"pre": 0, "post": 0, "traced": 0}  # calls running that need each hook
 _HOOK_LOCK = threading.Lock()
 _handles: dict[str, RemovableHandle] = {}
 _keys: dict[str, int] = {}  # "keywords": `keywords_hook`'s key while set (the same each call)
+# Who asked `keywords_hook` for a module's keyword inputs (`ask_keywords`): how many asks each
+# module's key stands for, all threads (under `_HOOK_LOCK`), and this thread's own asks. A thread
+# takes only its own asks back, and the key goes when none is left: another thread in a call of
+# the same module keeps it (it took the key away from that thread's asks before 2026-12-01).
+_asked: dict[int, int] = {}
+_own = threading.local()
 
 
 def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
@@ -52,12 +58,11 @@ def keywords_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Any = 
     module's fast path (`unreached.judge`), and casts a matched module's keyword inputs
     (`keywords.cast_keywords`). Another thread's call of the module (famp's call not in it)
     leaves the key to the call that asked."""
-    if kwargs is None:
+    if kwargs is None or not _answered(module):
         return None
     stack = calls()
     if not (stack and (record := stack[-1]).hooked and (not record.recompute_only or in_block())):
         return None
-    pre_hooks(module)[1].pop(_keys["keywords"], None)
     from famp._autocast.unreached import FAST_PATH_MODULES, judge  # unreached imports hooks
 
     if isinstance(module, FAST_PATH_MODULES):
@@ -73,8 +78,30 @@ def ask_keywords(module: torch.nn.Module) -> None:
     dict is no hook: `nn.TransformerEncoderLayer`'s fast path, off where a module of its tree
     has a hook, stays on."""
     key = _keys.get("keywords")
-    if key is not None:
+    if key is not None and torch.compiler.is_compiling():  # traced: no lock (one thread)
         pre_hooks(module)[1][key] = True
+    elif key is not None:
+        own = _own.__dict__.setdefault("asked", {})
+        own[id(module)] = own.get(id(module), 0) + 1
+        with _HOOK_LOCK:
+            _asked[id(module)] = _asked.get(id(module), 0) + 1
+            pre_hooks(module)[1][key] = True
+
+
+def _answered(module: torch.nn.Module) -> bool:
+    """Whether this thread asked for `module`'s keyword inputs: its asks taken back, and the
+    module's key with them if no other thread's ask is left."""
+    if torch.compiler.is_compiling():
+        return pre_hooks(module)[1].pop(_keys["keywords"], None) is not None
+    mine: int = _own.__dict__.get("asked", {}).pop(id(module), 0)
+    if mine:
+        with _HOOK_LOCK:
+            left = _asked.pop(id(module)) - mine
+            if left:
+                _asked[id(module)] = left
+            else:
+                pre_hooks(module)[1].pop(_keys["keywords"], None)
+    return mine > 0
 
 
 def post_hook(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:

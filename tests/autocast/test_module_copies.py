@@ -8,6 +8,7 @@ hand gives. Before 2026-12-01 a copy kept famp's keyword pre-hook (`cast_keyword
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -165,3 +166,54 @@ def test_a_rule_inside_a_fast_path_layer_still_sends_it_down_its_composite_path(
             f(x)
     assert fused == [1, 0]
     assert mode.fused == fused[1]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * scale  # bf16 under the rule: a float32 `scale` would promote
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Scaled()
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x, scale=s)
+        return out
+
+
+def test_threads_calling_one_matched_module_each_get_their_keyword_inputs_cast() -> None:
+    # Each thread's famp call asks for the module's keyword inputs by a key in its dict; one
+    # thread's answer must not take the key from another's ask (uncast: float32 outputs).
+    import threading
+
+    torch.manual_seed(0)
+    outer = _Outer()
+    f = famp.autocast(outer, "c=f32", module_rules={"inner": "c=bf16,o=bf16"})
+    x, s = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = outer.inner(x, scale=s.to(BF16))
+    wrong: list[int] = []
+    assert not torch.equal(f(x, s), outer.inner(x, scale=s).float())  # uncast: other values
+
+    def worker() -> None:
+        for _ in range(1000):
+            if not torch.equal(f(x, s), expected.float()):
+                wrong.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not wrong, f"{len(wrong)} of 4000 calls had a keyword input uncast"
