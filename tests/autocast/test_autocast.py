@@ -1981,7 +1981,10 @@ def test_traced_copies_differ_from_the_copies_only_where_dynamo_needs() -> None:
         file = renamed.get(module)
         if file is None:
             assert traced.__code__ is eager.__code__, original
-            assert traced.__globals__ == eager.__globals__, original
+            # The names its code reads (each copy's globals are the module's at the time it was
+            # made: torch imports more of itself later, e.g. torch._appdirs, by other tests).
+            for name in _code_names(original.__code__):
+                assert traced.__globals__.get(name) is eager.__globals__.get(name), (original, name)
             continue
         assert traced.__code__ == original.__code__  # code objects compare without file names
         assert traced.__code__.co_filename == f"<famp's copy of {file}>"
