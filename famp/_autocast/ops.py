@@ -272,10 +272,23 @@ def _has_opt_dtype(packet: str, overload: str) -> bool:
 
 
 def check_applies(op: str, rule: str) -> None:
-    """The dtype-argument rules only apply to overloads that have the argument they set."""
+    """Only `"keep"` applies to an overload that writes into its inputs (in-place, `out=`) or
+    to a packet of such overloads alone (`relu_`): famp runs them as given, as torch's autocast
+    does, so another rule would never apply. The dtype-argument rules only apply to overloads
+    that have the argument they set."""
+    packet, dot, overload = op.partition(".")
+    if rule != "keep" and (
+        overload not in functional_overloads(packet) if dot else not functional_overloads(packet)
+    ):
+        raise ValueError(
+            f"rule {rule!r} does not apply to op {op!r}: "
+            + (f"overload {op!r} is" if dot else f"every overload of {packet!r} is")
+            + " in-place or out=, and famp runs in-place and out= overloads as given, as "
+            "torch.autocast does, so the rule would never apply; give it to the functional op "
+            "(such as 'mm' for 'mm.out', 'add.Tensor' for 'add_.Tensor', 'relu' for 'relu_')"
+        )
     if rule not in ("float32_set_opt_dtype", "float32_append_dtype"):
         return
-    packet, dot, overload = op.partition(".")
     names = [overload] if dot else sorted(covered(packet))
     if rule == "float32_append_dtype":
         bad = [o for o in names if (packet, o) not in APPEND_DTYPE_OVERLOADS]

@@ -100,9 +100,9 @@ class OpRules(Mapping[str, str]):
 
     Raises:
         ValueError: an op is not an aten op or overload, a rule name is unknown or does not
-            apply to the op (the dtype rules need a dtype argument; no rule that casts applies
-            to an op returning a view of its input, unless torch's autocast casts it on the
-            device), or the device type is not one torch knows.
+            apply to the op (only `"keep"` to an in-place or `out=` one; the dtype rules need a
+            dtype argument; no casting rule to an op returning a view of its input, unless
+            torch's autocast casts it on the device), or the device type is not one torch knows.
         TypeError: an op name or the device type is not a str.
 
     Examples:
@@ -169,7 +169,7 @@ class OpRules(Mapping[str, str]):
         """The rule for one overload: its own key first, then the packet key, else `"keep"`.
 
         The packet key applies only to the packet's functional overloads that take a tensor:
-        `out=` and in-place overloads are `"keep"` unless listed by name, as in torch.
+        `out=` and in-place overloads are always `"keep"` (run as given), as in torch.
 
         Args:
             packet: the aten packet name, such as `"conv2d"` (no `aten::` prefix).

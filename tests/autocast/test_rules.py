@@ -398,12 +398,13 @@ def test_constructor_validates_types_and_device() -> None:
 
 def test_lookup_prefers_overload_key_then_packet_key() -> None:
     rules = famp.OpRules(
-        {"conv2d": "float32", "conv2d.padding": "lower", "linear.out": "promote"},
+        {"conv2d": "float32", "conv2d.padding": "lower", "mm.default": "promote"},
         device_type="cpu",
     )
     assert rules.lookup("conv2d") == rules.lookup("conv2d", "") == "float32"
     assert rules.lookup("conv2d", "padding") == "lower"
-    assert rules.lookup("linear", "out") == "promote"
+    assert rules.lookup("mm") == "promote"
+    assert rules.lookup("mm", "out") == rules.lookup("conv2d", "out") == "keep"
     assert rules.lookup("linear") == "keep"
     assert rules.lookup("no_such_op") == "keep"
 
@@ -413,14 +414,14 @@ def test_lookup_prefers_overload_key_then_packet_key() -> None:
     [
         ((1,), TypeError, "got packet 1, overload 'default'"),
         (("linear", None), TypeError, "got packet 'linear', overload None"),
-        # before, each answered "keep": "linear.out" is listed above as "promote"
+        # before, each answered "keep"
         (("linear.out",), ValueError, "packet 'linear.out' names an overload: lookup('linear', "),
     ],
 )
 def test_lookup_refuses_what_is_no_packet_and_overload_name(
     args: tuple[typing.Any, ...], exc: type, needle: str
 ) -> None:
-    rules = famp.OpRules({"linear.out": "promote"}, device_type="cpu")
+    rules = famp.OpRules({"linear": "promote"}, device_type="cpu")
     with pytest.raises(exc, match=re.escape(needle)):
         rules.lookup(*args)
 
@@ -433,11 +434,13 @@ def test_equal_tables_compare_and_hash_alike() -> None:
     assert len({a, b}) == 1
     assert a != famp.OpRules({"mm": "lower", "exp": "float32"}, device_type="cpu")
     assert a != {"mm": "lower", "exp": "float32"}
-    # An overload key that repeats its packet's rule is dropped; one for out= is kept.
+    # An overload key that repeats its packet's rule is dropped, as is "keep" for out=.
     assert famp.OpRules({"mm": "lower", "mm.default": "lower"}, device_type="cpu") == (
         famp.OpRules({"mm": "lower"}, device_type="cpu")
     )
-    assert len(famp.OpRules({"mm": "lower", "mm.out": "lower"}, device_type="cpu")) == 2
+    assert famp.OpRules({"mm": "lower", "mm.out": "keep"}, device_type="cpu") == (
+        famp.OpRules({"mm": "lower"}, device_type="cpu")
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -493,6 +496,12 @@ def _returns_a_view(op: str) -> bool:
     return False
 
 
+def _mutates(op: str) -> bool:
+    """Whether the key names an overload that writes into its inputs, read off its schema."""
+    packet, dot, overload = op.partition(".")
+    return bool(dot) and getattr(getattr(torch.ops.aten, packet), overload)._schema.is_mutable
+
+
 APPLICABLE = {
     op: [
         r
@@ -503,7 +512,8 @@ APPLICABLE = {
     if not _returns_a_view(op)
     else ["keep", "banned"]  # casting rules: tested on their own below
     for op in OPS
-}
+    if not _mutates(op)
+} | {op: ["keep"] for op in OPS if _mutates(op)}  # run as given: tested on their own below
 changes_st = st.dictionaries(st.sampled_from(OPS), st.just(None), max_size=8).flatmap(
     lambda ops: st.fixed_dictionaries({op: st.sampled_from(APPLICABLE[op]) for op in ops})
 )
@@ -829,3 +839,44 @@ def test_composites_that_return_new_tensors_take_casting_rules(op: str) -> None:
     assert _NEW_TENSORS[op](t).untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
     assert (op, "default") not in _registered("cpu")
     assert famp.default_rules("cpu").override({op: "float32"})[op] == "float32"
+
+
+# --- in-place and out= overloads: run as given, so only "keep" applies -----------------------
+
+MUTATING = ["mm.out", "add.out", "add_.Tensor", "relu_", "relu_.default", "linear.out"]
+
+
+@pytest.mark.parametrize("op", MUTATING)
+@pytest.mark.parametrize("rule", [r for r in famp.RULE_NAMES if r != "keep"])
+def test_a_rule_for_an_in_place_or_out_overload_is_refused(op: str, rule: str) -> None:
+    """famp, like torch.autocast, runs in-place and out= overloads as given: before 2026-12-01
+    `{"mm.out": "lower"}` was accepted (lookup said 'lower') and never applied. Refused in every
+    constructor, nothing applied; "keep" is accepted and changes nothing."""
+    base = famp.default_rules("cpu")
+    for build in (
+        lambda: base.override({op: rule}),
+        lambda: famp.OpRules({op: rule}, device_type="cuda"),
+        lambda: famp.OpRules.from_dict({"device_type": "cpu", "rules": {op: rule}}),
+    ):
+        with pytest.raises(ValueError, match=rf"rule '{rule}' does not apply to op '{op}'.*out="):
+            build()
+    assert base == famp.default_rules("cpu")
+    assert base.override({op: "keep"}) == base
+
+
+def test_in_place_and_out_overloads_run_as_given_as_under_torch_autocast() -> None:
+    """Why the refusal: torch.autocast runs `mm(out=)` and `add_` in the given dtypes, and so
+    does famp.autocast (bitwise), whatever the rules could say."""
+    x = torch.tensor([[1.2345678, 2.3456789]])
+    w = torch.tensor([[3.3333333], [1.1111111]])
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.mm(a, b, out=torch.empty(1, 1)), a.clone().add_(b.T)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = fn(x, w)
+    for got, want, plain in zip(
+        famp.autocast(fn, "c=bf16,o=f32", device_type="cpu")(x, w), expected, fn(x, w), strict=True
+    ):
+        assert_bitwise_equal(got, want)
+        assert_bitwise_equal(got, plain)
