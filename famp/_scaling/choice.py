@@ -27,7 +27,8 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
 
     Each leaf becomes `torch.where(pred, a, b)`; use it to skip an update after an overflow:
     `params = famp.select_tree(famp.all_finite(grads), new_params, params)`. Both trees must have
-    the same structure, and paired leaves the same dtype and shape. `None` leaves pass through.
+    the same structure, and paired leaves the same dtype, shape, device and layout. `None`
+    leaves pass through.
 
     Eagerly, with `pred` on the CPU, outside `torch.compile` and `torch.func` transforms, famp
     reads `pred` (a memory read, not a device sync) and each result leaf is the chosen input
@@ -55,7 +56,8 @@ def select_tree(pred: Tensor, on_true: TreeT, on_false: TreeT) -> TreeT:
         TypeError: `pred` is not a bool tensor, a leaf is not a tensor, or paired leaves differ
             in dtype; the message names the path.
         ValueError: The structures differ, `pred` has more than one element, or paired leaves
-            differ in shape.
+            differ in shape, device or layout (before 2026-12-01 eager calls took such a pair
+            and the result's device depended on `pred`'s value).
 
     Examples:
         >>> import famp, torch
@@ -109,6 +111,8 @@ def select(
             and isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
+            and a.device == b.device
+            and a.layout == b.layout
         ):
             mismatched.append(True)  # named below, with its path
             return a
@@ -204,6 +208,8 @@ def _chosen(take: bool, grad: bool, a: Any, b: Any) -> Any:
         isinstance(a, torch.Tensor)
         and a.dtype == b.dtype
         and a.shape == b.shape
+        and a.device == b.device
+        and a.layout == b.layout
         and not (grad and (a.requires_grad or b.requires_grad))
     ):
         return a if take else b
@@ -245,6 +251,12 @@ def _raise_mismatch(on_true: PyTree, on_false: PyTree, name: str) -> None:
             raise ValueError(
                 f"{name}: the leaves at {keystr(path)} differ in shape: "
                 f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        if a.device != b.device or a.layout != b.layout:
+            raise ValueError(
+                f"{name}: the leaves at {keystr(path)} differ in device or layout: "
+                f"{a.device} ({a.layout}) and {b.device} ({b.layout}); the result's would depend "
+                "on the predicate's value"
             )
 
 

@@ -195,8 +195,8 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
 
     Raises:
         TypeError: `found_inf` is not a tensor, or a leaf is not a tensor or differs in dtype.
-        ValueError: `found_inf` has more than one element, or the trees differ in structure or
-            shape.
+        ValueError: `found_inf` has more than one element, or the trees differ in structure,
+            or paired leaves in shape, device or layout.
 
     Examples:
         >>> import famp, torch

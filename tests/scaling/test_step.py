@@ -1132,3 +1132,36 @@ def test_failure_mode_scale_underflows_to_zero_and_nan_params_go_unnoticed() -> 
     _, grads, found_inf, _ = famp.value_and_grad(loss_fn)(guarded, params, x, y)
     assert found_inf.item() == 0.0
     assert bool(famp.all_finite(grads))
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+@pytest.mark.parametrize(
+    ("new_leaf", "old_leaf", "what"),
+    [
+        (torch.ones(2, device="meta"), torch.zeros(2), r"meta \(torch.strided\) and cpu"),
+        (torch.eye(2).to_sparse(), torch.zeros(2, 2), r"cpu \(torch.sparse_coo\) and cpu"),
+    ],
+)
+def test_eager_choice_refuses_paired_leaves_on_different_devices_or_layouts(
+    found_inf: float, new_leaf: torch.Tensor, old_leaf: torch.Tensor, what: str
+) -> None:
+    """torch.where refuses such a pair; before 2026-12-01 eager famp took it, and the result's
+    device (meta or cpu) or layout followed found_inf's value."""
+    keep = torch.tensor(found_inf == 0)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.where(keep, new_leaf, old_leaf)
+    new, old = {"a": torch.ones(1), "w": new_leaf}, {"a": torch.zeros(1), "w": old_leaf}
+    match = rf"\['w'\] differ in device or layout: {what}"
+    with pytest.raises(ValueError, match=rf"skip_on_overflow: .*{match}"):
+        famp.skip_on_overflow(torch.tensor(found_inf), new, old)
+    with pytest.raises(ValueError, match=rf"select_tree: .*{match}"):
+        famp.select_tree(keep, new, old)
+
+
+def test_eager_choice_leaves_the_predicates_device_out_of_the_pairing() -> None:
+    """A 0-d CPU predicate with leaves on another device (meta here) is what torch.where takes."""
+    new, old = {"w": torch.ones(2, device="meta")}, {"w": torch.zeros(2, device="meta")}
+    for pred in (torch.tensor(True), torch.tensor(False)):
+        want = torch.where(pred, new["w"], old["w"])
+        got = famp.select_tree(pred, new, old)["w"]
+        assert (got.device, got.shape, got.dtype) == (want.device, want.shape, want.dtype)
