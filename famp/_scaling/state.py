@@ -63,6 +63,15 @@ class ScalerState:
             tensor leaves' values are not read (that would be a host sync): build states with
             `famp.init_scaler` or `famp.from_state_dict`, which check their values.
 
+    The leaves' types and shapes are not checked either, on purpose: pytree utilities rebuild
+    the state with other leaves (`optree.tree_map(lambda t: None, state)`, a `tree_map` to
+    shapes, `torch.func.vmap`'s `in_dims=(ScalerState(scale=0, growth_tracker=0), ...)`), and
+    `torch.func.vmap` returns a batch of states whose leaves have one element per sample. So
+    the contract is the caller's: famp's functions take a state whose leaves are one-element
+    tensors of the dtypes above (0-d as `famp.init_scaler` makes them). A state built by hand
+    with a Python number fails in the first famp call that reads it (an `AttributeError`), and
+    a scale of two elements scales a loss into two values, as `torch.mul` broadcasts.
+
     Examples:
         >>> import famp, optree
         >>> state = famp.init_scaler(1024.0)

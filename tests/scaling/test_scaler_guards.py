@@ -326,3 +326,23 @@ def test_sharded_grad_scaler_updates_otherwise_on_the_cpu_famp_keeps_gradscalers
         assert sharded._scale.item() == expected_sharded != scale.item()
     with pytest.raises(ValueError, match="'scale'"):  # and famp does not resume from it
         famp.from_state_dict({**famp.to_state_dict(famp.init_scaler()), "scale": math.inf})
+
+
+def test_scaler_state_takes_the_leaves_pytree_utilities_and_vmap_rebuild_it_with() -> None:
+    """Why ScalerState checks no leaf types or shapes (its docstring's contract): a tree_map to
+    None, vmap's in_dims prefix of ints, and a batch of states out of vmap all rebuild one; the
+    batch equals torch's update kernel applied per sample."""
+    state = famp.init_scaler(1024.0, growth_interval=1)
+    assert optree.tree_map(lambda t: None, state, none_is_leaf=True).scale is None
+    in_dims = famp.ScalerState(scale=0, growth_tracker=0, growth_interval=1)  # type: ignore[arg-type]
+    scales = torch.tensor([8.0, 16.0])
+    batch = famp.ScalerState(
+        scale=scales, growth_tracker=torch.zeros(2, dtype=torch.int32), growth_interval=1
+    )
+    found = torch.tensor([0.0, 1.0])
+    out = torch.func.vmap(famp.update_scale, in_dims=(in_dims, 0))(batch, found)
+    for i in range(2):
+        scale, tracker = scales[i].clone(), torch.zeros((), dtype=torch.int32)
+        torch._amp_update_scale_(scale, tracker, found[i], 2.0, 0.5, 1)
+        assert_bitwise_equal(out.scale[i], scale)
+        assert_bitwise_equal(out.growth_tracker[i], tracker)
