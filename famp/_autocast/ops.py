@@ -103,7 +103,7 @@ def covered(packet: str) -> frozenset[str]:
 
 def rule_pairs(rules: object) -> list[tuple[Any, Any]]:
     """`OpRules`' first argument as `(op, rule)` pairs: a mapping's items, or an iterable of
-    pairs; anything else raises `TypeError` naming it."""
+    pairs, each op once; anything else raises `TypeError` (`ValueError`: an op twice)."""
     if isinstance(rules, Mapping):
         return list(rules.items())
     pairs = list(rules) if isinstance(rules, Iterable) and not isinstance(rules, str) else None
@@ -111,6 +111,10 @@ def rule_pairs(rules: object) -> list[tuple[Any, Any]]:
     if pairs is None or bad:
         what = f"{bad[0]!r} among them" if bad else f"{type(rules).__name__} {rules!r}"
         raise TypeError(f"rules must be a mapping or (op, rule) pairs, got {what}")
+    ops = [p[0] for p in pairs]
+    twice = [op for i, op in enumerate(ops) if op in ops[:i]]
+    if twice:  # a dict would keep the last silently
+        raise ValueError(f"rules name op {twice[0]!r} twice; give each op one rule")
     return [(p[0], p[1]) for p in pairs]
 
 

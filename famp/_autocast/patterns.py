@@ -7,12 +7,12 @@ import difflib
 import fnmatch
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from famp._autocast.policy import CASTABLE
+from famp._autocast.policy import CASTABLE, Policy, get_policy
 from famp._compat import assume_constant_result, compiled_module_type
 from famp._compat import torch_pytree as pytree
 
@@ -189,3 +189,14 @@ def module_path(roots: list[torch.nn.Module], module: torch.nn.Module) -> str:
             if sub is module:
                 return f"the module {path!r} ({type(module).__name__})"
     return f"a {type(module).__name__} module"
+
+
+def module_policies(rules: Iterable[tuple[str, Policy | str]]) -> tuple[Policy, ...]:
+    """`module_rules`' policies; an error names the pattern whose policy `get_policy` refuses."""
+    policies = []
+    for pattern, spec in rules:
+        try:
+            policies.append(get_policy(spec))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"module_rules[{pattern!r}]: {e}") from None
+    return tuple(policies)

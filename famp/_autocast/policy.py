@@ -225,7 +225,9 @@ def get_policy(spec: str | Policy) -> Policy:
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"policy must be a string or a famp.Policy; got {type(spec).__name__}")
+        raise TypeError(
+            f"policy must be a string or a famp.Policy; got {type(spec).__name__} {spec!r}"
+        )
     if "=" not in spec:
         dtype = _as_dtype("policy", spec)
         return Policy(dtype, dtype, dtype)

@@ -99,10 +99,10 @@ class OpRules(Mapping[str, str]):
         device_type: the device type the table is for, such as `"cpu"` or `"cuda"`.
 
     Raises:
-        ValueError: an op is not an aten op or overload, a rule name is unknown or does not
-            apply to the op (only `"keep"` to an in-place or `out=` one; the dtype rules need a
-            dtype argument; no casting rule to an op returning a view of its input, unless
-            torch's autocast casts it on the device), or the device type is not one torch knows.
+        ValueError: an op is named twice or is no aten op or overload, a rule name is unknown
+            or does not apply to the op (only `"keep"` to in-place and `out=` ones; dtype rules
+            need a dtype argument; no casting rule to a view-returning op unless torch's
+            autocast casts it on the device), or torch knows no such device type.
         TypeError: an op name or the device type is not a str.
 
     Examples:

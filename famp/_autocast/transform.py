@@ -23,6 +23,7 @@ from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
+from famp._autocast.patterns import module_policies
 from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
 from famp._autocast.region import current_state, policy_state, region
@@ -101,7 +102,7 @@ class Transform:
         self.overrides = overrides_for(rules)
         items = list((module_rules or {}).items())
         self.patterns = tuple(pattern for pattern, _ in items)
-        self.policies = tuple(get_policy(p) for _, p in items)
+        self.policies = module_policies(items)
         self.rule_dtypes = frozenset(s[1] for s in map(policy_state, self.policies) if s[0])
         self.compile = compile
         self.compiled: Callable[..., Any] | None = None

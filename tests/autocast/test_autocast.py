@@ -69,6 +69,13 @@ CLEAN = (False, BF16, True, 1, 0, False, False, 0)
         ({"module_rules": ["head"]}, TypeError, "module_rules must be a mapping"),
         ({"module_rules": {1: "f32"}}, TypeError, "module_rules keys must be str patterns"),
         ({"module_rules": {"head": "f8"}}, ValueError, "policy must be a dtype name"),
+        # before 2026-12-01 the message named neither module_rules nor the pattern
+        (
+            {"module_rules": {"encoder.*": "bf17"}},
+            ValueError,
+            "module_rules['encoder.*']: policy must be a dtype name",
+        ),
+        ({"module_rules": {"head": 2}}, TypeError, "module_rules['head']: policy must be a string"),
         ({"compile": "yes"}, TypeError, "compile must be True, False or None; got 'yes'"),
     ],
 )

@@ -126,6 +126,8 @@ def test_defaults_chain_params_to_compute_to_output() -> None:
         ("", ValueError, "policy must be a dtype name"),
         ("c=bf16,compute=f16", ValueError, "policy key 'compute' is given twice"),
         (None, TypeError, "policy must be a string or a famp.Policy; got NoneType"),
+        # before 2026-12-01 "got dtype", without the value
+        (torch.bfloat16, TypeError, "a famp.Policy; got dtype torch.bfloat16"),
     ],
 )
 def test_get_policy_errors_list_what_is_accepted(spec: Any, exc: type, needle: str) -> None:

@@ -880,3 +880,12 @@ def test_in_place_and_out_overloads_run_as_given_as_under_torch_autocast() -> No
     ):
         assert_bitwise_equal(got, want)
         assert_bitwise_equal(got, plain)
+
+
+def test_an_op_named_twice_in_rule_pairs_is_refused() -> None:
+    """Before 2026-12-01 the last of two rules for one op won silently, as a dict keeps it."""
+    for pairs in ([("mm", "lower"), ("mm", "float32")], [("mm.out", "keep"), ("mm.out", "keep")]):
+        with pytest.raises(ValueError, match=rf"rules name op '{pairs[0][0]}' twice"):
+            famp.OpRules(pairs, device_type="cpu")
+    pairs = [("mm", "lower"), ("mm.default", "float32")]  # a packet and its overload: two keys
+    assert famp.OpRules(pairs, device_type="cpu").lookup("mm") == "float32"
