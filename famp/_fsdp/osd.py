@@ -106,11 +106,8 @@ def split_osd(osd: object, what: str) -> tuple[Mapping[Any, Mapping[str, Any]], 
 
 
 def group_fqns(groups: object, where: str) -> list[str]:
-    """The FQNs of `groups` (a full state dict's `param_groups`, named `where`) in order.
-
-    A ValueError naming `where` unless it is a list of dicts with a `params` list of strings, no
-    name in two groups.
-    """
+    """The FQNs of `groups` (a full state dict's `param_groups`, named `where`) in order; a
+    ValueError naming `where` unless a list of dicts with `params` lists of str, none in two."""
     if not isinstance(groups, list):
         raise ValueError(f"{where} must be a list, got {type(groups).__name__}")
     order: list[str] = []
@@ -148,11 +145,9 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
 
 
 def check_dense(value: object, where: str) -> None:
-    """A TypeError naming `where` for a DTensor or a sparse (or otherwise non-strided) tensor.
-
-    A DTensor's ops are collectives that every rank must call alike: cutting one rank's chunk
-    out of it ran mismatched collectives (gloo aborted, NCCL would hang).
-    """
+    """A TypeError naming `where` for a DTensor or a sparse (or otherwise non-strided) tensor. A
+    DTensor's ops are collectives every rank must call alike: cutting one rank's chunk out of it
+    ran mismatched collectives (gloo aborted, NCCL would hang)."""
     if is_dtensor(value):
         raise TypeError(
             f"{where} is a DTensor; famp maps plain tensors, full or (FSDP2) a rank's local "
@@ -291,6 +286,9 @@ def _check_shard_value(
     value: Any, first: Any, layout: Layout, fqn: str, where: str, r: int
 ) -> None:
     check_dense(value, where)
+    if isinstance(value, torch.Tensor) and isinstance(first, torch.Tensor):
+        if value.device != first.device:  # torch.cat and torch.equal would refuse it unnamed
+            raise ValueError(f"{where} is on {value.device} but rank 0's is on {first.device}")
     if not is_sharded(first):
         if not same(value, first):
             raise ValueError(

@@ -165,9 +165,10 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
 
     Raises:
         KeyError: a name that is not in the layout.
-        ValueError: a missing or extra shard, a shard of the wrong shape or dtype, parameters or
-            state names or `param_groups` that differ between ranks, replicated values that
-            differ, non-tensor state where other ranks hold tensors.
+        ValueError: a missing or extra shard, a shard of the wrong shape or dtype, a tensor on
+            another device than rank 0's, parameters or state names or `param_groups` that
+            differ between ranks, replicated values that differ, non-tensor state where other
+            ranks hold tensors.
         TypeError: `shards` is not a list, or a state tensor is sparse or a DTensor.
 
     Examples:

@@ -317,3 +317,18 @@ def test_sparse_state_is_refused_naming_the_entry() -> None:
         famp.unshard_optim_state([full, full], LAYOUT)
     with pytest.raises(TypeError, match=match):
         famp.reshard_optim_state([full, full], LAYOUT, LAYOUT)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "step"])
+def test_a_rank_state_on_another_device_is_refused_naming_the_entry(key: str) -> None:
+    # Before 2026-12-01: unshard gave torch's unnamed device error (torch.cat) or aten::equal's
+    # NotImplementedError, and reshard passed a chunk on the meta device into the new shards.
+    shards = _shards()
+    shards[1]["state"]["a"][key] = shards[1]["state"]["a"][key].to("meta")
+    with pytest.raises(RuntimeError):  # torch itself, unnamed
+        torch.cat([s["state"]["a"][key].reshape(-1) for s in shards])
+    match = rf"shards\[1\]\['state'\]\['a'\]\['{key}'\] is on meta but rank 0's is on cpu"
+    with pytest.raises(ValueError, match=match):
+        famp.unshard_optim_state(shards, LAYOUT)
+    with pytest.raises(ValueError, match=match):
+        famp.reshard_optim_state(shards, LAYOUT, famp.fsdp2_layout({"a": (5, 4), "b": (3,)}, 3))
