@@ -286,9 +286,9 @@ def _check_shard_value(
     value: Any, first: Any, layout: Layout, fqn: str, where: str, r: int
 ) -> None:
     check_dense(value, where)
-    if isinstance(value, torch.Tensor) and isinstance(first, torch.Tensor):
-        if value.device != first.device:  # torch.cat and torch.equal would refuse it unnamed
-            raise ValueError(f"{where} is on {value.device} but rank 0's is on {first.device}")
+    tensors = isinstance(value, torch.Tensor) and isinstance(first, torch.Tensor)
+    if tensors and value.device != first.device:  # torch.cat and torch.equal refuse it unnamed
+        raise ValueError(f"{where} is on {value.device} but rank 0's is on {first.device}")
     if not is_sharded(first):
         if not same(value, first):
             raise ValueError(
