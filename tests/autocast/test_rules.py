@@ -758,15 +758,7 @@ def test_a_casting_rule_for_an_op_returning_a_view_is_refused(op: str, rule: str
     """A cast input would make the result a view of a copy: a write through it would be lost
     (torch's autocast casts no such op). Refused in every constructor, nothing applied."""
     assert _returns_a_view(op)
-    base = famp.default_rules("cpu")
-    for build in (
-        lambda: base.override({op: rule}),
-        lambda: famp.OpRules({op: rule}, device_type="cuda"),
-        lambda: famp.OpRules.from_dict({"device_type": "cpu", "rules": {op: rule}}),
-    ):
-        with pytest.raises(ValueError, match=rf"rule '{rule}' does not apply to op '{op}'.*view"):
-            build()
-    assert base == famp.default_rules("cpu")
+    base = _refused_by_every_constructor(op, rule, "view")
     assert base.override({op: "banned"})[op] == "banned"  # neither casts
     assert base.override({op: "keep"}) == base
 
@@ -852,15 +844,7 @@ def test_a_rule_for_an_in_place_or_out_overload_is_refused(op: str, rule: str) -
     """famp, like torch.autocast, runs in-place and out= overloads as given: before 2026-12-01
     `{"mm.out": "lower"}` was accepted (lookup said 'lower') and never applied. Refused in every
     constructor, nothing applied; "keep" is accepted and changes nothing."""
-    base = famp.default_rules("cpu")
-    for build in (
-        lambda: base.override({op: rule}),
-        lambda: famp.OpRules({op: rule}, device_type="cuda"),
-        lambda: famp.OpRules.from_dict({"device_type": "cpu", "rules": {op: rule}}),
-    ):
-        with pytest.raises(ValueError, match=rf"rule '{rule}' does not apply to op '{op}'.*out="):
-            build()
-    assert base == famp.default_rules("cpu")
+    base = _refused_by_every_constructor(op, rule, "out=")
     assert base.override({op: "keep"}) == base
 
 
@@ -889,3 +873,20 @@ def test_an_op_named_twice_in_rule_pairs_is_refused() -> None:
             famp.OpRules(pairs, device_type="cpu")
     pairs = [("mm", "lower"), ("mm.default", "float32")]  # a packet and its overload: two keys
     assert famp.OpRules(pairs, device_type="cpu").lookup("mm") == "float32"
+
+
+def _refused_by_every_constructor(op: str, rule: str, why: str) -> famp.OpRules:
+    """`{op: rule}` is refused by `override`, `OpRules` and `from_dict` with a ValueError naming
+    both and `why`, nothing applied; the default rules it was offered to."""
+    base = famp.default_rules("cpu")
+    for build in (
+        lambda: base.override({op: rule}),
+        lambda: famp.OpRules({op: rule}, device_type="cuda"),
+        lambda: famp.OpRules.from_dict({"device_type": "cpu", "rules": {op: rule}}),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"rule '{rule}' does not apply to op '{op}'.*{re.escape(why)}"
+        ):
+            build()
+    assert base == famp.default_rules("cpu")
+    return base

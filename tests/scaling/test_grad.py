@@ -232,14 +232,7 @@ def test_sparse_embedding_grads_equal_torch_func_grads(overflow: bool) -> None:
     assert found_inf.item() == float(overflow)
     # And GradScaler's own unscale of the module's .grad, after scaler.scale(loss).backward().
     model.load_state_dict(params)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler.scale(model(idx).square().mean()).backward()
-    scaler.unscale_(opt)
-    for key, param in model.named_parameters():
-        assert param.grad is not None
-        assert_bitwise_equal(grads[key], param.grad)
-    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
+    _assert_as_gradscaler(model, lambda: model(idx).square().mean(), 2.0**12, grads, found_inf)
 
 
 def test_a_closure_that_requires_grad_keeps_torch_func_grads_graphs() -> None:
@@ -485,14 +478,8 @@ def test_inference_tensors_get_torch_func_grads_and_gradscalers_results(
     assert found_inf.item() == float(overflow)
     assert_bitwise_equal(new_state.scale, famp.update_scale(state, e_found).scale)
     # And GradScaler's unscale of the module's .grad, after scaler.scale(loss).backward().
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler.scale(loss_fn(dict(model.named_parameters()), x, y)).backward()
-    scaler.unscale_(opt)
-    for name, param in model.named_parameters():
-        assert param.grad is not None
-        assert_bitwise_equal(grads[name], param.grad)
-    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
+    loss = lambda: loss_fn(dict(model.named_parameters()), x, y)  # noqa: E731
+    _assert_as_gradscaler(model, loss, 2.0**16, grads, found_inf)
 
 
 def test_an_inference_tensor_read_from_a_closure_is_refused_with_the_way_out() -> None:
@@ -555,3 +542,18 @@ def test_a_custom_backward_is_honoured_eagerly_and_compiled_as_torch_func_grad_c
     assert_bitwise_equal(compiled, by_torch)
     expected = weights if torch.__version__ >= "2.15" else torch.zeros(3)
     assert_bitwise_equal(compiled, expected)
+
+
+def _assert_as_gradscaler(
+    model: torch.nn.Module, loss: Any, init_scale: float, grads: Any, found_inf: torch.Tensor
+) -> None:
+    """GradScaler's own unscale of `model`'s .grad after `scaler.scale(loss()).backward()` gives
+    `grads` (by parameter name) and `found_inf`, bit for bit."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(loss()).backward()
+    scaler.unscale_(opt)
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        assert_bitwise_equal(grads[name], param.grad)
+    assert_bitwise_equal(found_inf, scaler._found_inf_per_device(opt)[torch.device("cpu")])
