@@ -78,10 +78,10 @@ def select(
     take: bool | None,
     on_true: TreeT,
     on_false: TreeT,
-    names: tuple[str, str, str] = ("famp.select_tree", "on_true", "on_false"),
+    names: tuple[str, str, str, str] = ("famp.select_tree", "pred", "on_true", "on_false"),
 ) -> TreeT:
     """`select_tree` after its checks of the predicate: `take` is its value where it was read.
-    `names`: the function and its two trees, as errors name them.
+    `names`: the function, its predicate and its two trees, as errors name them.
 
     `take` (True: `on_true`) comes from `readable` predicates, eagerly; `None` elsewhere, where
     `make_pred()` gives the 0-d bool predicate that `torch.where` and `famp::select_` read. It
@@ -96,6 +96,7 @@ def select(
         except _NotPlainError:
             pass
     on_device: dict[torch.device, Tensor] = {}  # the predicate moved once per device, not per leaf
+    what = f"{names[0]}'s {names[1]}"  # the predicate, as a device error names it
     compiling = torch.compiler.is_compiling()
     # Compiled, per device: what the last leaf read and how many leaves read (`reader_operand`).
     readers: dict[torch.device, tuple[Tensor, int]] = {}
@@ -139,7 +140,7 @@ def select(
             return copy
         where = on_device.get(a.device)
         if where is None:
-            where = on_device[a.device] = to_device(make_pred(), a.device)
+            where = on_device[a.device] = to_device(make_pred(), a.device, what)
         if compiling:
             last, count = readers.get(a.device, (where, 0))
             where = reader_operand(where, last, count)
@@ -166,7 +167,7 @@ def select(
             _check_structures(on_true, on_false, names)
         _raise_mismatch(on_true, on_false, names[0])
     if copies:
-        select_op(to_device(make_pred(), torch.device("cpu")), copies, others)
+        select_op(to_device(make_pred(), torch.device("cpu"), what), copies, others)
     return cast(TreeT, mapped)
 
 
@@ -216,12 +217,12 @@ def _chosen(take: bool, grad: bool, a: Any, b: Any) -> Any:
     raise _NotPlainError
 
 
-def _check_structures(on_true: PyTree, on_false: PyTree, names: tuple[str, str, str]) -> None:
+def _check_structures(on_true: PyTree, on_false: PyTree, names: tuple[str, ...]) -> None:
     """`select_tree`'s error for trees of different structures."""
     spec, false_spec = optree.tree_structure(on_true), optree.tree_structure(on_false)
     if spec != false_spec:
         raise ValueError(
-            f"{names[0]}: {names[1]} and {names[2]} must have the same structure, got {spec} "
+            f"{names[0]}: {names[2]} and {names[3]} must have the same structure, got {spec} "
             f"and {false_spec}"
         ) from None
 

@@ -127,7 +127,7 @@ def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: object, skip: Tens
             setattr(optimizer, name, value)
     for p in fresh:  # torch's fused SGD leaves torch.empty_like buffers after a skipped first step
         buffer = optimizer.state[p]["momentum_buffer"]
-        buffer.masked_fill_(to_device(skip, buffer.device) != 0, 0.0)
+        buffer.masked_fill_(to_device(skip, buffer.device, "found_inf") != 0, 0.0)
 
 
 def optimizer_step(

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from famp._scaling.build import init_scaler, make_state
 from famp._scaling.checks import DICT_KEYS as _KEYS
 from famp._scaling.checks import check_statics
@@ -49,6 +51,7 @@ def to_state_dict(state: ScalerState) -> dict[str, float | int]:
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState`.
+        ValueError: A leaf of `state` is on the meta device (shapes only, no values).
 
     Examples:
         >>> import famp
@@ -60,6 +63,13 @@ def to_state_dict(state: ScalerState) -> dict[str, float | int]:
         raise TypeError(f"state must be a famp.ScalerState, got {type(state).__name__}")
     if not state.enabled:
         return {}
+    for name in ("scale", "growth_tracker", "overflow_count"):
+        leaf = getattr(state, name)
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise ValueError(
+                f"famp.to_state_dict: state.{name} is on the meta device (shapes only, no "
+                f"values), so there is no value to save: save a state made on a real device"
+            )
     d: dict[str, float | int] = {
         "scale": float(state.scale.item()),
         "growth_factor": float(state.growth_factor),

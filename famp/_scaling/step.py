@@ -211,5 +211,5 @@ def skip_on_overflow(found_inf: Tensor, updated: TreeT, current: TreeT) -> TreeT
         )
     # Read eagerly as select_tree reads its pred: no predicate tensor is made unless one is used.
     take = found_inf.item() == 0 if readable(found_inf) else None  # NaN: False, as `== 0`
-    names = ("famp.skip_on_overflow", "updated", "current")
+    names = ("famp.skip_on_overflow", "found_inf", "updated", "current")
     return select(lambda: found_inf.reshape(()) == 0, take, updated, current, names)

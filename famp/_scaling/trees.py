@@ -76,8 +76,10 @@ def check_tensors(fn: str, tree: PyTree, leaves: list[Any]) -> list[Tensor]:
     return leaves
 
 
-def to_device(t: Tensor, device: torch.device) -> Tensor:
+def to_device(t: Tensor, device: torch.device, what: str) -> Tensor:
     """`t` on `device`, for an op there to read next: asynchronously only to a CUDA device.
+
+    A meta `t` (shapes only) has no values to move: a ValueError names it as `what`.
 
     A copy to the CPU with `non_blocking=True` returns before the data arrives (into pinned
     memory), and the CPU op that reads it next would read whatever was there before: found_inf
@@ -87,6 +89,11 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     """
     if t.device == device:  # the common case, without a call into torch
         return t
+    if t.is_meta:
+        raise ValueError(
+            f"{what} is on the meta device (shapes only, no values), but the tensors it meets "
+            f"are on {device}: make it on {device}"
+        )
     return t.to(device, non_blocking=device.type == "cuda")
 
 
@@ -138,7 +145,7 @@ def scale(state: ScalerState, tree: TreeT) -> TreeT:
 
 def scaled(state: ScalerState, x: Tensor) -> Tensor:
     """One tensor times the scale of an enabled `state`: what `scale` does to each leaf."""
-    return x * to_device(state.scale, x.device)
+    return x * to_device(state.scale, x.device, "the state's scale")
 
 
 def all_finite(tree: PyTree) -> Tensor:

@@ -261,7 +261,7 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
 
     def on(device: torch.device) -> Tensor:
         if device not in skips:
-            skips[device] = to_device(skip, device)
+            skips[device] = to_device(skip, device, "found_inf")
         return skips[device]
 
     untensorlike = False  # whether the step changed what a tensor choice cannot restore

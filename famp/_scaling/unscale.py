@@ -212,7 +212,7 @@ def unscale_leaves(
     whole = len(groups) == 1 and len(next(iter(groups.values()))) == 1
     found_inf: Tensor | None = None
     for device, by_dtype in groups.items():
-        inv = to_device(inv_scale, device)
+        inv = to_device(inv_scale, device, "the state's scale")
         found = torch.zeros((), dtype=torch.float32, device=device)
         for index in by_dtype.values():
             tensors = dense if whole else [dense[i] for i in index]
@@ -247,7 +247,7 @@ def unscale_leaves(
                 for i, t in zip(index, new, strict=True):
                     out[i] = t
         # max, never sum: found_inf stays exactly 0.0 or 1.0 whatever the number of devices.
-        found = to_device(found, scale_device)  # new in this call: one device's is the result
+        found = to_device(found, scale_device, "found_inf")  # new: one device's is the result
         found_inf = found if found_inf is None else torch.maximum(found_inf, found)
     if found_inf is None:  # no gradients
         found_inf = torch.zeros((), dtype=torch.float32, device=scale_device)

@@ -155,7 +155,7 @@ def _moved(found_inf: Tensor, scale: Tensor) -> Tensor:
             f"found_inf is on the meta device (shapes only, no values) but the state's scale is "
             f"on {scale.device}: pass the found_inf of a step on {scale.device}"
         )
-    return to_device(found_inf, scale.device)
+    return to_device(found_inf, scale.device, "found_inf")
 
 
 def _guard(scale: Tensor, value: float) -> Tensor:

@@ -241,6 +241,45 @@ def test_meta_grads_need_a_meta_scale() -> None:
     assert (found.device.type, found.dtype, found.shape) == ("meta", torch.float32, ())
 
 
+_META_IN_PUBLIC_TERMS = r"is on the meta device \(shapes only, no values\), but the tensors it"
+
+
+def test_a_meta_state_with_cpu_tensors_is_refused_naming_the_scale() -> None:
+    """A state made on the meta device met CPU tensors: torch's own messages came out ("Cannot
+    copy out of meta tensor; no data!", "Tensor.item() cannot be called on meta tensors")."""
+    state = famp.init_scaler(4.0, device="meta")
+    scale_error = "the state's scale " + _META_IN_PUBLIC_TERMS + " meets are on cpu: make it on cpu"
+    with pytest.raises(ValueError, match=scale_error):
+        famp.scale(state, torch.tensor(2.0))
+    grads = {"a": torch.ones(2, device="meta"), "b": torch.full((2,), 4.0)}
+    with pytest.raises(ValueError, match=scale_error):
+        famp.unscale_and_check(state, grads, donate=True)
+    assert_bitwise_equal(grads["b"], torch.full((2,), 4.0))  # nothing half-applied
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.full((3,), 4.0)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=scale_error):
+        famp.optimizer_step(opt, state)
+    assert_bitwise_equal(w.detach(), torch.ones(3))
+    assert_bitwise_equal(w.grad, torch.full((3,), 4.0))
+    assert not opt.state
+    for name in ("scale", "growth_tracker"):
+        leaf = {"scale": torch.ones(()), "growth_tracker": torch.zeros((), dtype=torch.int32)}
+        half_meta = famp.ScalerState(**{**leaf, name: getattr(state, name)})
+        with pytest.raises(ValueError, match=rf"to_state_dict: state\.{name} is on the meta"):
+            famp.to_state_dict(half_meta)
+
+
+@pytest.mark.parametrize("fn", ["skip_on_overflow", "select_tree"])
+def test_a_meta_predicate_with_cpu_trees_is_refused_naming_it(fn: str) -> None:
+    """Eagerly, a meta found_inf (or pred) with CPU trees gave "Cannot copy out of meta tensor"."""
+    meta = torch.zeros((), dtype=torch.bool, device="meta")
+    updated, current = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    name = "found_inf" if fn == "skip_on_overflow" else "pred"
+    with pytest.raises(ValueError, match=rf"famp\.{fn}'s {name} " + _META_IN_PUBLIC_TERMS):
+        getattr(famp, fn)(meta, updated, current)
+
+
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 def test_nested_tensors_are_refused_naming_the_leaf(layout: torch.layout) -> None:
     with warnings.catch_warnings():
