@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = _usage_error(args)
     if usage is not None:
         parser.error(usage)  # exits 2, as argparse does for every usage error
+    args.model_key_given = args.model_key is not None
+    args.model_key = "model" if args.model_key is None else args.model_key
     try:
         check_targets(args)
         return run(args)
@@ -115,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model-key",
-        default="model",
-        help="key of the model state, used for parameter "
-        "shapes (default: model); without it shapes come from the optimizer state",
+        help="top-level key of the model state in a DCP checkpoint or a full state-dict file, "
+        "read for the parameters' shapes; given, it must be there (default: 'model' where "
+        "present; without it the shapes come from the optimizer state)",
     )
     parser.add_argument(
         "--format",

@@ -41,6 +41,7 @@ from famp._fsdp.cli_sources import (
     SHARDING,
     Source,
     check_inferred_shapes,
+    check_model_key,
     is_dcp_source,
     layout_shapes,
     read_source,
@@ -113,6 +114,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
     path, out = args.sources[0], args.out
     # Check the optimizer entries and shapes (metadata and param_groups only) before writing.
+    check_model_key(args, path)
     shapes, inferred, _ = dcp_param_shapes(path, args.model_key, args.key)  # state's shapes
     check_inferred_shapes(shapes, inferred, args.model_key)
     fsdp2_layout(shapes, args.world_size)

@@ -77,6 +77,25 @@ def check_inferred_shapes(
             )
 
 
+def check_model_key(args: argparse.Namespace, path: str) -> None:
+    """Refuse a `--model-key` given on the command line that DCP checkpoint `path` lacks."""
+    from famp._fsdp.dcp_reader import Checkpoint
+
+    if args.model_key_given:
+        held = next(iter(Checkpoint(path).entries([(args.model_key,)])), None) is not None
+        _refuse_model_key(args, path, not held)
+
+
+def _refuse_model_key(args: argparse.Namespace, path: str, absent: bool) -> None:
+    if args.model_key_given and absent:
+        raise UsageError(
+            f"--model-key {args.model_key!r}: {path!r} holds no model state under that key "
+            "(the shapes are read from a DCP checkpoint's or a full state-dict file's model "
+            "state, rank files record theirs): give the key it was saved under, or leave "
+            "--model-key out to read the shapes off the optimizer state"
+        )
+
+
 def is_dcp_source(sources: Sequence[str]) -> bool:
     """Whether SOURCE is one DCP checkpoint directory."""
     return len(sources) == 1 and os.path.isdir(sources[0])
@@ -91,6 +110,7 @@ def read_source(args: argparse.Namespace) -> Source:
         bar = Progress("reading", total, progress_wanted(args, total), human)
         full = load_optim_state(path, args.key, bar.update)
         bar.close()
+        check_model_key(args, path)
         shapes, inferred, shapeless = dcp_param_shapes(path, args.model_key, args.key)
         what = f"DCP checkpoint {path} (key {args.key!r})"
         return Source(full, shapes, what, inferred, shapeless)
@@ -102,9 +122,11 @@ def read_source(args: argparse.Namespace) -> Source:
     shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
     if len(objs) == 1 and SHARDING not in shards[0]:  # one rank's file is read as rank files
         obj, path, full = objs[0], sources[0], shards[0]
+        _refuse_model_key(args, path, "state" in obj or args.model_key not in obj)
         model = obj.get(args.model_key) if "state" not in obj else None
         shapes, inferred, shapeless = _full_shapes(full, model, path)
         return Source(full, shapes, f"full state dict {path}", inferred, shapeless)
+    _refuse_model_key(args, sources[0], True)  # rank files record their shapes
     shapes, dims, unknown, shapeless = _shapes_from_shards(shards, sources)
     layout = fsdp2_layout(layout_shapes(shapes, shapeless), len(shards), shard_dims=dims)
     if unknown and not args.assume_dim0:

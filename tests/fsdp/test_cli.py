@@ -276,6 +276,39 @@ def test_a_shape_hidden_in_nested_state_asks_for_the_model_state_dict(
     assert main([str(with_model), "-n", "3", "-o", str(tmp_path / "out"), *extra]) == 0
 
 
+def test_a_model_key_given_must_be_in_the_source(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], dcp_dir: str, full_file: str
+) -> None:
+    """`--model-key nope` ran (exit 0) on a source without 'nope', the shapes silently read off
+    the optimizer state. A key given is now required; left out, 'model' is read where present."""
+    ranks = tmp_path / "ranks"
+    assert main([full_file, "-n", "2", "-o", str(ranks)]) == 0
+    rank_files = [str(ranks / f"rank{r:05d}.pt") for r in range(2)]
+    out = str(tmp_path / "out")
+    for argv in (
+        [dcp_dir, "--dry-run"],
+        [dcp_dir, "-n", "2", "-o", out, "--format", "dcp"],
+        [full_file, "-n", "2", "-o", out],
+        [*rank_files, "--full", str(tmp_path / "full.pt")],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--model-key", "nope"])
+        assert exit_info.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "famp-reshard: error: --model-key 'nope': " in err, (argv, err)
+        assert "holds no model state under that key" in err, (argv, err)
+        assert not os.path.exists(out)
+        assert not os.path.exists(tmp_path / "full.pt")
+    renamed = tmp_path / "renamed"
+    trained = load_dict(full_file)
+    with warnings.catch_warnings():  # one process, no process group: DCP warns
+        warnings.simplefilter("ignore", UserWarning)
+        model = {"x": torch.zeros(1)}
+        dcp.save({"net": model, "optim": trained}, checkpoint_id=renamed, no_dist=True)
+    assert main([str(renamed), "--dry-run", "--model-key", "net"]) == 0
+    assert main([str(renamed), "--dry-run"]) == 0  # no 'model': the optimizer state's shapes
+
+
 def test_a_failure_while_writing_leaves_nothing(
     tmp_path: pathlib.Path, full_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
