@@ -92,6 +92,7 @@ def default_rules(device_type: str) -> OpRules:
         The immutable default table; derive others with `OpRules.override`.
 
     Raises:
+        TypeError: `device_type` is not a str.
         ValueError: no table exists for `device_type`.
         RuntimeError: an op that torch autocasts and no shipped table lists for this release
             could not be classified; the message names every such op.
@@ -101,6 +102,10 @@ def default_rules(device_type: str) -> OpRules:
         >>> famp.default_rules("cuda")["rms_norm"], famp.default_rules("cpu").lookup("rms_norm")
         ('float32', 'keep')
     """
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"device_type must be a str, got {type(device_type).__name__} {device_type!r}"
+        )
     if device_type not in tables.DISPATCH_KEYS:
         raise ValueError(
             f"no default op rules for device_type {device_type!r}; "

@@ -311,6 +311,13 @@ def test_banned_binary_cross_entropy_keeps_torch_message() -> None:
 def test_default_rules_rejects_unknown_device_naming_it() -> None:
     with pytest.raises(ValueError, match=r"'tpu'.*'cpu', 'cuda', 'xpu', 'mps'"):
         famp.default_rules("tpu")
+    # A device_type that is not a str is a TypeError naming it, as OpRules(device_type=0) gives
+    # (a ValueError "no default op rules for device_type 0" before 2026-12-01).
+    for value in (0, torch.device("cpu")):
+        with pytest.raises(
+            TypeError, match=r"device_type must be a str, got \w+ " + re.escape(repr(value))
+        ):
+            famp.default_rules(value)  # type: ignore[arg-type]
 
 
 def test_default_rules_is_an_immutable_mapping() -> None:
