@@ -45,7 +45,6 @@ from famp._fsdp.cli_sources import (
     is_dcp_source,
     layout_shapes,
     read_source,
-    sharding_entry,
 )
 from famp._fsdp.dcp import dcp_param_shapes
 from famp._fsdp.layout import FSDP2Layout, specs
@@ -234,3 +233,8 @@ def _write_ranks(
 
 def _progress_on(args: argparse.Namespace, source: Source) -> bool:
     return progress_wanted(args, state_nbytes(source.full)[1])
+
+
+def sharding_entry(shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int]) -> dict[str, Any]:
+    """A rank file's `sharding` entry: every parameter's global shape and shard dim."""
+    return {f: {"shape": [int(n) for n in shape], "dim": dims[f]} for f, shape in shapes.items()}

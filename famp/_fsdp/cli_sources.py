@@ -77,22 +77,18 @@ def check_inferred_shapes(
             )
 
 
-def check_model_key(args: argparse.Namespace, path: str) -> None:
-    """Refuse a `--model-key` given on the command line that DCP checkpoint `path` lacks."""
-    from famp._fsdp.dcp_reader import Checkpoint
+def check_model_key(args: argparse.Namespace, path: str, held: bool | None = None) -> None:
+    """Refuse a `--model-key` given on the command line that SOURCE `path` does not hold
+    (`held`; where None, `path` is a DCP checkpoint and its entries say)."""
+    if args.model_key_given and held is None:
+        from famp._fsdp.dcp_reader import Checkpoint
 
-    if args.model_key_given:
         held = next(iter(Checkpoint(path).entries([(args.model_key,)])), None) is not None
-        _refuse_model_key(args, path, not held)
-
-
-def _refuse_model_key(args: argparse.Namespace, path: str, absent: bool) -> None:
-    if args.model_key_given and absent:
+    if args.model_key_given and not held:
         raise UsageError(
             f"--model-key {args.model_key!r}: {path!r} holds no model state under that key "
-            "(the shapes are read from a DCP checkpoint's or a full state-dict file's model "
-            "state, rank files record theirs): give the key it was saved under, or leave "
-            "--model-key out to read the shapes off the optimizer state"
+            "(read from a DCP checkpoint or a full state-dict file; rank files record their "
+            "shapes): give the key it was saved under, or leave --model-key out"
         )
 
 
@@ -122,11 +118,11 @@ def read_source(args: argparse.Namespace) -> Source:
     shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
     if len(objs) == 1 and SHARDING not in shards[0]:  # one rank's file is read as rank files
         obj, path, full = objs[0], sources[0], shards[0]
-        _refuse_model_key(args, path, "state" in obj or args.model_key not in obj)
+        check_model_key(args, path, "state" not in obj and args.model_key in obj)
         model = obj.get(args.model_key) if "state" not in obj else None
         shapes, inferred, shapeless = _full_shapes(full, model, path)
         return Source(full, shapes, f"full state dict {path}", inferred, shapeless)
-    _refuse_model_key(args, sources[0], True)  # rank files record their shapes
+    check_model_key(args, sources[0], False)  # rank files record their shapes
     shapes, dims, unknown, shapeless = _shapes_from_shards(shards, sources)
     layout = fsdp2_layout(layout_shapes(shapes, shapeless), len(shards), shard_dims=dims)
     if unknown and not args.assume_dim0:
@@ -243,11 +239,6 @@ def _full_shapes(
         shapes[fqn] = shape
         inferred.add(fqn)
     return shapes, inferred, shapeless
-
-
-def sharding_entry(shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int]) -> dict[str, Any]:
-    """A rank file's `sharding` entry: every parameter's global shape and shard dim."""
-    return {f: {"shape": [int(n) for n in shape], "dim": dims[f]} for f, shape in shapes.items()}
 
 
 def _recorded(shards: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> Any:
