@@ -239,6 +239,39 @@ def test_checkpoint_mode_of_a_famp_call(mode: str) -> None:
         assert_bitwise_equal(a, e)
 
 
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
+def test_a_compiled_checkpoint_of_a_famp_call_raises_with_fullgraph_and_runs_eagerly_without(
+    mode: str,
+) -> None:
+    """Known limit (docs/autocast.md): Dynamo's checkpoint operator reads whether it may allow
+    side effects when it meets the checkpoint, before famp's call inside it runs, and refuses the
+    call's changes of famp's own state (this thread's stack of calls, undone before it returns).
+    With `fullgraph=True` that raises; without, the checkpoint runs eagerly behind a graph break
+    and its gradients are the eager call's bit for bit (found by a differential hunt on 2.15)."""
+    torch.manual_seed(0)
+    block, x = Block(), _x()
+    f = famp.autocast(block, "c=bf16,o=f32", module_rules={"norm": "c=f16,o=f16"})
+    params = [x, *block.parameters()]
+
+    def grads(loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        loss_fn(x).backward()
+        return [p.grad for p in params if p.grad is not None]
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda x: f(x) * 2, x, **MODES[mode]).pow(2).sum()
+
+    expected = grads(loss)
+    with pytest.raises(Exception, match="side effect"):
+        torch.compile(loss, fullgraph=True, backend="aot_eager")(x)
+    actual = grads(torch.compile(loss, backend="aot_eager"))
+    assert len(actual) == len(params)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bitwise_equal(a, e)
+
+
 # --- FSDP2 ---------------------------------------------------------------------------------------
 
 
