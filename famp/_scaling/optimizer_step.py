@@ -147,7 +147,8 @@ def optimizer_step(
     non-zero or NaN `found_inf` skips the step, as `famp.update_scale` reads it. Parameters,
     optimizer state, step counts and `.grad` end up exactly as a `GradScaler` loop leaves
     them, bit for bit (tested for every `torch.optim` optimizer but `LBFGS`, which needs a
-    closure, in its for-loop, foreach and fused forms, over sequences with overflows).
+    closure, in its for-loop, foreach and fused forms, over sequences with overflows), except
+    for a parameter listed twice in a group (docs/loss-scaling.md, item 14).
 
     - **Fused optimizers** (`Adam`, `AdamW`, `SGD`, `Adagrad` with `fused=True`) get the
       scale and `found_inf` and unscale and skip in their kernel (`found_inf` computed from the

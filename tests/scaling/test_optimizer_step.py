@@ -474,6 +474,63 @@ def test_a_meta_found_inf_is_refused_before_the_step(fused: bool) -> None:
     assert not opt.state
 
 
+_DUPLICATE_WARNING = "ignore:optimizer contains a parameter group with duplicate parameters"
+
+
+@pytest.mark.filterwarnings(_DUPLICATE_WARNING)
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("SGD", {"momentum": 0.9}),
+        ("SGD", {"momentum": 0.9, "foreach": True}),
+        ("Adam", {}),
+        ("Adam", {"foreach": True}),
+        ("SGD", {"momentum": 0.9, "fused": True}),
+        ("Adam", {"fused": True}),
+    ],
+)
+def test_a_parameter_listed_twice_in_a_group(name: str, kwargs: dict[str, Any]) -> None:
+    """A parameter listed twice in one param group (torch warns that this is deprecated).
+    GradScaler unscales its gradient once per listing: divided by the scale twice, a non-fused
+    optimizer steps with grad / scale**2. famp unscales shared memory once (docs/loss-scaling.md,
+    item 14), so a non-fused optimizer steps as in training without scaling. A fused kernel
+    unscales per listing under both; famp claims only GradScaler's bits there. Found by a
+    differential hunt, 2026-12-01; pinned here on every release."""
+
+    def run(how: str) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+        opt = getattr(torch.optim, name)([w, w], lr=0.1, **kwargs)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = (w * torch.tensor([1.0, 10.0, 100.0])).sum()
+            if how == "famp":
+                state = famp.init_scaler(1024.0)
+                famp.scale(state, loss).backward()
+                famp.optimizer_step(opt, state)
+            elif how == "GradScaler":
+                scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+            else:  # no loss scaling at all
+                loss.backward()
+                opt.step()
+        assert w.grad is not None
+        return w.detach().clone(), w.grad.clone()
+
+    famp_w, famp_grad = run("famp")
+    torch_w, torch_grad = run("GradScaler")
+    plain_w, plain_grad = run("unscaled")
+    if kwargs.get("fused"):
+        assert_bitwise_equal(famp_w, torch_w)
+        assert_bitwise_equal(famp_grad, torch_grad)
+        assert not torch.equal(torch_w, plain_w)  # the kernel's second listing: grad / scale**2
+    else:
+        assert_bitwise_equal(famp_w, plain_w)
+        assert_bitwise_equal(famp_grad, plain_grad)
+        assert_bitwise_equal(torch_grad, plain_grad / 1024.0)  # GradScaler divided it twice
+        assert not torch.equal(torch_w, plain_w)
+
+
 def test_optimizer_step_refuses_closure_optimizers_in_public_terms() -> None:
     w = torch.nn.Parameter(torch.ones(2))
     w.grad = torch.ones(2)
