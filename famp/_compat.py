@@ -7,6 +7,7 @@ the tests that pin it across the supported window), never a user's numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -262,10 +263,18 @@ def no_dispatch_modes() -> Any:
 
 
 def real_tensors() -> Any:
-    """A context without fake tensors, for `kernels.kernel_runs`: no public API leaves them."""
+    """A context without fake tensors, for `kernels.kernel_runs` and `ops._probe`: no public API
+    leaves them. Inside a `torch.func` transform, without the transforms too (no public API
+    either), which would wrap a probe's result (its storage cannot be read)."""
     from torch._subclasses import fake_tensor
 
-    return fake_tensor.unset_fake_temporarily()
+    off = fake_tensor.unset_fake_temporarily()
+    if not functorch_transforms_active():
+        return off
+    both = contextlib.ExitStack()  # entered here, left by the caller's `with`
+    both.enter_context(off)
+    both.enter_context(torch._C._DisableFuncTorch())
+    return both
 
 
 def kernel_registrations(dispatch_key: str) -> list[str]:

@@ -1262,6 +1262,43 @@ def test_strict_export_does_what_it_does_with_torch_autocast() -> None:
 
 # --- torch.func: grad, vmap, jacrev, functional_call ---------------------------------------------
 
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # torch's jvp of dropout
+@pytest.mark.parametrize("where", ["grad", "vmap_different", "jvp"])
+def test_an_overridden_dropouts_first_call_inside_a_transform_equals_torch(where: str) -> None:
+    """famp asks once per (p, training) whether a dropout call returns its input (`ops._probe`,
+    on a small tensor of its own). Asked first inside torch.func.grad, jvp or
+    vmap(randomness="different"), the transform wrapped the probe's result and reading its
+    storage raised NotImplementedError, where torch.autocast by hand runs (a differential hunt,
+    2026-12-01); asked eagerly first, it worked. The probe now runs with the transforms off."""
+    from famp._autocast import ops
+
+    ops.returns_input_given.cache_clear()  # the first call of these values, in any test order
+    rules = famp.default_rules("cpu").override({"dropout": "float32"})
+    f = famp.autocast(lambda x: F.dropout(x, 0.3, True).sum(), "c=bf16,o=f32", rules=rules)
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16), torch.autocast("cpu", enabled=False):
+            return F.dropout(x.float(), 0.3, True).sum()
+
+    def run(fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        torch.manual_seed(0)
+        x = torch.randn(4, 5)
+        if where == "grad":
+            return torch.func.grad(fn)(x)
+        if where == "jvp":
+            return torch.func.jvp(fn, (x,), (torch.ones_like(x),))
+        return torch.func.vmap(fn, randomness="different")(x)
+
+    actual, expected = run(f), run(by_hand)
+    for a, e in zip(
+        torch.utils._pytree.tree_leaves(actual),
+        torch.utils._pytree.tree_leaves(expected),
+        strict=True,
+    ):
+        assert_bitwise_equal(a, e)
+
+
 # Without the LayerNorm: torch's own batching rules fail on it under autocast in jacrev and vmap
 # of grad, and famp fails with the same error (test_torch_func_fails_where_torch_autocast_fails).
 torch.manual_seed(1)
