@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_dcp(args)
     if not (is_dcp_source(args.sources) and args.full is not None and not args.dry_run):
         return _run_optim(args)
+    check_model_key(args, args.sources[0])  # --full alone writes the whole checkpoint: unread
     tmp, target = _stream_full_dcp(args), args.full
     try:
         if args.out is not None:

@@ -78,13 +78,14 @@ def check_inferred_shapes(
 
 
 def check_model_key(args: argparse.Namespace, path: str, held: bool | None = None) -> None:
-    """Refuse a `--model-key` given on the command line that SOURCE `path` does not hold
-    (`held`; where None, `path` is a DCP checkpoint and its entries say)."""
-    if args.model_key_given and held is None:
+    """Refuse a `--model-key` given that SOURCE `path` lacks (`held`; None: a DCP path, read)."""
+    if not args.model_key_given:
+        return
+    if held is None:
         from famp._fsdp.dcp_reader import Checkpoint
 
         held = next(iter(Checkpoint(path).entries([(args.model_key,)])), None) is not None
-    if args.model_key_given and not held:
+    if not held:
         raise UsageError(
             f"--model-key {args.model_key!r}: {path!r} holds no model state under that key "
             "(read from a DCP checkpoint or a full state-dict file; rank files record their "

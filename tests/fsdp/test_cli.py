@@ -288,6 +288,7 @@ def test_a_model_key_given_must_be_in_the_source(
     for argv in (
         [dcp_dir, "--dry-run"],
         [dcp_dir, "-n", "2", "-o", out, "--format", "dcp"],
+        [dcp_dir, "--full", str(tmp_path / "full.pt")],  # the whole checkpoint: the key unread
         [full_file, "-n", "2", "-o", out],
         [*rank_files, "--full", str(tmp_path / "full.pt")],
     ):
