@@ -150,11 +150,17 @@ def free_port() -> int:
 
 
 def spawn_ranks(target: Any, world_size: int, args: Any, count: int, timeout: float) -> list[Any]:
-    """Run `target(*args(rank, port, results))` in `world_size` spawned processes and collect
-    their `count` rows (`collect_ranks`): `args` places the rank, a free port and the queue."""
+    """Run `target(*args(rank, port, results))` in `world_size` new processes and collect
+    their `count` rows (`collect_ranks`): `args` places the rank, a free port and the queue.
+
+    The ranks are forked from a server process started once per test process with torch,
+    torch.distributed and famp imported (multiprocessing's "forkserver"): each rank starts
+    with nothing of the test process (no threads, no compiled code) and without importing
+    torch again, which cost each spawned rank seconds."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "famp", "tests.helpers"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=args(r, port, results)) for r in range(world_size)]

@@ -653,4 +653,5 @@ def main(rank: int, world_size: int, out_dir: str, port: int) -> None:
 
 if __name__ == "__main__":
     world, out_dir, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    mp.spawn(main, args=(world, out_dir, port), nprocs=world, join=True)
+    # Forked from a parent that has only imported torch: no rank imports it again.
+    mp.start_processes(main, args=(world, out_dir, port), nprocs=world, start_method="fork")

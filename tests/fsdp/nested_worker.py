@@ -197,4 +197,5 @@ def main(rank: int, out_dir: str, port: int) -> None:
 
 if __name__ == "__main__":
     out_dir, port = sys.argv[1], int(sys.argv[2])
-    mp.spawn(main, args=(out_dir, port), nprocs=2, join=True)
+    # Forked from a parent that has only imported torch: no rank imports it again.
+    mp.start_processes(main, args=(out_dir, port), nprocs=2, start_method="fork")
