@@ -28,9 +28,10 @@ import torch
 from famp import _collectives, _compat
 from famp._scaling.checks import FLOAT_DTYPES
 from famp._scaling.kernels import unscale_in_place
+from famp._scaling.reach import differentiated, with_grads, wrapped
 from famp._scaling.state import ScalerState
 from famp._scaling.trees import to_device
-from famp._scaling.undo import step_and_undo_if, with_grads, wrapped
+from famp._scaling.undo import step_and_undo_if
 from famp._scaling.unscale import unscale_and_check
 from famp._typing import Tensor
 
@@ -157,7 +158,8 @@ def optimizer_step(
       (`famp.unscale_and_check(..., donate=True)`, `GradScaler.unscale_`'s kernel), the
       optimizer steps, and a skipped step is undone with `torch.where` on copies taken before it
       (one copy of the parameters and the optimizer state per step, and of the tensors the param
-      groups hold, if any): parameters, optimizer state and each param group's entries
+      groups hold, if any): parameters (those without a `.grad` too, for an optimizer torch
+      does not ship), optimizer state and each param group's entries
       (optimizers that count steps in `group['step']`, as timm's `Lamb` does), tensors
       inside lists, tuples and dicts among them (SOAP's `state['GG']`), end as if the step
       never ran; so do entries of `state` keyed by no parameter (MADGRAD's `state['k']`), the
@@ -170,29 +172,31 @@ def optimizer_step(
       optimizer steps as under `GradScaler`: famp reads `found_inf` on the host and calls
       `optimizer.step()` only if the step applies (no copies, no undo), so no hook sees a
       skipped step (an EMA of the weights kept by a post-hook stays finite). A fused optimizer
-      is stepped every time, and its hooks run every time, as under `GradScaler`.
+      is stepped every time, and its hooks run every time, as under `GradScaler`. So is an
+      optimizer whose step autograd records (`differentiable=True` in a param group, or
+      gradients that require grad): an undo would leave the skipped step in the graph.
 
     A `grad_scale` you set on a fused optimizer yourself (e.g. for summed micro-batches) is
     multiplied by the scale, or passed alone when the gradients are unscaled, as
     `GradScaler.step` does; `GradScaler` then deletes it, famp restores it, so it applies on
     every step while it is set. Without step hooks `optimizer.step()` is always called, so
     `torch.optim.lr_scheduler` never warns that it was skipped. No host sync, except: with a
-    step hook on a non-fused optimizer (every step); on a step where a non-fused optimizer
-    creates its state (its first: a skipped one must leave no state, and famp reads `found_inf`
-    once to remove it); on a step that changes a Python value famp must restore (`SparseAdam`
-    counts its steps in a Python int; `group['step'] += 1`; a key added to a param group; a
-    list appended to, an attribute set, random numbers drawn; a state entry that is a
-    parameter's `.grad` itself; a `.grad` the step replaced or freed, put back on a skip). On
-    CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for the
-    device (pass `capturable=True` or `fused=True` to avoid that). Known limits of stepping a
-    skipped step (non-fused, no step hook): a `step()` that raises on non-finite gradients
-    (`clip_grad_norm_(..., error_if_nonfinite=True)` inside it), or `capturable=True` on the CPU,
-    raises where `GradScaler` calls no `step()`; and a skipped step puts torch's default
-    generators back as they were, so what another thread drew from them during the step is
-    drawn again (and its draws cost a host sync). A step hook (a no-op one) avoids both.
-    Fused `SGD` with momentum leaves its buffers uninitialized after a skipped first step; famp
-    zeroes them, so the next step equals a first step (bit for bit with `dampening=0`). Update
-    the scale afterwards: `famp.update_scale(state, found_inf)`.
+    step hook on a non-fused optimizer or a differentiable step (every step); on a step where a
+    non-fused optimizer creates its state (its first: a skipped one must leave no state, and
+    famp reads `found_inf` once to remove it); on a step that changes a Python value famp must
+    restore (`SparseAdam` counts its steps in a Python int; `group['step'] += 1`; a key added to
+    a param group; a list appended to, an attribute set, random numbers drawn; a state entry
+    that is a parameter's `.grad` itself; a `.grad` the step replaced or freed, put back on a
+    skip). On CUDA, a non-capturable optimizer keeps `step` on the CPU, and undoing it waits for
+    the device (pass `capturable=True` or `fused=True` to avoid that). Known limits of stepping
+    a skipped step (non-fused, no step hook): a `step()` that raises on non-finite gradients
+    (`clip_grad_norm_(..., error_if_nonfinite=True)` inside it), or `capturable=True` on the
+    CPU, raises where `GradScaler` calls no `step()`; and a skipped step puts torch's default
+    generators back as they were, so what another thread drew from them during the step is drawn
+    again (and its draws cost a host sync). A step hook (a no-op one) avoids both. Fused `SGD`
+    with momentum leaves its buffers uninitialized after a skipped first step; famp zeroes them,
+    so the next step equals a first step (bit for bit with `dampening=0`). Update the scale
+    afterwards: `famp.update_scale(state, found_inf)`.
 
     Args:
         optimizer: A `torch.optim.Optimizer` whose `step()` needs no closure.
@@ -299,7 +303,7 @@ def _step(
         optimizer.step()
         return torch.zeros((), dtype=torch.float32, device=state.scale.device)
     skip = found_inf.reshape(()) != 0
-    if not any(_compat.optimizer_step_hooked(o) for o in wrapped(optimizer)):
+    if not any(_compat.optimizer_step_hooked(o) or differentiated(o) for o in wrapped(optimizer)):
         step_and_undo_if(optimizer, skip)
     elif not bool(skip):  # hooks must not see a step that is undone: GradScaler's host read
         optimizer.step()

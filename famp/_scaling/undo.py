@@ -1,9 +1,10 @@
 """A non-fused optimizer's step, undone where it was skipped, without reading `skip` on the host.
 
-`step_and_undo_if` copies what `optimizer.step()` may change, steps, and selects the copies back
-with `torch.where(skip, before, after)`, in place: the parameters, their `.grad` (some steps write
-into it), every tensor of `optimizer.state` and of each param group but `'params'` (timm's Lamb
-counts there), also inside lists, tuples and dicts (SOAP's per-parameter statistics). Every such
+`step_and_undo_if` copies what `optimizer.step()` may change (`reach.py`), steps, and selects the
+copies back with `torch.where(skip, before, after)`, in place: the parameters (for an optimizer
+torch does not ship, also those without a `.grad`), their `.grad` (some steps write into it),
+every tensor of `optimizer.state` and of each param group but `'params'` (timm's Lamb counts
+there), also inside lists, tuples and dicts (SOAP's per-parameter statistics). Every such
 tensor is selected back, written or not: version counters miss writes (foreach ops on DTensors, a
 write through `.data`), and inference tensors keep none. What a choice cannot restore (state
 created on a first step, Python numbers such as `SparseAdam`'s count, keys added, lists grown,
@@ -18,13 +19,13 @@ devices', and the attributes'), put back whichever thread drew from them during 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import optree
 import torch
 
 from famp import _compat
+from famp._scaling import reach
 from famp._scaling.trees import to_device
 from famp._typing import Tensor
 
@@ -37,10 +38,6 @@ _NONE: frozenset[int] = frozenset()
 _NAMESPACE = "famp.undo"
 _INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=_NAMESPACE)
 _INSERTION_ORDERED.__enter__()
-
-
-def with_grads(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _tensor_like(new: object, old: object) -> bool:
@@ -162,42 +159,6 @@ class _Entries:
         return _unflat(self.spec, self.leaves)
 
 
-@functools.cache
-def _torch_attributes() -> frozenset[str]:
-    """The attributes torch keeps on an optimizer, read from the installed torch: state, groups,
-    defaults, hooks, flags, an LR scheduler's (a wrapped `step`, a flag that it was called)."""
-    p = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.SGD([p], lr=0.0)
-    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    p.grad = torch.zeros(1)
-    optimizer.step()
-    optimizer.zero_grad()
-    return frozenset(vars(optimizer))
-
-
-def _attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's own attributes: torch's left out."""
-    torch_own = _torch_attributes()
-    return {k: v for k, v in vars(optimizer).items() if k not in torch_own}
-
-
-def _unkeyed(state: dict[Any, Any]) -> dict[Any, Any]:
-    """Entries of an optimizer's `state` not keyed by a parameter (MADGRAD's `state['k']`)."""
-    return {k: v for k, v in state.items() if not isinstance(k, torch.Tensor)}
-
-
-def _default_generators(params: list[torch.nn.Parameter]) -> list[torch.Generator]:
-    """torch's default random generators, the CPU's and those of the parameters' devices: a step
-    that draws random numbers (noise, stochastic rounding) advances them, a skipped step must
-    not, or every later draw (dropout's masks too) differs from a `GradScaler` loop's."""
-    found = [torch.default_generator]
-    for device in {p.device for p in params if not p.is_cpu}:
-        defaults = getattr(getattr(torch, device.type, None), "default_generators", ())
-        if device.index is not None and device.index < len(defaults):
-            found.append(defaults[device.index])
-    return found
-
-
 def _entries(entries: dict[Any, Any], held: frozenset[int], generators: bool) -> _Entries | None:
     return _Entries(entries, held=held, generators=generators) if entries else None
 
@@ -219,40 +180,20 @@ def _group_entries(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizer and those it wraps, each once: optimizers among its attributes (Lookahead's
-    base optimizer, `ZeroRedundancyOptimizer`'s local one), in lists, tuples and dicts too, and
-    theirs. A wrapped optimizer keeps its own state, which a skipped step must leave as it was."""
-    found = [optimizer]
-    for o in found:
-        for k, v in vars(o).items():
-            if k in ("state", "param_groups"):  # per-parameter entries: no optimizer there
-                continue
-            held = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else (v,)
-            for w in held:
-                if isinstance(w, torch.optim.Optimizer) and all(w is not f for f in found):
-                    found.append(w)
-    return found
-
-
-def _unique(items: Any) -> list[Any]:
-    return list({id(x): x for x in items}.values())
-
-
 def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
     """`optimizer.step()`, then everything it changed back where `skip` is true."""
-    optimizers = wrapped(optimizer)
-    params = _unique(p for o in optimizers for p in with_grads(o))
-    all_groups = _unique(g for o in optimizers for g in o.param_groups)
-    states = _unique(o.state for o in optimizers)
+    optimizers = reach.wrapped(optimizer)
+    params = reach.unique(p for o in optimizers for p in reach.may_write(o))
+    all_groups = reach.unique(g for o in optimizers for g in o.param_groups)
+    states = reach.unique(o.state for o in optimizers)
     grads = [p.grad for p in params]
     held = frozenset(id(t) for t in (*params, *grads) if t is not None)
     with torch.no_grad():
         groups = [_Entries(_group_entries(g), tensors_at_once=True) for g in all_groups]
         before = [[_Entries(s[p]) if p in s else None for p in params] for s in states]
-        unkeyed = [_entries(_unkeyed(s), held, generators=False) for s in states]
-        attributes = [_entries(_attributes(o), held, generators=True) for o in optimizers]
-        generators = [(g, _generator_state(g)) for g in _default_generators(params)]
+        unkeyed = [_entries(reach.unkeyed(s), held, generators=False) for s in states]
+        attributes = [_entries(reach.attributes(o), held, generators=True) for o in optimizers]
+        generators = [(g, _generator_state(g)) for g in reach.default_generators(params)]
         before_params = [p.detach().clone() for p in params]
         # Some write into .grad (foreach SGD with nesterov); a skipped GradScaler step does not.
         before_grads = _Entries(dict(enumerate(grads)))
@@ -269,9 +210,9 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         for group, old_group in zip(all_groups, groups, strict=True):
             untensorlike |= old_group.select(_group_entries(group), on)
         for s, old_unkeyed in zip(states, unkeyed, strict=True):
-            untensorlike |= _changed(old_unkeyed, _unkeyed(s), on, held)
+            untensorlike |= _changed(old_unkeyed, reach.unkeyed(s), on, held)
         for o, old_attributes in zip(optimizers, attributes, strict=True):
-            untensorlike |= _changed(old_attributes, _attributes(o), on, held)
+            untensorlike |= _changed(old_attributes, reach.attributes(o), on, held)
         untensorlike |= any(not torch.equal(_generator_state(g), v) for g, v in generators)
         for p, old in zip(params, before_params, strict=True):
             new = p.detach()
@@ -302,8 +243,8 @@ def step_and_undo_if(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
                     else:
                         s[p] = old_state.restored()
             for s, old_unkeyed in zip(states, unkeyed, strict=True):
-                _restore(old_unkeyed, _unkeyed(s), s)
+                _restore(old_unkeyed, reach.unkeyed(s), s)
             for o, old_attributes in zip(optimizers, attributes, strict=True):
-                _restore(old_attributes, _attributes(o), vars(o))
+                _restore(old_attributes, reach.attributes(o), vars(o))
             for g, v in generators:
                 g.set_state(v.view(torch.uint8))
