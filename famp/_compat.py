@@ -34,6 +34,9 @@ saved_tensors_hooks_top: Callable[[], tuple[object, object] | None] = functools.
 # Whether a `torch.func` transform is running (no public query): `torch.compile` cannot run inside
 # one, so `famp.autocast(compile=True)` runs the function directly there. The builtin itself.
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+# Whether a tensor is a `torch.func` transform's wrapper (`grad`'s, `vmap`'s; no public query):
+# torch's autocast runs beneath the transforms, on what they wrap, and caches no cast there.
+functorch_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 # famp's own compile relaxes callers' `mark_dynamic` marks: no public API reads or relaxes them.

@@ -25,7 +25,7 @@ import torch
 from famp._autocast.op_calls import read_args
 from famp._autocast.recompute import calls
 from famp._autocast.threads import crowded
-from famp._compat import is_view, tensor_version, torch_function_modes
+from famp._compat import functorch_wrapped, is_view, tensor_version, torch_function_modes
 
 
 class _ThreadState(threading.local):
@@ -127,6 +127,7 @@ class CastCache:
             and t.is_leaf
             and not is_view(t)
             and not t.is_inference()  # no version counter: a cast per use
+            and not functorch_wrapped(t)  # torch caches nothing inside `torch.func.grad` either
             and torch.is_grad_enabled()
             and torch.is_autocast_cache_enabled()  # off: one cast per use, as torch's cache off
         )

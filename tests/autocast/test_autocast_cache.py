@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import famp
@@ -509,3 +510,89 @@ def test_weights_made_in_inference_mode_are_read_as_torch_reads_them(
     for _ in range(2):  # the second call meets the weights watched by the first
         with context():
             assert_bitwise_equal(f(x), expected)
+
+
+# --- inside torch.func transforms -------------------------------------------------------------
+
+_X = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+_I1, _I2 = torch.tensor([0, 1, 2, 3, 1]), torch.tensor([1, 1, 4, 5, 0])
+
+
+def _two_linears(w: torch.Tensor) -> torch.Tensor:
+    """A weight read twice by `linear`, which torch's own autocast casts (lower on the CPU)."""
+    return F.linear(_X, w).float().pow(2).sum() + F.linear(3 * _X, w).float().pow(2).sum()
+
+
+def _two_embeddings(w: torch.Tensor) -> torch.Tensor:
+    """A weight read twice by `embedding`, which the override below makes famp cast."""
+    return 1.5 * F.embedding(_I1, w).float().pow(2).sum() + F.embedding(_I2, w).float().pow(2).sum()
+
+
+TRANSFORMS: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]] = {
+    "grad": lambda f: torch.func.grad(f)(torch.randn(6, 6, generator=_gen())),
+    "vmap(grad)": lambda f: torch.func.vmap(torch.func.grad(f))(
+        torch.randn(3, 6, 6, generator=_gen())
+    ),
+    "jacrev": lambda f: torch.func.jacrev(f)(torch.randn(6, 6, generator=_gen())),
+    "vjp": lambda f: torch.func.vjp(f, torch.randn(6, 6, generator=_gen()))[1](torch.tensor(1.0))[
+        0
+    ],
+}
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_inside_torch_func_transforms_a_weight_is_cast_per_use_as_torch_casts_it(
+    transform: str,
+) -> None:
+    # torch's autocast runs beneath `torch.func`'s transforms, on the tensor they wrap, and
+    # caches no cast there: each use of a weight gets its own cast, and their gradients are
+    # summed in float32. famp cached its own casts (an override's) of the transform's wrapper:
+    # the gradient was up to 0.0625 off (0.03125 under vmap(grad)).
+    run = TRANSFORMS[transform]
+
+    def torch_linears(w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return _two_linears(w)
+
+    def by_hand(w: torch.Tensor, shared: bool) -> torch.Tensor:
+        first = w.to(BF16)
+        second = first if shared else w.to(BF16)
+        with torch.autocast("cpu", enabled=False):
+            return _two_linears_of(first, second)
+
+    # The oracle: torch's own linear, read twice here, equals a cast per use, not one cast.
+    per_use = run(lambda w: by_hand(w, shared=False))
+    assert_bitwise_equal(run(torch_linears), per_use)
+    assert not torch.equal(run(lambda w: by_hand(w, shared=True)), per_use)
+
+    rules = famp.default_rules("cpu").override({"embedding": "lower"})
+    both = famp.autocast(
+        lambda w: _two_embeddings(w) + _two_linears(w), "c=bf16,o=f32", rules=rules
+    )
+
+    def reference(w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            with torch.autocast("cpu", enabled=False):  # the override, a cast per use
+                embedded = _two_embeddings_of(w.to(BF16), w.to(BF16))
+            return embedded + _two_linears(w)
+
+    assert_bitwise_equal(run(both), run(reference))
+
+
+def _two_linears_of(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    x = _X.to(BF16)
+    return (
+        F.linear(x, first).float().pow(2).sum()
+        + F.linear((3 * _X).to(BF16), second).float().pow(2).sum()
+    )
+
+
+def _two_embeddings_of(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return (
+        1.5 * F.embedding(_I1, first).float().pow(2).sum()
+        + F.embedding(_I2, second).float().pow(2).sum()
+    )
