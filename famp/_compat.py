@@ -226,6 +226,14 @@ tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 is_view: Callable[[torch.Tensor], bool] = torch.Tensor._is_view
 
 
+def unbatched(t: torch.Tensor) -> torch.Tensor:
+    """`t` without `vmap`'s wrappers (no public query): a view made under `vmap` has no `_base`
+    of its own, the tensor it wraps has (`casts.apply_rule` asks if a result views a cast)."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def torch_function_modes() -> int:
     """How many torch function modes are active (famp's alone makes torch's fast paths decline)."""
     return int(torch._C._len_torch_function_stack())

@@ -24,6 +24,7 @@ from famp._autocast.ops import (
     value_arguments,
 )
 from famp._autocast.overloads import resolve_overload
+from famp._autocast.views import views_a_cast
 from famp._autocast.weights import CastCache
 from famp._compat import OpOverload, OpOverloadPacket, assume_constant_result, op_schema
 
@@ -215,13 +216,8 @@ def apply_rule(
         cast, cast_kwargs = cast_args(args, kwargs, device_type, target, lower, cache)
         with autocast_off():
             out = call(func, cast, cast_kwargs)
-        for o in (
-            (out,) if isinstance(out, torch.Tensor) else out if type(out) in (tuple, list) else ()
-        ):
-            if isinstance(o, torch.Tensor) and o._base is not None:  # a view: of a cast input?
-                copies = _copies((*args, *kwargs.values()), (*cast, *cast_kwargs.values()))
-                if any(o._base is c for c in copies):
-                    return AS_TORCH
+        if views_a_cast(out, args, kwargs, cast, cast_kwargs):
+            return AS_TORCH  # `torch.einsum("ij->ji", x)`: torch's result is a view of `x`
         return out
     if rule in ("float32_set_opt_dtype", "float32_append_dtype"):
         name = None if args else _input_keyword(func, packet, tuple(kwargs))
@@ -244,19 +240,6 @@ def apply_rule(
 AS_TORCH = object()
 """`apply_rule`'s answer for a call to run as torch runs it: cast, its result would be a cast
 copy of its input, or a view of one."""
-
-
-def _copies(before: tuple[Any, ...], after: tuple[Any, ...]) -> list[torch.Tensor]:
-    """The tensors `cast_args` made: those of `after` (and of its lists) not in `before`. Also
-    while Dynamo traces: `is` between the variables of its graph's tensors."""
-    made = []
-    for old, new in zip(before, after, strict=True):
-        if isinstance(new, torch.Tensor):
-            if new is not old:
-                made.append(new)
-        elif isinstance(new, (list, tuple)) and new is not old:
-            made.extend(n for o, n in zip(old, new, strict=True) if n is not o)
-    return made
 
 
 @assume_constant_result  # Dynamo calls it while tracing: a constant of the op's name
