@@ -44,13 +44,23 @@ class _Unscale(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
         ctx.save_for_backward(inputs[1])
-        ctx.save_for_forward(inputs[1])
         ctx.mark_non_differentiable(output[-1])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         (inv64,) = ctx.saved_tensors
         return (None, None, *(None if g is None else g * inv64 for g in grads[:-1]))
+
+
+class _UnscaleForwardMode(_Unscale):
+    """`_Unscale` with the recipe's tangents. Eager only: Dynamo refuses an autograd Function
+    with a custom `jvp` ("Unsupported custom jvp"), so compiled gradient penalties take
+    `_Unscale`, whose forward mode is then unsupported as under any Function without `jvp`."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        _Unscale.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1])
 
     @staticmethod
     def jvp(ctx: Any, _found: Tensor | None, _inv: Tensor | None, *tangents: Tensor | None) -> Any:
@@ -62,5 +72,6 @@ def differentiable_unscale(
     tensors: list[Tensor], found: Tensor, inv64: Tensor
 ) -> tuple[list[Tensor], Tensor]:
     """The kernel's results through `_Unscale`, for grads that carry a graph."""
-    *new, found = cast(tuple[Tensor, ...], _Unscale.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
+    function = _Unscale if torch.compiler.is_compiling() else _UnscaleForwardMode
+    *new, found = cast(tuple[Tensor, ...], function.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
     return new, found

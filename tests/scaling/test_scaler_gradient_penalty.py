@@ -168,3 +168,43 @@ def test_differentiable_unscale_values_are_the_kernels_and_its_backward_the_reci
         # returns each value as it is: a signalling NaN stays signalling (the multiply quiets it).
         recipe = scaled.detach() if scale_value == 1.0 else scaled.detach() * (1.0 / recipe_scale)
         assert_bitwise_equal(out, recipe)
+
+
+def _penalised_grads(state: famp.ScalerState, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """famp's gradient penalty: nested `value_and_grad`, so the inner grads carry a graph."""
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (w * x).tanh().sum()
+
+    def with_penalty(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        _, g, _, _ = famp.value_and_grad(loss)(state, w, x)
+        return loss(w, x) + g.pow(2).sum()
+
+    return famp.value_and_grad(with_penalty)(state, w, x)[1]
+
+
+def _recipe_grads(scale: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """torch's recipe, functionally: grads of the scaled loss times 1/scale, penalised."""
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        return (w * x).tanh().sum()
+
+    def with_penalty(w: torch.Tensor) -> torch.Tensor:
+        g = torch.func.grad(lambda w: loss(w) * scale)(w) * (1.0 / scale.double()).float()
+        return loss(w) + g.pow(2).sum()
+
+    return torch.func.grad(lambda w: with_penalty(w) * scale)(w) * (1.0 / scale.double()).float()
+
+
+# Dynamo, tracing an autograd Function under torch.func.grad, instantiates it (torch's warning).
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_gradient_penalty_compiles_fullgraph_with_the_recipes_bits(dynamic: bool) -> None:
+    # Before 2026-12-02 Dynamo refused famp's differentiable unscale ("Unsupported custom jvp"):
+    # its autograd Function defined forward mode's tangents, which compiled calls now leave out.
+    state = famp.init_scaler(3.0)
+    w, x = torch.randn(4, generator=torch.Generator().manual_seed(3)), X[:4, 0].clone()
+    ours = torch.compile(_penalised_grads, fullgraph=True, dynamic=dynamic)(state, w, x)
+    recipe = torch.compile(_recipe_grads, fullgraph=True, dynamic=dynamic)(state.scale, w, x)
+    assert_bitwise_equal(ours, recipe)
+    assert_bitwise_equal(_penalised_grads(state, w, x), _recipe_grads(state.scale, w, x))
