@@ -39,6 +39,12 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 functorch_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+def forward_ad_active() -> bool:
+    """Whether a `torch.autograd.forward_ad.dual_level` is open (no public query): gradients of
+    dual tensors carry tangents, which plain autograd and the in-place kernel drop."""
+    return bool(torch.autograd.forward_ad._current_level >= 0)
+
+
 # famp's own compile relaxes callers' `mark_dynamic` marks: no public API reads or relaxes them.
 def dynamic_marks(tensor: torch.Tensor) -> bool:
     """Whether `torch._dynamo.mark_dynamic` marked a size of `tensor` (a private attribute)."""

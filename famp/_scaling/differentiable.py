@@ -11,7 +11,9 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
+from famp._compat import forward_ad_active
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling.kernels import out_of_place
 from famp._scaling.program import where_program
@@ -75,3 +77,13 @@ def differentiable_unscale(
     function = _Unscale if torch.compiler.is_compiling() else _UnscaleForwardMode
     *new, found = cast(tuple[Tensor, ...], function.apply(found, inv64, *tensors))  # type: ignore[no-untyped-call]
     return new, found
+
+
+def carry_tangents(tensors: list[Tensor]) -> bool:
+    """Whether a dual level is open and a tensor carries a tangent (forward mode's dual tensors,
+    which need not require grad): the kernel would leave the tangent scaled, where the recipe's
+    multiply unscales it, so they go through `_Unscale` as grads that carry a graph do."""
+    return forward_ad_active() and any(
+        forward_ad.unpack_dual(t).tangent is not None  # type: ignore[no-untyped-call]
+        for t in tensors
+    )

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from famp._compat import (
+    forward_ad_active,
     functorch_transforms_active,
     grad_hooked,
     storage_unshared,
@@ -48,19 +49,21 @@ def eager_grad(
     arguments' structure) from it, then the aux, then which gradients no other tensor shares
     memory with (`_accumulated`): `(leaves, rebuild, aux, owned)`.
 
-    `None` (run `torch.func.grad` instead) while Dynamo traces or a `torch.func` transform is
-    active, in inference mode, for an `argnums` out of range or repeated, for arguments with no
-    tensor, when a differentiated leaf is not a floating tensor or already requires grad, and
-    when `saved` (a tensor `fn` saves for backward: the scale), an argument or a keyword
-    argument is an inference tensor (one made under `torch.inference_mode`, which plain
-    autograd cannot differentiate or save; `torch.func.grad` can): `torch.func.grad` then
-    gives its own results or errors. Runs `fn` once in every other case, and leaves grad mode
-    as it found it, however `fn` leaves it, as `torch.func.grad` does. The pytree is torch's,
-    as `torch.func.grad` flattens the arguments and the aux with it.
+    `None` (run `torch.func.grad` instead) while Dynamo traces, a `torch.func` transform is
+    active or a forward-mode dual level is open, in inference mode, for an `argnums` out of
+    range or repeated, for arguments with no tensor, when a differentiated leaf is not a
+    floating tensor or already requires grad, and when `saved` (a tensor `fn` saves for
+    backward: the scale), an argument or a keyword argument is an inference tensor (one made
+    under `torch.inference_mode`, which plain autograd cannot differentiate or save;
+    `torch.func.grad` can): `torch.func.grad` then gives its own results or errors. Runs `fn`
+    once in every other case, and leaves grad mode as it found it, however `fn` leaves it, as
+    `torch.func.grad` does. The pytree is torch's, as `torch.func.grad` flattens the arguments
+    and the aux with it.
     """
     if (
         torch.compiler.is_compiling()
         or functorch_transforms_active()
+        or forward_ad_active()  # dual arguments: torch.func.grad carries their tangents
         or torch.is_inference_mode_enabled()
         or saved.is_inference()
     ):

@@ -20,7 +20,7 @@ from famp import _collectives
 from famp._compat import functorch_transforms_active as are_functorch_transforms_active
 from famp._scaling.aliasing import shared_memory
 from famp._scaling.checks import FLOAT_DTYPES
-from famp._scaling.differentiable import differentiable_unscale
+from famp._scaling.differentiable import carry_tangents, differentiable_unscale
 from famp._scaling.kernels import out_of_place, unscale_in_place, unscale_owned
 from famp._scaling.program import where_program
 from famp._scaling.state import ScalerState
@@ -97,7 +97,7 @@ def unscale_and_check(
         raise TypeError(f"famp.unscale_and_check: donate must be a bool, got {donate!r}")
     _collectives.check_group(group)  # before donated grads are unscaled in place
     if not state.enabled:
-        return grads, _no_overflow(state)
+        return grads, torch.zeros((), dtype=torch.float32, device=state.scale.device)
     leaves, rebuild = leaves_and_rebuild(grads)
     out, found_inf = unscale_leaves(
         state, leaves, lambda: cast(PyTree, grads), group=group, donate=donate
@@ -125,7 +125,7 @@ def unscale_leaves(
     values either way). `tree` gives the tree of `leaves`, only for the paths that errors name.
     """
     if not state.enabled:
-        return leaves, _no_overflow(state)
+        return leaves, torch.zeros((), dtype=torch.float32, device=state.scale.device)
     if group is None and (found_owned := unscale_owned(state.scale, leaves, owned)) is not None:
         return leaves, found_owned  # autograd's own grads, one dtype on the CPU: done in place
     scale_device = state.scale.device
@@ -166,6 +166,8 @@ def unscale_leaves(
             by_dtype[dtype] = [i]
         else:
             index.append(i)
+    if not differentiable and not donate:  # dual tensors' tangents, as the recipe's
+        differentiable = carry_tangents(dense)
     for device, by_dtype in groups.items():  # meta leaves: once per device, not per leaf
         if device.type == "meta":
             first = min(i for index in by_dtype.values() for i in index)
@@ -267,11 +269,6 @@ def unscale_leaves(
     if group is not None:
         found_inf = _collectives.all_reduce_max(found_inf, group)
     return out, found_inf
-
-
-def _no_overflow(state: ScalerState) -> Tensor:
-    """The `found_inf` of a disabled state: 0.0 on the scale's device."""
-    return torch.zeros((), dtype=torch.float32, device=state.scale.device)
 
 
 def _check_leaf(tree: Callable[[], PyTree], leaf: object, scale_device: torch.device) -> None:

@@ -94,3 +94,59 @@ def test_forward_over_reverse_of_value_and_grad_gives_the_recipes_bits(
     for a, e in leaves:
         assert a.dtype == dtype
         assert_bitwise_equal(a, e)
+
+
+# --- dual tensors that do not require grad ------------------------------------------------------
+
+
+def _sin_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).sin().sum()
+
+
+@pytest.mark.parametrize("dual", ["x", "w", "both", "w in a dict"])
+def test_value_and_grad_of_dual_arguments_carries_torch_func_grads_tangents(dual: str) -> None:
+    # Eagerly famp differentiated dual arguments with plain autograd, which computes no tangent:
+    # the gradients came back with none. torch.func.grad carries them; famp now uses it there.
+    g = torch.Generator().manual_seed(5)
+    w, x, dw, dx = (torch.randn(3, generator=g) for _ in range(4))
+    state = famp.init_scaler(1024.0)
+    with forward_ad.dual_level():
+        wd = forward_ad.make_dual(w, dw) if dual != "x" else w
+        xd = forward_ad.make_dual(x, dx) if dual != "w" and dual != "w in a dict" else x
+        expected = grad(lambda w, x: _sin_loss(w, x) * state.scale)(wd, xd) * (1.0 / 1024.0)
+        if dual == "w in a dict":
+            _, grads, _, _ = famp.value_and_grad(lambda p, x: _sin_loss(p["w"], x))(
+                state, {"w": wd}, xd
+            )
+            got = grads["w"]
+        else:
+            _, got, _, _ = famp.value_and_grad(_sin_loss)(state, wd, xd)
+        primal, tangent = forward_ad.unpack_dual(got)
+        want_primal, want_tangent = forward_ad.unpack_dual(expected)
+    assert tangent is not None
+    assert_bitwise_equal(primal, want_primal)
+    assert_bitwise_equal(tangent, want_tangent)
+
+
+def test_unscale_of_dual_gradients_unscales_their_tangents_as_the_recipe() -> None:
+    # The kernel leaves a dual tensor's tangent as it was: out of place, famp gave the primal
+    # unscaled and the tangent 1024 times too large. donate=True is GradScaler.unscale_'s kernel
+    # in place, which keeps the tangent scaled (torch's own result, kept).
+    g = torch.Generator().manual_seed(6)
+    w, x, dx = (torch.randn(3, generator=g) for _ in range(3))
+    state = famp.init_scaler(1024.0)
+    with forward_ad.dual_level():
+        scaled = grad(lambda w, x: _sin_loss(w, x) * state.scale)(w, forward_ad.make_dual(x, dx))
+        (out,), found_inf = famp.unscale_and_check(state, [scaled])
+        got, want = forward_ad.unpack_dual(out), forward_ad.unpack_dual(scaled * (1.0 / 1024.0))
+        kernel = scaled.clone()
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [kernel], torch.zeros(()), state.scale.double().reciprocal().float()
+        )
+        (donated,), _ = famp.unscale_and_check(state, [scaled.clone()], donate=True)
+        donated_tangent = forward_ad.unpack_dual(donated).tangent
+        kernel_tangent = forward_ad.unpack_dual(kernel).tangent
+    assert found_inf.item() == 0.0
+    assert_bitwise_equal(got.primal, want.primal)
+    assert_bitwise_equal(got.tangent, want.tangent)
+    assert_bitwise_equal(donated_tangent, kernel_tangent)
