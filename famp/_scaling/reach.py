@@ -86,8 +86,11 @@ def differentiated(optimizer: torch.optim.Optimizer) -> bool:
     """Whether autograd records the step (`differentiable=True`) or its grads carry a graph: an
     undo's writes would bump the versions of tensors saved for backward, and leave the skipped
     step's graph on the parameters (a meta-gradient with the skipped step in it)."""
-    return any(
-        g.get("differentiable")
-        or any(p.grad is not None and p.grad.requires_grad for p in g["params"])
-        for g in optimizer.param_groups
-    )
+    for group in optimizer.param_groups:  # loops, not any(): this runs at every step
+        if group.get("differentiable"):
+            return True
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and grad.requires_grad:
+                return True
+    return False
