@@ -21,6 +21,7 @@ import torch
 from famp._autocast import keywords
 from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
+from famp._autocast.devices import any_tensor, infer_device
 from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
 from famp._autocast.patterns import module_policies
@@ -28,57 +29,9 @@ from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe
 from famp._autocast.region import current_state, policy_state, region
 from famp._autocast.rules import OpRules
-from famp._compat import dynamic_marks, functorch_transforms_active, tree_leaves
+from famp._compat import dynamic_marks, functorch_transforms_active
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _any_tensor(tree: Any, test: Callable[[torch.Tensor], object]) -> bool:
-    """Whether `test` holds for a tensor in `tree`, tried in order until one does: the common
-    containers directly (fast), anything else through torch's pytree registry."""
-    if isinstance(tree, (list, tuple)):
-        items: Any = tree
-    elif isinstance(tree, dict):
-        items = tree.values()
-    else:
-        items = (tree,)
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            if test(item):
-                return True
-        elif isinstance(item, (list, tuple, dict)):
-            if _any_tensor(item, test):
-                return True
-        elif (
-            item is not None
-            and not isinstance(item, (int, float, str, bool))
-            and any(test(x) for x in tree_leaves(item) if isinstance(x, torch.Tensor))
-        ):
-            return True
-    return False
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _infer_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    found: set[str] = set()
-
-    def add(x: torch.Tensor) -> None:  # a plain tensor's is_cpu: no device object to build
-        found.add("cpu" if type(x) in _PLAIN and x.is_cpu else x.device.type)
-
-    _any_tensor((args, kwargs), add)
-    accelerators = sorted(found - {"cpu", "meta"})
-    if len(accelerators) > 1:
-        raise ValueError(
-            f"device_type=None: the arguments hold tensors on several devices {accelerators}; "
-            "pass device_type"
-        )
-    if accelerators:
-        return accelerators[0]
-    if "cpu" in found:
-        return "cpu"
-    raise ValueError("device_type=None needs a tensor not on meta among the args; pass device_type")
 
 
 class Transform:
@@ -110,7 +63,7 @@ class Transform:
         self.plain_ops: dict[str, dict[Any, int]] = {}  # eagerly, per device: op -> plain(...)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device_type = self.device_type or _infer_device(args, kwargs)
+        device_type = self.device_type or infer_device(args, kwargs)
         if self.rules is not None and self.rules.device_type != device_type:
             raise ValueError(
                 f"rules are for device_type {self.rules.device_type!r} but the call runs on "
@@ -125,7 +78,7 @@ class Transform:
         if self.compiled is None:
             run = types.MethodType(own_code(Transform.run), self)
             self.compiled = torch.compile(run, fullgraph=True)
-        marked = _any_tensor(args, dynamic_marks) or _any_tensor(kwargs, dynamic_marks)
+        marked = any_tensor(args, dynamic_marks) or any_tensor(kwargs, dynamic_marks)
         return call_compiled(self.compiled, marked, device_type, *args, **kwargs)
 
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -142,6 +95,8 @@ class Transform:
         kwargs = keywords.of_root(record, self.fn, kwargs)  # a module's a rule matches
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
+        if stack and record.track and stack[-1].track and stack[-1].device_type == device_type:
+            record.casts = stack[-1].casts  # one watch: torch's cache keeps nested calls' casts
         for outer in stack:
             outer.suspended += 1
         stack.append(record)

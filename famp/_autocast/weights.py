@@ -253,10 +253,15 @@ class WeightCasts:
         forget_casts()
 
     def forget(self) -> None:
-        """torch's cache was emptied: nothing read so far needs watching."""
+        """torch's cache was emptied: only the weights of famp's own casts still need watching
+        (before 2026-12-02 they were let go too, and a write through `.data` after a dtype
+        switch left famp's cast of the weight stale)."""
         self.weights.clear()
         self.storages.clear()
         self.pending.clear()
+        for t, version, _ in self.cache.entries.values():
+            self.weights[id(t)] = (t, version, None)
+            self.pending.append(t)
 
 
 def _cacheable(t: torch.Tensor) -> bool:

@@ -596,3 +596,104 @@ def _two_embeddings_of(first: torch.Tensor, second: torch.Tensor) -> torch.Tenso
         1.5 * F.embedding(_I1, first).float().pow(2).sum()
         + F.embedding(_I2, second).float().pow(2).sum()
     )
+
+
+# --- famp's own casts after a dtype switch, and casts made in nested calls -----------------------
+
+
+def _nested_float16_read(x: torch.Tensor, w2: torch.Tensor) -> None:
+    x @ w2  # read in bfloat16, then in float16 by a nested call: a dtype switch
+    famp.autocast(lambda x: x @ w2, "c=f16,o=f32")(x)
+
+
+def _own_autocast_float16_read(x: torch.Tensor, w2: torch.Tensor) -> None:
+    x @ w2
+    with torch.autocast("cpu", dtype=F16):  # the same switch, through the function's autocast
+        x @ w2
+
+
+def _nested_write(x: torch.Tensor, w2: torch.Tensor) -> None:
+    def g(x: torch.Tensor) -> torch.Tensor:
+        x @ w2
+        with torch.no_grad():
+            w2.mul_(0.5)  # seen by the nested call, which empties both caches
+        return x @ w2
+
+    famp.autocast(g, "c=bf16,o=f32", track_casts=True)(x)
+
+
+@pytest.mark.parametrize(
+    "trigger",
+    [_nested_float16_read, _own_autocast_float16_read, _nested_write],
+    ids=lambda f: f.__name__,
+)
+def test_a_write_through_data_after_the_cache_was_emptied_reaches_an_overrides_cast(
+    trigger: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    # When famp emptied torch's cache, it also let go of the weights of its own casts (an
+    # override's), so a later write through `.data` (no version change; seen by storage) was
+    # missed: the second mv read the stale cast, v's gradient up to 2.375 off.
+    rules = famp.default_rules("cpu").override({"mv": "lower"})
+    g = torch.Generator().manual_seed(0)
+    w, w2 = (nn.Parameter(torch.randn(8, 8, generator=g)) for _ in range(2))
+    x, v0 = torch.randn(4, 8, generator=g), torch.randn(8, generator=g)
+
+    def f(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.mv(w, v)  # famp's own bfloat16 cast of w, cached
+        trigger(x, w2)
+        w.data.mul_(0.5)
+        return torch.mv(w, v)
+
+    v = v0.clone().requires_grad_()
+    out = famp.autocast(f, "c=bf16,o=f32", rules=rules)(x, v)
+    out.sum().backward()
+    ref_v = v0.clone().requires_grad_()
+    expected = torch.mv(w.detach().to(BF16), ref_v.to(BF16)).float()  # cast after the write
+    expected.sum().backward()
+    assert_bitwise_equal(out, expected)
+    assert_bitwise_equal(v.grad, ref_v.grad)
+
+
+INNER_MODES: dict[str, dict[str, Any]] = {
+    "track_casts": {"track_casts": True},
+    "override": {"rules": famp.default_rules("cpu").override({"mv": "lower"})},
+}
+
+
+@pytest.mark.parametrize("first", ["inner", "outer"])
+@pytest.mark.parametrize("inner_mode", sorted(INNER_MODES))
+def test_a_weight_written_between_a_nested_calls_read_and_the_outer_calls_is_cast_afresh(
+    inner_mode: str, first: str
+) -> None:
+    # A nested call with a mode of its own watched the weights it read in a watch of its own,
+    # let go at its end while torch's cache kept its casts: a write in the outer call, then a
+    # read there, took the stale cast (the output 0.535 off, the weight's gradient 7.125).
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+    def run(use_famp: bool) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8)
+        nested = famp.autocast(lin, "c=bf16,o=f32", **INNER_MODES[inner_mode])
+
+        def inner(x: torch.Tensor) -> torch.Tensor:  # by hand: the call's casts, under torch's
+            return nested(x) if use_famp else lin(x.to(BF16)).float()
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            a = inner(x) if first == "inner" else lin(x).float()
+            with torch.no_grad():
+                lin.weight.mul_(0.5)  # EMA-style, in the outer call: the version moves
+            if not use_famp:
+                torch.clear_autocast_cache()  # the write seen
+            return a + (lin(x).float() if first == "inner" else inner(x))
+
+        xr = x.clone().requires_grad_()
+        if use_famp:
+            out = famp.autocast(f, "c=bf16,o=f32", track_casts=True)(xr)
+        else:
+            with torch.autocast("cpu", dtype=BF16):
+                out = f(xr)
+        out.square().sum().backward()
+        return out, xr.grad, lin.weight.grad  # type: ignore[return-value]
+
+    for got, expected in zip(run(True), run(False), strict=True):
+        assert_bitwise_equal(got, expected)
