@@ -427,6 +427,12 @@ def _holders(tensor: torch.Tensor) -> int:  # counts `storage` too: kept alive w
 _FRESH_HOLDERS = _holders(torch.empty(1))  # the tensor (alive as the argument) and its storage
 
 
+def storage_identity(tensor: torch.Tensor) -> int:
+    """The identity of `tensor`'s storage, kept through `resize_` (FSDP2 frees and reallocates
+    its unsharded weights, so their data pointer moves): no public query."""
+    return int(tensor.untyped_storage()._cdata)
+
+
 def grad_hooked(tensor: torch.Tensor) -> bool:  # see storage_unshared
     return getattr(tensor, "_post_accumulate_grad_hooks", True) is not None
 

@@ -25,7 +25,13 @@ import torch
 from famp._autocast.op_calls import read_args
 from famp._autocast.recompute import calls
 from famp._autocast.threads import crowded
-from famp._compat import functorch_wrapped, is_view, tensor_version, torch_function_modes
+from famp._compat import (
+    functorch_wrapped,
+    is_view,
+    storage_identity,
+    tensor_version,
+    torch_function_modes,
+)
 
 
 class _ThreadState(threading.local):
@@ -150,10 +156,12 @@ class WeightCasts:
         self.cache = CastCache()
         # The cacheable weights the ops have read since the caches were last cleared, with the
         # version each had then and the lower dtype of the last read (None: autocast off); their
-        # storages catch writes through `.data`, each weight's looked up once, at the first
-        # write after its first read (`pending` till then).
+        # storages and data pointers (`_storage`) catch writes through `.data` and other
+        # aliases, each weight's looked up once, at the first write after its first read
+        # (`pending` till then).
         self.weights: dict[int, tuple[torch.Tensor, int, torch.dtype | None]] = {}
         self.storages: set[int] = set()
+        self.pointers: set[int] = set()
         self.pending: list[torch.Tensor] = []
 
     def watch(
@@ -236,15 +244,19 @@ class WeightCasts:
         """
         tensors = target if isinstance(target, (list, tuple)) else (target,)
         if self.pending:  # once per weight: a rebuild at each write was quadratic in a CNN
-            self.storages.update(_storage(t) for t in self.pending)
+            for t in self.pending:
+                storage, pointer = _storage(t)
+                self.storages.add(storage)
+                self.pointers.add(pointer)
             self.storages.discard(0)
+            self.pointers.discard(0)
             self.pending.clear()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and (
-                id(t) in self.weights or _storage(t) in self.storages
-            ):
-                self.clear()
-                return
+            if isinstance(t, torch.Tensor):
+                storage, pointer = _storage(t) if self.storages else (0, 0)
+                if id(t) in self.weights or storage in self.storages or pointer in self.pointers:
+                    self.clear()
+                    return
 
     def clear(self) -> None:
         """Drop every weight cast, torch's and famp's."""
@@ -258,6 +270,7 @@ class WeightCasts:
         switch left famp's cast of the weight stale)."""
         self.weights.clear()
         self.storages.clear()
+        self.pointers.clear()
         self.pending.clear()
         for t, version, _ in self.cache.entries.values():
             self.weights[id(t)] = (t, version, None)
@@ -282,8 +295,13 @@ _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.Size})
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Two keys of the memory `t` writes into: its storage, which a `resize_` keeps (FSDP2 frees
+    an unsharded weight after each use and all-gathers into it again, keeping its version: before
+    2026-12-02 the move of its data pointer hid that write), and its data pointer, shared by
+    aliases with a storage of their own (`torch.from_dlpack`). The pointer 0 (no memory) is no
+    key."""
     try:
-        return int(t.untyped_storage().data_ptr())
+        return storage_identity(t), int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # nested, sparse, functorch-wrapped tensors
-        return 0
+        return 0, 0

@@ -16,7 +16,9 @@ A cell that raises records its error instead, so that one failure does not hide 
   famp against ``torch.autocast``; ``fsdp2_module_rule``: a float32 rule on the head (full-precision
   parameters) against the head run by hand under ``torch.autocast(enabled=False)``;
   ``fsdp2_module_rule_keywords``: the same with the head sharded on its own and its input passed
-  by keyword (FSDP2's pre-forward hook takes keyword inputs too).
+  by keyword (FSDP2's pre-forward hook takes keyword inputs too); ``fsdp2_step_inside_a_call``: an
+  optimizer step inside one call (an override, ``track_casts``) against ``torch.autocast`` with
+  its cast cache off.
 - ``fsdp1_default``: FSDP1 with ``MixedPrecision(param_dtype=bfloat16)`` against ``torch.autocast``;
   ``fsdp1_module_rule``: a ``*head`` rule through FSDP1's ``_fsdp_wrapped_module.`` prefix, against
   the head run by hand.
@@ -25,6 +27,7 @@ A cell that raises records its error instead, so that one failure does not hide 
 from __future__ import annotations
 
 import datetime
+import functools
 import pathlib
 import sys
 import traceback
@@ -197,6 +200,39 @@ def fsdp2_module_rule_keywords(rank: int) -> dict[str, Any]:
     return {"actual": actual, "expected": expected}
 
 
+def fsdp2_step_inside_a_call(rank: int) -> dict[str, Any]:
+    """A backward and an SGD step inside one call, then a second forward: FSDP2 all-gathers the
+    stepped weights into the unsharded parameters' storage, which it freed after the first use
+    (`resize_`), keeping their version; famp's watch (an override, `track_casts`) recasts them,
+    as `torch.autocast` with its cast cache off does."""
+    from torch.distributed.fsdp import fully_shard
+
+    def run(model: Net, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return model(x)
+
+    def cache_off(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+                return body(x)
+
+        return forward
+
+    rules = famp.default_rules("cpu").override({"bmm": "float32"})  # no bmm here: the watch only
+    actual, expected = [], []
+    for reshard in (True, False):
+        for kwargs in ({"rules": rules}, {"track_casts": True}):
+            for results, ours in ((actual, True), (expected, False)):
+                model = net()
+                fully_shard(model, reshard_after_forward=reshard)
+                body = functools.partial(run, model, torch.optim.SGD(model.parameters(), lr=0.5))
+                forward = famp.autocast(body, "c=bf16,o=f32", **kwargs) if ours else cache_off(body)
+                results += step(forward, model, rank)
+    return {"actual": actual, "expected": expected}
+
+
 def fsdp1_default(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
@@ -231,6 +267,7 @@ CELLS = [
     fsdp2_default,
     fsdp2_module_rule,
     fsdp2_module_rule_keywords,
+    fsdp2_step_inside_a_call,
     fsdp1_default,
     fsdp1_module_rule,
 ]

@@ -910,6 +910,7 @@ DISTRIBUTED_CELLS = [
     "fsdp2_default",
     "fsdp2_module_rule",
     "fsdp2_module_rule_keywords",
+    "fsdp2_step_inside_a_call",
     "fsdp1_default",
     "fsdp1_module_rule",
 ]
