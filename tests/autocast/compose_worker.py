@@ -226,6 +226,7 @@ def fsdp2_step_inside_a_call(rank: int) -> dict[str, Any]:
         for kwargs in ({"rules": rules}, {"track_casts": True}):
             for results, ours in ((actual, True), (expected, False)):
                 model = net()
+                fully_shard(model.body, reshard_after_forward=reshard)
                 fully_shard(model, reshard_after_forward=reshard)
                 body = functools.partial(run, model, torch.optim.SGD(model.parameters(), lr=0.5))
                 forward = famp.autocast(body, "c=bf16,o=f32", **kwargs) if ours else cache_off(body)
