@@ -15,7 +15,7 @@ import sys
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -164,6 +164,36 @@ def node_saves_tensors(kind: type) -> bool:
 # a raise in a checkpoint node (its post-hook, where famp leaves, never ran), a call outside
 # backward cleans up (`in_backward`); explain's calls govern only the ops of their own task.
 graph_task: Callable[[], int] = torch._C._current_graph_task_id
+
+# The sequence number the next autograd node made on this thread gets, and a node's (no public
+# query): a call without a mode finds the reentrant checkpoints made inside it behind its values.
+next_node_number: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
+def node_number(node: Any) -> int:
+    return int(node._sequence_nr())
+
+
+def checkpoint_frame(hooks: tuple[object, object]) -> object | None:
+    """The non-reentrant checkpoint whose saved-tensor hooks `hooks` are, one object in its
+    block's forward and recomputation (no public query): torch's pack hooks hold it, as `frame`
+    in the forward's and through `target_frame_ref` in the recomputation's, which Dynamo's
+    `disable` wraps (`fn`). A call without a mode around the block brackets none of its nodes:
+    a call nested in it finds its state by this at recomputation."""
+    fn = hooks[0]
+    for _ in range(3):
+        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+        if code is None or cells is None:
+            return None
+        found = dict(zip(code.co_freevars, cells, strict=True))
+        if "frame" in found:
+            return cast(object, found["frame"].cell_contents)
+        if "target_frame_ref" in found:
+            return cast(object, found["target_frame_ref"].cell_contents())
+        if "fn" not in found:
+            return None
+        fn = found["fn"].cell_contents
+    return None
 
 
 # --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------

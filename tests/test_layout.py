@@ -30,7 +30,7 @@ DATA = {"rules_data.py", "samples.py"}
 MAX_LINES = 310
 # The one module of torch's private names, one entry each with its reason, kept in one place by
 # design (tests/test_compat.py): it grows with what famp must read of torch, within its own bound.
-REGISTRY_MAX_LINES = {"_compat.py": 500}
+REGISTRY_MAX_LINES = {"_compat.py": 530}
 
 
 def _rel(path: pathlib.Path) -> str:

@@ -7,13 +7,21 @@ an op of the block made that may do so, with the state at the block's start.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from famp._autocast.recompute import BRACKETED, Snapshot, bracket, tensors
-from famp._compat import is_view, node_saves_tensors
+from famp._autocast.recompute import (
+    BRACKETED,
+    REENTRANT_NODE,
+    Snapshot,
+    bracket,
+    snapshot,
+    tensors,
+)
+from famp._compat import is_view, node_number, node_saves_tensors
 
 _REBASED_NODE = "torch::autograd::CopySlices"  # a base's node after an in-place op on its view
 
@@ -61,3 +69,32 @@ def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
     if kwargs:
         tensors(kwargs, found)
     return {id(t.grad_fn): t.grad_fn for t in found if t.grad_fn is not None}
+
+
+def bracket_behind(record: Any, values: Any) -> None:
+    """After a grad-free op in `record`, a call without a mode: it sees no op, so a reentrant
+    checkpoint's block in it (with a nested call inside, which needs the stack at recomputation)
+    may lie anywhere behind the values of its next event (a nested call's start, its end). The
+    nodes made since the call began (`record.unseen`: the first one's number, those walked) are
+    walked once each, and the reentrant checkpoints' bracketed with the state of now: the
+    call's, which has no module scopes. Before 2026-12-02 a call nested in such a block ran as
+    an outermost call when it was recomputed: its inputs uncast."""
+    if record.unseen is None or record.intercepts or not torch.is_grad_enabled():
+        return
+    first, walked = record.unseen
+    found: list[torch.Tensor] = []
+    tensors(values, found)
+    stack: list[Any] = [t.grad_fn for t in found]
+    state: Snapshot | None = None
+    while stack:
+        node = stack.pop()
+        if node is None or hasattr(node, "variable"):  # `variable`: a leaf's `AccumulateGrad`
+            continue
+        number = node_number(node)
+        if number < first or number in walked:
+            continue
+        walked.add(number)
+        if node.name() == REENTRANT_NODE and BRACKETED not in node.metadata:
+            state = state or snapshot()
+            bracket(node, state, reentrant=weakref.ref(node))
+        stack.extend(next_node for next_node, _ in node.next_functions)

@@ -35,12 +35,13 @@ from torch.autograd.function import BackwardCFunction
 from famp._autocast.threads import recomputed, recomputes
 from famp._compat import (
     CHECKPOINT_FUNCTION_ATTR,
+    checkpoint_frame,
     graph_task,
     saved_tensors_hooks_top,
 )
 
 BRACKETED = "famp.recompute"  # marks a node famp has bracketed (Node.metadata)
-_REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
+REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
 
 # A snapshot: the calls in effect, outermost first, each as a factory of a fresh call record.
 Snapshot = tuple[Callable[[], Any], ...]
@@ -61,7 +62,7 @@ def calls() -> list[Any]:
     return _LOCAL.calls
 
 
-def _snapshot() -> Snapshot:
+def snapshot() -> Snapshot:
     return tuple(record.frozen() for record in calls())
 
 
@@ -116,9 +117,32 @@ def _region(top: Any) -> Snapshot:
     key = id(top[0])
     found = regions.get(key)
     if found is None or found[0] is not top[0]:
-        found = (top[0], _snapshot())
+        found = (top[0], snapshot())
         regions[key] = found
+        stack = calls()
+        if stack and not any(r.intercepts for r in stack):  # no node bracketed: see `replayed`
+            frame = checkpoint_frame(top)
+            if frame is not None:
+                _FRAMES[frame] = found[1]
     return found[1]
+
+
+# Non-reentrant checkpoints whose blocks began inside calls without a mode, with their state.
+_FRAMES: weakref.WeakKeyDictionary[object, Snapshot] = weakref.WeakKeyDictionary()
+
+
+def replayed() -> _Replay | None:
+    """A call that starts with no call around it, inside the recomputation of such a block: the
+    state where the block began, entered (`_Replay.exit` leaves it). Before 2026-12-02 a call
+    nested in the block ran there as an outermost call: its input uncast."""
+    top = saved_tensors_hooks_top() if _FRAMES else None
+    frame = checkpoint_frame(top) if top is not None else None
+    snapshot = _FRAMES.get(frame) if frame is not None else None
+    if snapshot is None:
+        return None
+    replay = _Replay(snapshot)
+    replay.enter(None)
+    return replay
 
 
 def drop_abandoned_replays() -> None:
@@ -163,8 +187,8 @@ def _bracket_opaque(record: Any, values: Any) -> None:
         node: Any = t.grad_fn
         if node is None or BRACKETED in node.metadata or hasattr(node, "variable"):
             continue
-        if node.name() == _REENTRANT_NODE:
-            _bracket_chain(node, _snapshot())
+        if node.name() == REENTRANT_NODE:
+            _bracket_chain(node, snapshot())
         elif record.grad_free_block is not None and isinstance(node, BackwardCFunction):
             # Its backward (user code) reads its saved tensors, which may start the block's
             # recomputation: famp's state is entered around it, but acts only inside the
@@ -193,8 +217,8 @@ def _ends_in_blocks(block: Callable[..., Any], *args: Any) -> Any:
     tensors(out, found)
     for t in found:
         node: Any = t.grad_fn
-        if node is not None and BRACKETED not in node.metadata and node.name() == _REENTRANT_NODE:
-            _bracket_chain(node, _snapshot())
+        if node is not None and BRACKETED not in node.metadata and node.name() == REENTRANT_NODE:
+            _bracket_chain(node, snapshot())
     return out
 
 
@@ -206,7 +230,7 @@ def _bracket_chain(node: Any, snapshot: Snapshot) -> None:
     stack = [node]
     while stack:
         node = stack.pop()
-        if node is not None and BRACKETED not in node.metadata and node.name() == _REENTRANT_NODE:
+        if node is not None and BRACKETED not in node.metadata and node.name() == REENTRANT_NODE:
             bracket(node, snapshot, reentrant=weakref.ref(node))
             stack.extend(next_node for next_node, _ in node.next_functions)
 
