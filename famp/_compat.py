@@ -15,11 +15,12 @@ import sys
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree_module
+import torch.utils.checkpoint
 from torch.utils import _python_dispatch
 
 # --- autocast (famp/_autocast/) -------------------------------------------------------------------
@@ -180,20 +181,26 @@ def checkpoint_frame(hooks: tuple[object, object]) -> object | None:
     in the forward's and through `target_frame_ref` in the recomputation's, which Dynamo's
     `disable` wraps (`fn`). A call without a mode around the block brackets none of its nodes:
     a call nested in it finds its state by this at recomputation."""
-    fn = hooks[0]
+    fn, frame = hooks[0], None
     for _ in range(3):
         code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
         if code is None or cells is None:
             return None
         found = dict(zip(code.co_freevars, cells, strict=True))
         if "frame" in found:
-            return cast(object, found["frame"].cell_contents)
-        if "target_frame_ref" in found:
-            return cast(object, found["target_frame_ref"].cell_contents())
-        if "fn" not in found:
-            return None
-        fn = found["fn"].cell_contents
-    return None
+            frame = found["frame"].cell_contents
+        elif "target_frame_ref" in found:
+            ref = found["target_frame_ref"].cell_contents
+            frame = ref() if callable(ref) else None
+        elif "fn" in found:
+            fn = found["fn"].cell_contents
+            continue
+        break
+    return frame if isinstance(frame, _CHECKPOINT_FRAME) else None
+
+
+# Nothing is an instance of it where torch has no such class (its hooks are then not understood).
+_CHECKPOINT_FRAME: type = getattr(torch.utils.checkpoint, "_CheckpointFrame", type(None))
 
 
 # --- import cost (famp/__init__.py, famp/_autocast/) ---------------------------------------------
