@@ -166,13 +166,14 @@ def node_saves_tensors(kind: type) -> bool:
 # backward cleans up (`in_backward`); explain's calls govern only the ops of their own task.
 graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
-# The sequence number the next autograd node made on this thread gets, and a node's (no public
-# query): a call without a mode finds the reentrant checkpoints made inside it behind its values.
-next_node_number: Callable[[], int] = torch._C._autograd._get_sequence_nr
-
-
-def node_number(node: Any) -> int:
-    return int(node._sequence_nr())
+# The code of a reentrant checkpoint's forward (no public query): on the Python stack, its frame's
+# `ctx` is the node whose backward recomputes the block. A call without a mode brackets no node:
+# a call nested in such a block finds the checkpoint by this.
+reentrant_forward_code: types.CodeType | None = getattr(
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None),
+    "__code__",
+    None,
+)
 
 
 def checkpoint_frame(hooks: tuple[object, object]) -> object | None:

@@ -7,6 +7,8 @@ an op of the block made that may do so, with the state at the block's start.
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from typing import Any
 
@@ -15,13 +17,12 @@ from torch.autograd.function import BackwardCFunction
 
 from famp._autocast.recompute import (
     BRACKETED,
-    REENTRANT_NODE,
     Snapshot,
     bracket,
     snapshot,
     tensors,
 )
-from famp._compat import is_view, node_number, node_saves_tensors
+from famp._compat import is_view, node_saves_tensors, reentrant_forward_code
 
 _REBASED_NODE = "torch::autograd::CopySlices"  # a base's node after an in-place op on its view
 
@@ -71,30 +72,22 @@ def _input_nodes(args: Any, kwargs: Any) -> dict[int, Any]:
     return {id(t.grad_fn): t.grad_fn for t in found if t.grad_fn is not None}
 
 
-def bracket_behind(record: Any, values: Any) -> None:
-    """After a grad-free op in `record`, a call without a mode: it sees no op, so a reentrant
-    checkpoint's block in it (with a nested call inside, which needs the stack at recomputation)
-    may lie anywhere behind the values of its next event (a nested call's start, its end). The
-    nodes made since the call began (`record.unseen`: the first one's number, those walked) are
-    walked once each, and the reentrant checkpoints' bracketed with the state of now: the
-    call's, which has no module scopes. Before 2026-12-02 a call nested in such a block ran as
-    an outermost call when it was recomputed: its inputs uncast."""
-    if record.unseen is None or record.intercepts or not torch.is_grad_enabled():
-        return
-    first, walked = record.unseen
-    found: list[torch.Tensor] = []
-    tensors(values, found)
-    stack: list[Any] = [t.grad_fn for t in found]
-    state: Snapshot | None = None
-    while stack:
-        node = stack.pop()
-        if node is None or hasattr(node, "variable"):  # `variable`: a leaf's `AccumulateGrad`
-            continue
-        number = node_number(node)
-        if number < first or number in walked:
-            continue
-        walked.add(number)
-        if node.name() == REENTRANT_NODE and BRACKETED not in node.metadata:
-            state = state or snapshot()
-            bracket(node, state, reentrant=weakref.ref(node))
-        stack.extend(next_node for next_node, _ in node.next_functions)
+def bracket_reentrant(stack: list[Any], run: types.CodeType) -> None:
+    """A call nested in calls without module rules starts with grad off, as in a reentrant
+    checkpoint's forward. Calls without a mode see no op, and those with one see the checkpoint's
+    node only if its output reaches one of their ops: else the node goes unbracketed, and the
+    nested call, recomputed, runs as an outermost one (before 2026-12-02: its inputs uncast).
+    Each reentrant checkpoint running on the Python stack below the outermost call is bracketed
+    with the state where its block began: the calls whose frames (`run`'s code) lie outside it,
+    which have no module scopes."""
+    code = reentrant_forward_code
+    frame: types.FrameType | None = sys._getframe(2)  # the nested call's caller
+    inside = 0  # the calls started inside the block reached so far
+    while code is not None and frame is not None and inside < len(stack):
+        if frame.f_code is run:
+            inside += 1
+        elif frame.f_code is code:
+            node = frame.f_locals.get("ctx")
+            if node is not None and BRACKETED not in node.metadata:
+                bracket(node, snapshot()[: len(stack) - inside], reentrant=weakref.ref(node))
+        frame = frame.f_back

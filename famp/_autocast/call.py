@@ -56,7 +56,6 @@ class CallRecord:
         self.proxy: CallRecord | None = None  # no mode: the call whose mode watches its ops
         self.grad_free = False  # a grad-free op ran (a reentrant checkpoint's block may follow)
         self.grad_free_block: Any = None  # the checkpointed block a grad-free op ran in, if any
-        self.unseen: tuple[int, set[int]] | None = None  # see `block_nodes.bracket_behind`
         self.recompute_only = False  # a replay that acts only inside a recomputation
         self.group = 0  # a replay's: how many calls below it on the stack (famp's modes off)
         self.seen_dtype = self.base[1]  # the autocast dtype of the last op FampMode saw

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from famp._autocast import keywords
-from famp._autocast.block_nodes import bracket_behind
+from famp._autocast.block_nodes import bracket_reentrant
 from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.devices import any_tensor, infer_device
@@ -30,7 +30,7 @@ from famp._autocast.policy import Policy, get_policy
 from famp._autocast.recompute import calls, end_of_outermost_call, observe, replayed
 from famp._autocast.region import current_state, policy_state, region
 from famp._autocast.rules import OpRules
-from famp._compat import dynamic_marks, functorch_transforms_active, next_node_number
+from famp._compat import dynamic_marks, functorch_transforms_active
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -85,15 +85,13 @@ class Transform:
     def run(self, device_type: str, /, *args: Any, **kwargs: Any) -> Any:
         watch_compiles()  # first (it leaves replays a raising backward left): nothing to undo
         record = CallRecord(self, device_type)
-        if record.track and not record.intercepts:
-            record.unseen = (next_node_number(), set())
         stack = calls()
         replay = replayed() if record.track and not stack else None  # pushes onto `stack`
         if record.track:
             # A checkpointed block may begin with this call: the event is the outer call's.
             observe(stack[-1] if stack else record, (args, kwargs))
-            if stack and stack[-1].grad_free:
-                bracket_behind(stack[-1], (args, kwargs))
+            if stack and not torch.is_grad_enabled() and not any(r.patterns for r in stack):
+                bracket_reentrant(stack, Transform.run.__code__)
         if stack:
             # Nested: a module rule spelled as a function, its inputs cast as a matched module's.
             args = own_cast(self.policy.cast_to_compute, args)
@@ -118,8 +116,6 @@ class Transform:
                     out = self.fn(*args, **kwargs)
             if record.track:
                 observe(record, out)
-                if record.grad_free:
-                    bracket_behind(record, out)
         finally:
             stack.pop()
             if record.grad_free and stack:

@@ -275,10 +275,57 @@ def test_nested_calls_in_a_checkpoint_in_a_call_without_a_mode(
         assert_bitwise_equal(a, e)
 
 
+@pytest.mark.parametrize("outer", [{}, {"track_casts": True}], ids=["default", "track_casts"])
+@pytest.mark.parametrize("inner", ["c=f16,o=f16", "f32"])
+def test_a_reentrant_block_whose_output_leaves_by_a_side_channel(
+    outer: dict[str, Any], inner: str
+) -> None:
+    """The block's output leaves the call in a list (an auxiliary loss), never through an op or
+    a value famp sees: famp finds the checkpoint as the nested call starts in its forward.
+    Before 2026-12-02 its node went unbracketed, with a mode too: x's gradient 0.0078 off, or
+    torch's dtype error (found by a differential hunt)."""
+    torch.manual_seed(0)
+    pre, block, head = nn.Linear(8, 8), ReadsItsInput(), nn.Linear(8, 8)
+    x = _x()
+    params = [x, *pre.parameters(), *block.parameters(), *head.parameters()]
+    policy = famp.get_policy(inner)
+
+    def by_hand(h: torch.Tensor) -> torch.Tensor:
+        if inner == "f32":
+            with torch.autocast("cpu", enabled=False):
+                return block(h.float()).float()
+        with torch.autocast("cpu", dtype=torch.float16):
+            return block(h.half()).half()
+
+    def grads(nested: Callable[[torch.Tensor], torch.Tensor], famps: bool) -> list[torch.Tensor]:
+        aux: list[torch.Tensor] = []
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            h = pre(x)
+            aux.append(checkpoint(nested, h, use_reentrant=True))
+            return head(h)
+
+        if famps:
+            out = famp.autocast(f, "c=bf16,o=f32", **outer)(x)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = f(x).float()
+        (out.pow(2).sum() + aux[0].float().pow(2).sum()).backward()
+        found = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return found  # type: ignore[return-value]
+
+    actual = grads(famp.autocast(block, policy), famps=True)
+    for a, e in zip(actual, grads(by_hand, famps=False), strict=True):
+        assert_bitwise_equal(a, e)
+
+
 def test_a_reentrant_block_made_before_a_call_keeps_its_own_state() -> None:
-    """A call without a mode looks behind its values for reentrant checkpoints after a grad-free
-    op, but only at the nodes made since it began: a block checkpointed before it, around an
-    outermost call, is recomputed as that call (its input left as it is), not nested in this one."""
+    """famp brackets the reentrant checkpoints a nested call starts in (found on the Python
+    stack, up to the outermost call), not those made before the call: a block checkpointed
+    before it, around an outermost call, is recomputed as that call (its input left as it is),
+    not nested in this one (a nested call with grad off in the later call brings no change)."""
     torch.manual_seed(0)
     pre, block = nn.Linear(8, 8), ReadsItsInput()
     x = _x()
