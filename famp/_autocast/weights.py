@@ -161,7 +161,7 @@ class WeightCasts:
         # (`pending` till then).
         self.weights: dict[int, tuple[torch.Tensor, int, torch.dtype | None]] = {}
         self.storages: set[int] = set()
-        self.pointers: set[int] = set()
+        self.pointers: dict[int, torch.Tensor] = {}
         self.pending: list[torch.Tensor] = []
 
     def watch(
@@ -247,14 +247,16 @@ class WeightCasts:
             for t in self.pending:
                 storage, pointer = _storage(t)
                 self.storages.add(storage)
-                self.pointers.add(pointer)
+                self.pointers[pointer] = t
             self.storages.discard(0)
-            self.pointers.discard(0)
+            self.pointers.pop(0, None)
             self.pending.clear()
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 storage, pointer = _storage(t) if self.storages else (0, 0)
-                if id(t) in self.weights or storage in self.storages or pointer in self.pointers:
+                held = self.pointers.get(pointer)  # moved: FSDP2 frees, reallocates (a hunt)
+                moved = held is None or _storage(held)[1] != pointer
+                if id(t) in self.weights or storage in self.storages or not moved:
                     self.clear()
                     return
 

@@ -911,6 +911,7 @@ DISTRIBUTED_CELLS = [
     "fsdp2_module_rule",
     "fsdp2_module_rule_keywords",
     "fsdp2_step_inside_a_call",
+    "fsdp2_no_write_keeps_casts",
     "fsdp1_default",
     "fsdp1_module_rule",
 ]
