@@ -230,6 +230,19 @@ class ReadsItsInput(nn.Module):
         return self.b(torch.relu(self.a(h))) + self.a(h * 0.5)
 
 
+def _nested_by_hand(block: nn.Module, inner: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`famp.autocast(block, inner)` nested in a call, written with `torch.autocast` by hand."""
+
+    def by_hand(h: torch.Tensor) -> torch.Tensor:
+        if inner == "f32":
+            with torch.autocast("cpu", enabled=False):
+                return block(h.float()).float()
+        with torch.autocast("cpu", dtype=torch.float16):
+            return block(h.half()).half()
+
+    return by_hand
+
+
 @pytest.mark.parametrize("mode", [None, *MODES])
 @pytest.mark.parametrize("inner", ["c=f16,o=f16", "f32"])
 def test_nested_calls_in_a_checkpoint_in_a_call_without_a_mode(
@@ -245,12 +258,7 @@ def test_nested_calls_in_a_checkpoint_in_a_call_without_a_mode(
     x = _x()
     nested = famp.autocast(block, inner)
 
-    def by_hand(h: torch.Tensor) -> torch.Tensor:
-        if inner == "f32":
-            with torch.autocast("cpu", enabled=False):
-                return block(h.float()).float()
-        with torch.autocast("cpu", dtype=torch.float16):
-            return block(h.half()).half()
+    by_hand = _nested_by_hand(block, inner)
 
     def run(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         h = pre(x)
@@ -289,13 +297,7 @@ def test_a_reentrant_block_whose_output_leaves_by_a_side_channel(
     x = _x()
     params = [x, *pre.parameters(), *block.parameters(), *head.parameters()]
     policy = famp.get_policy(inner)
-
-    def by_hand(h: torch.Tensor) -> torch.Tensor:
-        if inner == "f32":
-            with torch.autocast("cpu", enabled=False):
-                return block(h.float()).float()
-        with torch.autocast("cpu", dtype=torch.float16):
-            return block(h.half()).half()
+    by_hand = _nested_by_hand(block, inner)
 
     def grads(nested: Callable[[torch.Tensor], torch.Tensor], famps: bool) -> list[torch.Tensor]:
         aux: list[torch.Tensor] = []
