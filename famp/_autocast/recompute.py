@@ -137,10 +137,10 @@ def replayed() -> _Replay | None:
     nested in the block ran there as an outermost call: its input uncast."""
     top = saved_tensors_hooks_top() if _FRAMES else None
     frame = checkpoint_frame(top) if top is not None else None
-    snapshot = _FRAMES.get(frame) if frame is not None else None
-    if snapshot is None:
+    state = _FRAMES.get(frame) if frame is not None else None
+    if state is None:
         return None
-    replay = _Replay(snapshot)
+    replay = _Replay(state)
     replay.enter(None)
     return replay
 
