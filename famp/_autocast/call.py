@@ -18,6 +18,7 @@ import torch
 
 from famp._autocast import hooks, keywords
 from famp._autocast.casts import AS_TORCH, apply_rule
+from famp._autocast.inputs import cast_inputs, check_inputs, wrote
 from famp._autocast.mode import FampMode, own_cast, run_plain
 from famp._autocast.op_calls import call, inplace_target, op_name, writes_first_arg, written
 from famp._autocast.overrides import plain
@@ -63,6 +64,7 @@ class CallRecord:
         # One entry per module entered: the autocast state in effect inside it, None if famp's own.
         self.scopes: list[tuple[bool, torch.dtype] | None] = []
         self.entered: list[torch.nn.Module] = []  # the modules entered in this record, in order
+        self.made: dict[int, Any] = {}  # eagerly: per depth in `entered`, inputs.cast_inputs'
         # Eagerly, per matched module entered: its depth in `scopes`, torch's state before it.
         self.restores: list[tuple[int, tuple[bool, torch.dtype]]] = []
         # Each module's policy, for the root entered last and per root; by id (Dynamo fails on
@@ -165,9 +167,7 @@ class CallRecord:
         self._switch(inner)
         if self.track and not torch.compiler.is_compiling():  # torch's state too, till its exit
             self.restores.append((len(self.scopes), enter_state(self.device_type, inner)))
-        # A module that writes into its input (`nn.ReLU(inplace=True)`) gets it uncast, as torch.
-        if module.__dict__.get("inplace") is not True:
-            args = own_cast(policy.cast_to_compute, args)
+        args = cast_inputs(self, module, policy, args, len(self.entered), fresh=True)
         self.entering = module  # its keyword inputs: cast by famp's next hook (keywords.py)
         if len(self.scopes) > 1 and not self.root_hooks and not isinstance(module, SCRIPTED):
             hooks.ask_keywords(module)  # no root (its call had begun), nor one traced hooks reach
@@ -233,6 +233,7 @@ class CallRecord:
         policy = self.module_policy.get(id(module))
         if policy is None:
             return None
+        check_inputs(self, module, len(self.entered) + 1)  # eagerly: a write into a cast input
         if eager and kwargs:  # keyword inputs no hook of famp's may have reached (keywords.py)
             warn_uncast_keywords(self, module, kwargs, policy.compute_dtype)
         outer = self.scopes[-1] if self.scopes else None
@@ -302,7 +303,7 @@ class CallRecord:
         elif out is AS_TORCH:
             out = call(func, args, kwargs)
         if track and (inplace is not None or writes_first_arg(packet, kwargs)):
-            self.casts.invalidate(written(args, kwargs) if inplace is None else inplace)
+            wrote(self, written(args, kwargs) if inplace is None else inplace)
         return out
 
     def _off(self) -> Any:

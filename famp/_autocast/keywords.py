@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from famp._autocast.mode import own_cast
+from famp._autocast.inputs import ROOT_KEYWORDS, cast_inputs
 from famp._autocast.patterns import match
 from famp._autocast.recompute import calls, observe
 from famp._compat import add_pre_hook, remove_pre_hook
@@ -63,7 +63,7 @@ def cast_keywords(
             record.scopes.append(inner)
     if module.__dict__.get("inplace") is True:  # it writes into its input: uncast, as torch
         return None
-    return args, own_cast(policy.cast_to_compute, kwargs)
+    return args, cast_inputs(record, module, policy, kwargs, len(record.entered), fresh=False)
 
 
 def of_root(record: Any, fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def of_root(record: Any, fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     i = match(record.patterns, "")
     if i < 0 or fn.__dict__.get("inplace") is True:
         return kwargs
-    return own_cast(record.policies[i].cast_to_compute, kwargs)  # type: ignore[no-any-return]
+    return cast_inputs(record, None, record.policies[i], kwargs, ROOT_KEYWORDS, fresh=True)  # type: ignore[no-any-return]
 
 
 def add(modules: list[torch.nn.Module]) -> list[Any]:

@@ -39,7 +39,6 @@ from famp._autocast.overrides import (
     plain,
     traced_plain,
 )
-from famp._autocast.policy import FLAT_LEAVES
 from famp._autocast.recompute import (
     calls,
     drop_abandoned_replays,
@@ -47,6 +46,7 @@ from famp._autocast.recompute import (
     recomputing_unrun,
 )
 from famp._autocast.threads import computes_in, done
+from famp._autocast.tree_casts import FLAT_LEAVES
 from famp._autocast.weights import dtype_switched, unwatched
 from famp._compat import (
     modes_see_every_binding,

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from famp._autocast.policy import CASTABLE, Policy, get_policy
+from famp._autocast.policy import Policy, get_policy
+from famp._autocast.tree_casts import CASTABLE
 from famp._compat import assume_constant_result, compiled_module_type
 from famp._compat import torch_pytree as pytree
 

@@ -9,12 +9,10 @@ and every non-tensor leaf (Python floats included) pass through unchanged.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-from typing import Any
 
 import torch
 
-from famp._compat import torch_pytree as pytree
+from famp._autocast.tree_casts import cast_tree
 from famp._typing import DTypeLike, TreeT
 
 # Names accepted by `get_policy` and `Policy(...)`; the first name of each dtype is canonical.
@@ -37,8 +35,6 @@ _CANONICAL: dict[torch.dtype, str] = {
     torch.float64: "float64",
 }
 _KEYS: dict[str, str] = {k: v for v in ("params", "compute", "output") for k in (v[0], v)}
-# The dtypes a cast may change; float64 (and everything else) passes through.
-CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
 def _as_dtype(field: str, value: object) -> torch.dtype:
@@ -59,68 +55,6 @@ def _as_dtype(field: str, value: object) -> torch.dtype:
     )
 
 
-def cast_leaf(leaf: Any, dtype: torch.dtype) -> Any:
-    """`leaf` cast to `dtype` if it is a float16, bfloat16 or float32 tensor, else `leaf`."""
-    if isinstance(leaf, torch.Tensor) and leaf.dtype in CASTABLE and leaf.dtype != dtype:
-        return leaf.to(dtype=dtype)  # the keyword: torch parses it about 1 µs faster
-    return leaf
-
-
-_Done = list[tuple[torch.Tensor, torch.Tensor]]  # the (tensor, cast) pairs of a tree so far
-
-
-def _cast_once(leaf: Any, dtype: torch.dtype, done: _Done) -> Any:
-    """`cast_leaf`, once per tensor of a tree, as `h32 = h.float(); attn(h32, h32, h32)`: a
-    cast per place broke `query is key is value` and rounded each place's gradient."""
-    if isinstance(leaf, torch.Tensor) and leaf.dtype in CASTABLE and leaf.dtype != dtype:
-        for source, cast in done:
-            if source is leaf:
-                return cast
-        cast = leaf.to(dtype=dtype)  # the keyword: torch parses it about 1 µs faster
-        done.append((leaf, cast))
-        return cast
-    return leaf
-
-
-def _cast_tree(tree: TreeT, dtype: torch.dtype) -> TreeT:
-    """`tree` with every leaf cast (`cast_leaf`), each tensor once (`_cast_once`). Plain
-    tuples, lists and dicts over plain leaves are cast here, without torch's `tree_flatten`,
-    which on torch 2.13-2.15 leaves a reference cycle per call (a closure that calls itself);
-    other trees (named tuples, registered nodes, subclasses) go through `tree_map`."""
-    if isinstance(tree, torch.Tensor):
-        return cast_leaf(tree, dtype)  # type: ignore[no-any-return]
-    done: _Done = []
-    if type(tree) in (tuple, list):
-        items: tuple[Any, ...] | list[Any] = tree  # type: ignore[assignment]
-        if all(type(x) in FLAT_LEAVES for x in items):  # the common case, without recursion
-            return type(items)(_cast_once(x, dtype, done) for x in items)  # type: ignore[return-value]
-    out = _cast_plain(tree, dtype, _MAX_DEPTH, done)
-    if out is not _NOT_PLAIN:
-        return out  # type: ignore[no-any-return]
-    return pytree.tree_map(partial(_cast_once, dtype=dtype, done=done), tree)  # type: ignore[no-any-return]
-
-
-def _cast_plain(tree: Any, dtype: torch.dtype, depth: int, done: _Done) -> Any:
-    """`tree` cast leaf by leaf if it is plain tuples, lists and dicts (as many levels as
-    `depth`) over `FLAT_LEAVES`, else `_NOT_PLAIN`; a module function, so no cycle."""
-    kind = type(tree)
-    if kind in FLAT_LEAVES:
-        return _cast_once(tree, dtype, done)
-    if depth == 0 or kind not in (tuple, list, dict):
-        return _NOT_PLAIN
-    values = tree.values() if kind is dict else tree
-    cast = [_cast_plain(x, dtype, depth - 1, done) for x in values]
-    if any(x is _NOT_PLAIN for x in cast):
-        return _NOT_PLAIN
-    return dict(zip(tree, cast, strict=True)) if kind is dict else kind(cast)
-
-
-# Leaves of every pytree: a tuple or list of only these is one level deep.
-FLAT_LEAVES = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
-_NOT_PLAIN = object()
-_MAX_DEPTH = 8  # deeper trees go through tree_map
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Immutable mixed-precision policy: parameter, compute and output dtypes.
@@ -130,7 +64,9 @@ class Policy:
     in a pytree to the field's dtype. They never narrow a float64 tensor (a policy that names
     float64 widens the others to it), and they pass complex, float8, integer, boolean and
     non-tensor leaves (Python scalars included) through unchanged. A tensor a tree holds
-    more than once is cast once (its places share the cast, as they shared the tensor).
+    more than once is cast once (its places share the cast, as they shared the tensor), and a
+    container none of whose tensors changes is returned as it is, the object itself, as
+    `Tensor.to` returns a tensor already of the dtype.
     `famp.autocast` computes in `compute_dtype` and returns `output_dtype`; `param_dtype` is
     for storing parameters.
 
@@ -170,15 +106,15 @@ class Policy:
 
     def cast_to_param(self, tree: TreeT) -> TreeT:
         """Cast the float16/bfloat16/float32 tensors of `tree` to `param_dtype`."""
-        return _cast_tree(tree, self.param_dtype)
+        return cast_tree(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: TreeT) -> TreeT:
         """Cast the float16/bfloat16/float32 tensors of `tree` to `compute_dtype`."""
-        return _cast_tree(tree, self.compute_dtype)
+        return cast_tree(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: TreeT) -> TreeT:
         """Cast the float16/bfloat16/float32 tensors of `tree` to `output_dtype`."""
-        return _cast_tree(tree, self.output_dtype)
+        return cast_tree(tree, self.output_dtype)
 
     def with_param_dtype(self, dtype: DTypeLike) -> Policy:
         """A copy with `param_dtype` replaced."""
@@ -277,7 +213,9 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
             only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure, those leaves in `compute_dtype`.
+        A tree of the same structure, those leaves in `compute_dtype`; each container none of
+        whose tensors changes is the one given (a module's list of cached keys stays the
+        caller's list).
 
     Examples:
         >>> import torch, famp
@@ -285,6 +223,9 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
         >>> half, double = famp.cast_to_compute("c=f16", tree)
         >>> half.dtype, double.dtype
         (torch.float16, torch.float64)
+        >>> cache = [torch.ones(1, dtype=torch.float16)]
+        >>> famp.cast_to_compute("c=f16", (torch.ones(1), cache))[1] is cache
+        True
     """
     return get_policy(policy).cast_to_compute(tree)
 

@@ -23,6 +23,7 @@ from famp._autocast.block_nodes import bracket_reentrant
 from famp._autocast.call import CallRecord
 from famp._autocast.compiled import call_compiled, own_code, scopes_in_checkpoints, watch_compiles
 from famp._autocast.devices import any_tensor, infer_device
+from famp._autocast.inputs import ROOT_KEYWORDS, cast_inputs, check_inputs
 from famp._autocast.mode import FampMode, own_cast
 from famp._autocast.overrides import overrides_for
 from famp._autocast.patterns import module_policies
@@ -94,8 +95,10 @@ class Transform:
                 bracket_reentrant(stack, Transform.run.__code__)
         if stack:
             # Nested: a module rule spelled as a function, its inputs cast as a matched module's.
-            args = own_cast(self.policy.cast_to_compute, args)
-            kwargs = own_cast(self.policy.cast_to_compute, kwargs) if kwargs else kwargs
+            args = cast_inputs(record, None, self.policy, args, 0, fresh=True)
+            kwargs = (
+                cast_inputs(record, None, self.policy, kwargs, 0, fresh=False) if kwargs else kwargs
+            )
         kwargs = keywords.of_root(record, self.fn, kwargs)  # a module's a rule matches
         # The state in effect here, a module rule's scope included, before the call sets its own.
         before = current_state(device_type) if stack and record.track else None
@@ -116,6 +119,8 @@ class Transform:
                     out = self.fn(*args, **kwargs)
             if record.track:
                 observe(record, out)
+                check_inputs(record, None, 0)  # a nested call's (its own inputs)
+                check_inputs(record, self.fn, ROOT_KEYWORDS)  # a root module's keywords
         finally:
             stack.pop()
             if record.grad_free and stack:

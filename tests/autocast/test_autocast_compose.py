@@ -24,7 +24,7 @@ from torch.autograd import forward_ad
 from torch.nn import functional as F  # noqa: N812
 
 import famp
-from famp._autocast import policy as policy_module
+from famp._autocast import tree_casts
 from tests.helpers import assert_bitwise_equal, famp_and_uncached_autocast, rank_files, torchrun
 
 BF16 = torch.bfloat16
@@ -660,9 +660,15 @@ _trees = st.recursive(
 @given(tree=_trees, dtype=st.sampled_from([torch.bfloat16, torch.float32]))
 def test_policy_casts_of_a_tree_are_torchs_tree_map(tree: Any, dtype: torch.dtype) -> None:
     # famp casts plain tuples, lists and dicts itself (torch's tree_flatten leaves a reference
-    # cycle per call); the result, its containers' types and key orders are tree_map's.
-    want = torch.utils._pytree.tree_map(lambda leaf: policy_module.cast_leaf(leaf, dtype), tree)
-    got = policy_module._cast_tree(tree, dtype)
+    # cycle per call); the result, its containers' types and key orders are tree_map's, and a
+    # tree none of whose leaves changes is the tree itself (a module's cache list stays its own).
+    want = torch.utils._pytree.tree_map(lambda leaf: tree_casts.cast_leaf(leaf, dtype), tree)
+    got = tree_casts.cast_tree(tree, dtype)
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    unchanged = all(
+        w is x for w, x in zip(torch.utils._pytree.tree_leaves(want), leaves, strict=True)
+    )
+    assert (got is tree) is unchanged
     want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
     got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
     assert got_spec == want_spec
