@@ -6,9 +6,13 @@ A tensor the cast changes is a copy, and so is a list or dict rebuilt around one
 module makes into it (a KV cache written in place, appended to, or set in a dict) would stay in
 famp's copy, the caller's tensor (list, dict) never seeing it, and the next step would read a
 stale cache, silently (0.59 off in three decode steps of a float16 rule). The module raises
-`ValueError` at its exit instead, naming it and the input. A module whose `inplace` flag is set
-says it writes into its input: its inputs are not cast (as `nn.ReLU(inplace=True)`'s), and the
-ops inside still compute under the rule. Containers with nothing to cast are the caller's own
+`ValueError` at its exit instead, naming it and the input. Not for a copy famp widened (bfloat16
+to float32): a module's own `.float()` of it returns the copy itself where torch would have
+copied the caller's tensor, and a write after that (`scores.float().masked_fill_(...)`) is the
+module's own. Nor for the call's own tuple of arguments and dict of keyword arguments, which no
+caller holds (a module's pre-hook may edit them). A module whose `inplace` flag is set says it
+writes into its input: its inputs are not cast (as `nn.ReLU(inplace=True)`'s), and the ops
+inside still compute under the rule. Containers with nothing to cast are the caller's own
 objects (`tree_casts.cast_tree`), so a float32 scope keeps every write. Compiled (Dynamo
 tracing), famp casts without the check.
 """
@@ -52,16 +56,22 @@ def cast_inputs(
     out = own_cast(partial(cast_tree, dtype=policy.compute_dtype, made=made), tree)
     if len(made) == start:
         return out  # nothing cast (a float32 scope over float32 inputs): nothing to check
+    kept = made[:start]
     with no_torch_function():  # famp's mode would see each read
-        for i in range(start, len(made)):
-            cast, _, source = made[i]
-            if source is None:
-                continue
-            if cast.is_inference():  # no version counter: famp's mode notes writes (`wrote`)
-                record.made.setdefault(_INFERENCE, set()).add(storage_identity(cast))
-                made[i] = (cast, _INFERENCE, source)
+        for cast, before, source in made[start:]:
+            if source is None:  # a list or dict: not the call's own (args, kwargs), no caller's
+                if cast is not out:
+                    kept.append((cast, before, source))
+            elif cast.element_size() > source.itemsize:
+                continue  # widened: the module's own `.float()` of it returns it (see above)
+            elif cast.is_inference():  # no version counter: famp's mode notes writes (`wrote`)
+                storage = storage_identity(cast)
+                record.made.setdefault(_INFERENCE, set()).add(storage)
+                record.made.get(_WRITTEN, set()).discard(storage)  # a freed one's, before
+                kept.append((cast, _INFERENCE, source))
             else:
-                made[i] = (cast, cast._version, source)
+                kept.append((cast, cast._version, source))
+    made[:] = kept
     return out
 
 
@@ -118,15 +128,19 @@ def check_inputs(record: Any, module: Any, depth: int) -> None:
 def _changed(record: Any, obj: Any, before: Any, source: torch.dtype | None) -> bool:
     if source is None:  # a list or dict famp rebuilt
         return not _same(obj, before)
-    if before == _INFERENCE:
-        return storage_identity(obj) in record.made.get(_WRITTEN, ())
+    if before == _INFERENCE:  # its storage leaves the sets: a later tensor may take it
+        storage = storage_identity(obj)
+        record.made[_INFERENCE].discard(storage)
+        written = storage in record.made.get(_WRITTEN, ())
+        record.made.get(_WRITTEN, set()).discard(storage)
+        return written
     return bool(obj._version != before)
 
 
 def _same(container: Any, before: list[Any]) -> bool:
-    items = list(container.items()) if type(container) is dict else container
+    items = list(container.items()) if isinstance(container, dict) else container
     if len(items) != len(before):
         return False
-    if type(container) is dict:
+    if isinstance(container, dict):
         return all(k is j and v is w for (k, v), (j, w) in zip(items, before, strict=True))
     return all(v is w for v, w in zip(items, before, strict=True))

@@ -77,15 +77,28 @@ def _walk(tree: Any, dtype: torch.dtype, done: _Done, made: Made | None) -> Any:
         return out
     leaves, spec = pytree.tree_flatten(tree)
     cast = [_cast_once(x, dtype, done) for x in leaves]
-    return tree if _same(cast, leaves) else pytree.tree_unflatten(cast, spec)
+    if _same(cast, leaves):
+        return tree
+    out = pytree.tree_unflatten(cast, spec)  # every container new: each list and dict made
+    if made is not None:
+        _made_below(out, made, _MAX_DEPTH)
+    return out
 
 
 def _made(container: Any, made: Made | None) -> Any:
-    if made is not None and type(container) in (list, dict):
-        made.append(
-            (container, list(container.items() if type(container) is dict else container), None)
-        )
+    if made is not None and isinstance(container, (list, dict)):
+        items = list(container.items() if isinstance(container, dict) else container)
+        made.append((container, items, None))
     return container
+
+
+def _made_below(tree: Any, made: Made, depth: int) -> None:
+    """Each list and dict of a rebuilt `tree`, through tuples (named ones too), lists and dicts."""
+    if depth == 0 or not isinstance(tree, (list, tuple, dict)):
+        return
+    _made(tree, made)
+    for value in tree.values() if isinstance(tree, dict) else tree:
+        _made_below(value, made, depth - 1)
 
 
 def _cast_plain(

@@ -267,3 +267,134 @@ def _in_float16_by_hand(net: _Outer) -> Any:
             return net(x, cache, n).float()
 
     return f
+
+
+class _UpcastThenWrite(nn.Module):
+    """`.float()` of a bfloat16 input is a copy in torch, which the module then writes into."""
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        scores.masked_fill_(mask, float("-inf"))
+        return scores.softmax(-1)
+
+
+class _Scores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.sm = nn.Linear(8, 8), nn.Linear(8, 8), _UpcastThenWrite()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.sm(self.q(x) @ self.k(x).transpose(-1, -2), mask) @ x
+        return out
+
+
+def _cast_by_hand(module: nn.Module, spec: str) -> None:
+    """`module` run as a rule `spec` runs it: inputs cast with `cast_to_compute` (positional
+    and keyword), `torch.autocast` set to the compute dtype (off for float32), output cast."""
+    policy, forward = famp.get_policy(spec), module.forward
+    lower = policy.compute_dtype != torch.float32
+
+    def by_hand(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = policy.cast_to_compute(args), policy.cast_to_compute(kwargs)
+        with torch.autocast("cpu", dtype=policy.compute_dtype, enabled=lower):
+            return policy.cast_to_output(forward(*args, **kwargs))
+
+    module.forward = by_hand  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("grad", ["enable_grad", "no_grad", "inference_mode"])
+def test_a_write_after_the_modules_own_upcast_of_a_widened_input_is_its_own(grad: str) -> None:
+    """A float32 rule widens the bfloat16 scores; the module's `.float()` returns famp's copy
+    itself where torch would copy, so the write that follows is the module's own, not a write
+    into its input (reported as a false alarm of the first version of the check)."""
+    x, mask = torch.randn(2, 3, 8), torch.triu(torch.ones(3, 3, dtype=torch.bool), 1)
+    with getattr(torch, grad)():
+        got = famp.autocast(_Scores(), "c=bf16,o=f32", module_rules={"sm": "f32"})(x, mask)
+        net = _Scores()
+        _cast_by_hand(net.sm, "f32")
+        with torch.autocast("cpu", dtype=BF16):
+            expected = net(x, mask).float()
+    assert_bitwise_equal(got, expected)
+
+
+class _KeywordHooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.attn = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.attn.forward = self._attn  # type: ignore[method-assign]
+
+    def _attn(self, x: torch.Tensor, *, bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return nn.functional.linear(x, self.attn.weight, self.attn.bias) * scale + bias
+
+    def forward(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.attn(self.pre(x), bias=b)
+        return out
+
+
+def _edit_keywords(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    kwargs["scale"] = 0.5  # in place on the dict torch hands the hooks, which no caller holds
+
+
+def test_a_pre_hook_editing_the_keyword_dict_of_a_call_is_no_write_into_an_input() -> None:
+    x, b = torch.randn(2, 8), torch.randn(8)
+    net = _KeywordHooked()
+    net.attn.register_forward_pre_hook(_edit_keywords, with_kwargs=True)
+    got = famp.autocast(net, "c=bf16,o=f32", module_rules={"attn": "c=f16,o=f16"})(x, b)
+    ref = _KeywordHooked()
+    _cast_by_hand(ref.attn, "c=f16,o=f16")  # the hook runs before famp's cast by hand: set it here
+    ref.attn.register_forward_pre_hook(_edit_keywords, with_kwargs=True)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = ref(x, b).float()
+    assert_bitwise_equal(got, expected)
+
+
+class _BasicBlock(nn.Module):
+    """A ResNet block: it writes only tensors of its own (`ReLU(inplace=True)`, `out += x`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += x
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
+def _resnet() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_BasicBlock() for _ in range(16)])
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), blocks).eval()
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_many_matched_blocks_write_only_their_own_tensors(grad: str) -> None:
+    """Under `inference_mode` famp tells a write into a cast by its storage; a storage freed by
+    one block and taken by a fresh tensor another block writes was read as a write into a later
+    block's input (the first version of the check raised at 8 and 16 blocks)."""
+    rule, x = "c=f16,o=bf16", torch.randn(2, 3, 8, 8)
+    rules = {"1.[0-9]": rule, "1.[0-9][0-9]": rule}
+    with getattr(torch, grad)():
+        got = famp.autocast(_resnet(), "c=bf16,o=f32", module_rules=rules)(x)
+        net = _resnet()
+        for block in net[1]:
+            _cast_by_hand(block, rule)
+        with torch.autocast("cpu", dtype=BF16):
+            expected = net(x).float()
+    assert_bitwise_equal(got, expected)
+
+
+def test_a_list_inside_a_named_tuple_a_module_appends_to_raises() -> None:
+    """torch's pytree rebuilds a named tuple and the lists in it: they are checked as famp's own
+    walk's lists are (the first version of the check missed them, losing the append)."""
+    net, x = _Outer(), torch.randn(1, 1, 4)
+    cache = Pair([torch.zeros(1, 0, 4)], 0)
+    net.attn.forward = lambda x, c, n=0: torch.cat([*c.k, c.k.append(x.float()) or x.float()], 1)  # type: ignore[method-assign]
+    f = famp.autocast(net, "c=bf16,o=f32", module_rules={"attn": "c=f16,o=f16"})
+    with torch.no_grad(), pytest.raises(ValueError, match=r"'attn' .* a list holding a tensor"):
+        f(x, cache)
+    assert len(cache.k) == 1
