@@ -215,7 +215,7 @@ def check_op(
 
     Returns:
         The rules that matched torch in every input variant, how many variants ran without an
-        error under torch, and how many casts torch's kernel dispatched.
+            error under torch, and how many casts torch's kernel dispatched.
     """
     op = overload_of(name)
     with warnings.catch_warnings():

@@ -92,7 +92,7 @@ def explain(
 
     Returns:
         A function with `fn`'s arguments returning a pair: `fn`'s output as `famp.autocast`
-        returns it, and the `famp.Trace`.
+            returns it, and the `famp.Trace`.
 
     Raises:
         ValueError: `compile=True`; and every error `famp.autocast` raises for its arguments.

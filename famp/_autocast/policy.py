@@ -213,9 +213,9 @@ def cast_to_compute(policy: Policy | str, tree: TreeT) -> TreeT:
             only float16, bfloat16 and float32 tensor leaves change.
 
     Returns:
-        A tree of the same structure, those leaves in `compute_dtype`; each container none of
-        whose tensors changes is the one given (a module's list of cached keys stays the
-        caller's list).
+        A tree of the same structure, those leaves in `compute_dtype`; each container
+            none of whose tensors changes is the one given (a module's list of cached keys
+            stays the caller's list).
 
     Examples:
         >>> import torch, famp

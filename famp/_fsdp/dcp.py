@@ -57,7 +57,7 @@ def load_dcp_optim_state(
 
     Returns:
         The full optimizer state dict. Pass it to `famp.shard_optim_state` for any layout, or to
-        `set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))`.
+            `set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))`.
 
     Raises:
         FileNotFoundError: `checkpoint_id` does not exist.

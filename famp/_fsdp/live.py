@@ -138,7 +138,7 @@ def layout_of(model: torch.nn.Module) -> FSDP1Layout | FSDP2Layout:
 
     Returns:
         The `famp.FSDP2Layout` or `famp.FSDP1Layout` equal to the one built from
-        names and shapes with `famp.fsdp2_layout` or `famp.fsdp1_layout`.
+            names and shapes with `famp.fsdp2_layout` or `famp.fsdp1_layout`.
 
     Raises:
         TypeError: `model` is not a `torch.nn.Module`.

@@ -79,7 +79,7 @@ def optim_state_by_fqn(
 
     Returns:
         `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`; state entries
-        are new dicts holding the same values.
+            are new dicts holding the same values.
 
     Raises:
         KeyError: a state id that is not a parameter of the optimizer.

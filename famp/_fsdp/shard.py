@@ -161,7 +161,7 @@ def unshard_optim_state(shards: Sequence[Mapping[str, Any]], layout: Layout) -> 
 
     Returns:
         The full state dict, equal to what `get_optimizer_state_dict` returns with
-        `StateDictOptions(full_state_dict=True)`.
+            `StateDictOptions(full_state_dict=True)`.
 
     Raises:
         KeyError: a name that is not in the layout.

@@ -210,7 +210,7 @@ def optimizer_step(
 
     Returns:
         A 0-d float32 tensor, 1.0 if the step was skipped, else 0.0. It stays on the device, so
-        asking `bool(...)` is the only host sync, and only if you ask.
+            asking `bool(...)` is the only host sync, and only if you ask.
 
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer`, its `step()` requires a

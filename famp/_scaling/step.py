@@ -75,10 +75,10 @@ def value_and_grad(
 
     Returns:
         A function `(state, *args, **kwargs) -> (value, grads, found_inf, new_state)`: `value`
-        is the loss (`(loss, aux)` when `has_aux`); `grads` has the structure of the
-        `argnums` arguments (a tuple of them for a tuple `argnums`); `found_inf` is a 0-d
-        float32 tensor, 1.0 iff any gradient element is non-finite; `new_state` is the updated
-        `famp.ScalerState`.
+            is the loss (`(loss, aux)` when `has_aux`); `grads` has the structure of the
+            `argnums` arguments (a tuple of them for a tuple `argnums`); `found_inf` is a 0-d
+            float32 tensor, 1.0 iff any gradient element is non-finite; `new_state` is the updated
+            `famp.ScalerState`.
 
     Raises:
         TypeError: `fn` is not callable, `argnums` is not an int or a non-empty tuple of

@@ -167,7 +167,7 @@ def all_finite(tree: PyTree) -> Tensor:
 
     Returns:
         A 0-d `torch.bool` tensor (never a DTensor) on the first leaf's device (its local
-        shard's for a DTensor; CPU for an empty tree).
+            shard's for a DTensor; CPU for an empty tree).
 
     Raises:
         TypeError: A leaf is not a tensor; the message names its path.

@@ -72,8 +72,8 @@ def unscale_and_check(
 
     Returns:
         `(unscaled_grads, found_inf)`: the same tree structure, and a 0-d float32 tensor on the
-        scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
-        returns `(grads, 0.0)`.
+            scale's device equal to 1.0 iff any element was non-finite, else 0.0. A disabled state
+            returns `(grads, 0.0)`.
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState` (the message says when the arguments

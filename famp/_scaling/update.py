@@ -47,8 +47,8 @@ def update_scale(state: ScalerState, found_inf: Tensor, *, donate: bool = False)
 
     Returns:
         The next `famp.ScalerState`, with the same hyperparameters, shapes, dtypes and device:
-        a new one, or with `donate=True` eagerly and without guards `state` itself, its tensors
-        updated.
+            a new one, or with `donate=True` eagerly and without guards `state` itself, its tensors
+            updated.
 
     Raises:
         TypeError: `state` is not a `famp.ScalerState`, `found_inf` is not a tensor, or
