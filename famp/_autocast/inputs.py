@@ -28,7 +28,7 @@ from famp._autocast.mode import own_cast
 from famp._autocast.patterns import module_path
 from famp._autocast.policy import Policy
 from famp._autocast.tree_casts import Made, cast_tree
-from famp._compat import no_torch_function, storage_identity
+from famp._compat import no_torch_function, storage_identity, tensor_version
 
 ROOT_KEYWORDS = -1  # `check_inputs`' depth of a root's keyword inputs, cast as its call begins
 # Keys of `record.made` beside the depths: the storages of casts made under inference mode, and
@@ -70,7 +70,7 @@ def cast_inputs(
                 record.made.get(_WRITTEN, set()).discard(storage)  # a freed one's, before
                 kept.append((cast, _INFERENCE, source))
             else:
-                kept.append((cast, cast._version, source))
+                kept.append((cast, tensor_version(cast), source))
     made[:] = kept
     return out
 
@@ -134,7 +134,7 @@ def _changed(record: Any, obj: Any, before: Any, source: torch.dtype | None) -> 
         written = storage in record.made.get(_WRITTEN, ())
         record.made.get(_WRITTEN, set()).discard(storage)
         return written
-    return bool(obj._version != before)
+    return bool(tensor_version(obj) != before)
 
 
 def _same(container: Any, before: list[Any]) -> bool:
