@@ -109,14 +109,16 @@ def check_inputs(record: Any, module: Any, depth: int) -> None:
             name = getattr(record.transform.fn, "__name__", "a function")
             where = f"the nested famp.autocast call of {name!r}"
             fix = (
-                "pass such state in an object of a class of your own, which famp does not look into"
+                "pass such state in an object of a class of your own that is not a registered "
+                "pytree node, which famp does not look into"
             )
         else:
             where = module_path(record.held, module)
             fix = (
                 "set the module's `inplace = True` (famp then leaves its inputs uncast; the ops "
                 "inside still compute under the rule), or hold such state as a buffer of the "
-                "module or in an object of a class of your own, which famp does not look into"
+                "module or in an object of a class of your own that is not a registered pytree "
+                "node, which famp does not look into"
             )
         raise ValueError(
             f"famp.autocast: {where} wrote into one of its inputs that famp had cast to its "
