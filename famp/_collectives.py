@@ -159,8 +159,10 @@ def all_gather_report(
     if eager:
         check_same_paths(paths, group, device)
     n = len(slots)
-    nan = torch.tensor(math.nan)
-    rows = [(torch.tensor(-1), nan, NO_RANK) if s is None else s for s in slots]
+    # float32 and int64 whatever torch's default dtype (`torch.set_default_dtype`): a float64
+    # NaN would make the stack below float64 and its int32 view twice as long.
+    nan = torch.tensor(math.nan, dtype=torch.float32)
+    rows = [(torch.tensor(-1, dtype=torch.int64), nan, NO_RANK) if s is None else s for s in slots]
     packed = torch.cat(
         [
             torch.stack([row[0].to(device) for row in rows])

@@ -1,5 +1,8 @@
 """Sample inputs for every overload with an autocast kernel: small deterministic float32 tensors.
 
+Float32 whatever torch's default dtype: under `torch.set_default_dtype(torch.float64)` torch's
+autocast casts none of them, and every rule would agree with it.
+
 `compare.py` runs each op on them (in five input variants) under torch's autocast and under the
 reference of each rule. An op that a new torch autocasts needs a sample here before its rule can
 be derived.
@@ -14,6 +17,8 @@ import torch
 
 from famp._autocast.reference import Args
 
+F32 = torch.float32
+
 
 def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
@@ -26,14 +31,14 @@ class _T:
         self.g = _gen()
 
     def __call__(self, *shape: int, lo: float = -1.0, hi: float = 1.0) -> torch.Tensor:
-        return torch.rand(shape, generator=self.g) * (hi - lo) + lo
+        return torch.rand(shape, generator=self.g, dtype=F32) * (hi - lo) + lo
 
     def pos(self, *shape: int) -> torch.Tensor:
         return self(*shape, lo=0.5, hi=2.0)
 
     def spd(self, n: int) -> torch.Tensor:
         a = self(n, n)
-        return a @ a.T + n * torch.eye(n)
+        return a @ a.T + n * torch.eye(n, dtype=F32)
 
     def int(self, *shape: int, hi: int) -> torch.Tensor:
         return torch.randint(0, hi, shape, generator=self.g)
@@ -206,7 +211,10 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
         {},
     ),
     "cosh": _unary,
-    "cosine_embedding_loss": lambda t: ((t(3, 5), t(3, 5), torch.tensor([1.0, -1.0, 1.0])), {}),
+    "cosine_embedding_loss": lambda t: (
+        (t(3, 5), t(3, 5), torch.tensor([1.0, -1.0, 1.0], dtype=F32)),
+        {},
+    ),
     "cosine_similarity": lambda t: ((t(3, 5), t(3, 5)), {}),
     "cross": lambda t: ((t(4, 3), t(4, 3)), {"dim": 1}),
     "cross_entropy_loss": lambda t: ((t(3, 5), t.int(3, hi=5)), {}),
@@ -252,7 +260,7 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
     "grid_sampler_3d": lambda t: ((t(1, 2, 4, 4, 4), t(1, 3, 3, 3, 3), 0, 0, False), {}),
     "group_norm": lambda t: ((t(2, 4, 3), 2, t(4), t(4)), {}),
     "gru_cell": _rnn_cell(3),
-    "hinge_embedding_loss": lambda t: ((t(3, 5), torch.ones(3, 5)), {}),
+    "hinge_embedding_loss": lambda t: ((t(3, 5), torch.ones(3, 5, dtype=F32)), {}),
     "huber_loss": _loss,
     "index_copy": lambda t: ((t(5, 3), 0, torch.tensor([0, 4, 2]), t(3, 3)), {}),
     "index_put": lambda t: ((t(5, 3), [torch.tensor([0, 4])], t(2, 3)), {}),
@@ -298,7 +306,10 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
     "logsumexp": lambda t: ((t(3, 4), [1]), {}),
     "lstm_cell": lambda t: ((t(3, 5), [t(3, 4), t(3, 4)], t(16, 5), t(16, 4), t(16), t(16)), {}),
     "lu_solve": _lu_solve,
-    "margin_ranking_loss": lambda t: ((t(5), t(5), torch.tensor([1.0, -1, 1, -1, 1])), {}),
+    "margin_ranking_loss": lambda t: (
+        (t(5), t(5), torch.tensor([1.0, -1, 1, -1, 1], dtype=F32)),
+        {},
+    ),
     "matmul": lambda t: ((t(2, 3, 5), t(5, 4)), {}),
     "max_pool3d": lambda t: ((t(1, 2, 4, 4, 4), [2, 2, 2]), {}),
     "max_unpool2d": _max_unpool2d,
@@ -313,7 +324,7 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
         {},
     ),
     "mv": lambda t: ((t(3, 5), t(5)), {}),
-    "nanquantile": lambda t: ((t(3, 4), torch.tensor([0.25, 0.5])), {"dim": 1}),
+    "nanquantile": lambda t: ((t(3, 4), torch.tensor([0.25, 0.5], dtype=F32)), {"dim": 1}),
     "nanquantile.scalar": lambda t: ((t(3, 4), 0.3), {"dim": 1}),
     "native_layer_norm": lambda t: ((t(2, 3, 4), [4], t(4), t(4), 1e-5), {}),
     "nll_loss": lambda t: ((torch.log_softmax(t(3, 5), -1), t.int(3, hi=5), t.pos(5)), {}),
@@ -338,7 +349,7 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
     "prod": lambda t: ((t(3, 4),), {}),
     "prod.dim_int": lambda t: ((t(3, 4), 1), {}),
     "qr": lambda t: ((t(4, 3),), {}),
-    "quantile": lambda t: ((t(3, 4), torch.tensor([0.25, 0.5])), {"dim": 1}),
+    "quantile": lambda t: ((t(3, 4), torch.tensor([0.25, 0.5], dtype=F32)), {"dim": 1}),
     "quantile.scalar": lambda t: ((t(3, 4), 0.3), {"dim": 1}),
     "reciprocal": _unary,
     "reflection_pad1d": lambda t: ((t(2, 3, 5), [2, 1]), {}),
@@ -355,7 +366,7 @@ SAMPLES: dict[str, Callable[[_T], Args]] = {
     "scatter_add": lambda t: ((t(5, 3), 0, torch.tensor([[0, 4, 2]]), t(1, 3)), {}),
     "sinh": _unary,
     "smooth_l1_loss": _loss,
-    "soft_margin_loss": lambda t: ((t(3, 5), torch.ones(3, 5)), {}),
+    "soft_margin_loss": lambda t: ((t(3, 5), torch.ones(3, 5, dtype=F32)), {}),
     "softmax.int": lambda t: ((t(3, 4), 1), {}),
     "softplus": lambda t: ((t(3, 4),), {}),
     "stack": lambda t: (([t(2, 3), t(2, 3)],), {}),

@@ -237,6 +237,7 @@ def test_ops_missing_from_the_shipped_table_are_derived(
 ) -> None:
     shipped = famp.default_rules("cpu")
     assert shipped["linear"] == "lower"
+    famp_defaults._default_rules.cache_clear()  # derived afresh below, not the cached table
     tables = {r: {d: dict(t) for d, t in ts.items()} for r, ts in TABLES.items()}
     for release in tables:  # no table, for this release or as the prior, knows linear
         tables[release]["cpu"]["lower"] = tuple(
@@ -244,6 +245,29 @@ def test_ops_missing_from_the_shipped_table_are_derived(
         )
     monkeypatch.setattr(famp_tables, "shipped_tables", lambda: tables)
     assert famp.default_rules("cpu") == shipped
+
+
+@pytest.mark.parametrize("removed", [("linear", "prod", "cat", "mm.default", "addbmm")])
+def test_ops_are_derived_alike_under_a_float64_default_dtype(
+    removed: tuple[str, ...], fresh_rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before 2026-12-02 the sample inputs took torch's default dtype: under float64 torch's
+    # autocast cast none of them, every rule agreed with it, and deriving raised.
+    shipped = famp.default_rules("cpu")
+    assert {shipped[op] for op in removed} == {"lower", "float32", "promote"}
+    famp_defaults._default_rules.cache_clear()  # derived afresh below, not the cached table
+    tables = {r: {d: dict(t) for d, t in ts.items()} for r, ts in TABLES.items()}
+    for release in tables:  # no table knows them: each is derived, without a prior
+        cpu = tables[release]["cpu"]
+        cpu.update((rule, tuple(k for k in keys if k not in removed)) for rule, keys in cpu.items())
+    monkeypatch.setattr(famp_tables, "shipped_tables", lambda: tables)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        derived = famp.default_rules("cpu")
+    finally:
+        torch.set_default_dtype(default)
+    assert derived == shipped
 
 
 def test_table_entries_for_ops_this_torch_lacks_are_ignored(

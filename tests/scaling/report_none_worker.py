@@ -83,6 +83,17 @@ def worker(rank: int, world_size: int, port: int, results: Any) -> None:
         return famp.nonfinite_report(tree, group=group)
 
     compiled = torch.compile(report, fullgraph=True, backend="eager")
+
+    def report_float64_default(tree: Any) -> famp.NonfiniteReport:
+        # Before 2026-12-02 famp's NaN for a `None` leaf took the default dtype: float64 made
+        # this rank raise "cannot view Double as Int" and the other hang up.
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return report(tree)
+        finally:
+            torch.set_default_dtype(default)
+
     try:
         cases = [
             ("moved", MOVED[rank](), report),
@@ -90,6 +101,7 @@ def worker(rank: int, world_size: int, port: int, results: Any) -> None:
             ("renamed", RENAMED[rank](), report),
             ("fsdp1", _fsdp1_grads(rank), report),
             ("moved compiled", MOVED[rank](), compiled),
+            ("moved float64-default", MOVED[rank](), report_float64_default),
         ]
         for name, tree, run in cases:
             local = famp.nonfinite_report(tree)

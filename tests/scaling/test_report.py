@@ -395,10 +395,10 @@ def test_none_leaves_in_different_places_on_each_rank_keep_their_figures_by_path
     # filed under "a", and trees with different numbers of tensors aborted gloo.
     from tests.scaling.report_none_worker import worker
 
-    reported = spawn_ranks(worker, 2, lambda r, port, q: (r, 2, port, q), 10, 150)
+    reported = spawn_ranks(worker, 2, lambda r, port, q: (r, 2, port, q), 12, 150)
     rows = {(row[0], row[1]): row[2:] for row in reported}
     absent = (-1, math.nan)
-    for name in ("moved", "fsdp1", "moved compiled"):
+    for name in ("moved", "fsdp1", "moved compiled", "moved float64-default"):
         local = [rows[(name.split()[0], r)][1] for r in range(2)]  # each rank's own figures
         assert any(v is None for v in local[0].values())  # some leaf is None on rank 0 only
         for rank in range(2):
@@ -419,7 +419,7 @@ def test_none_leaves_in_different_places_on_each_rank_keep_their_figures_by_path
                 assert dtypes == ("float32",) * 4
                 assert "  _fsdp_wrapped_module.2.weight (rank 1): 1 non-finite (float32)" in text
                 assert text.count("non-finite (") == 1
-            elif name == "moved":
+            elif name in ("moved", "moved float64-default"):
                 assert dtypes == ("float16", "bfloat16", "none", "float32")
                 assert text == (
                     "found_inf = 1: 2 of 4 leaves (leaf, rank) hold non-finite values\n"
