@@ -182,18 +182,28 @@ def _load_file(path: str) -> Mapping[str, Any]:
             f"SOURCE {path!r} cannot be read by torch.load: {str(err).splitlines()[0]}"
         ) from err
     except pickle.UnpicklingError as err:
-        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", str(err))
-        reason = found.group(1) if found else str(err).splitlines()[0]
         raise ValueError(
             f"SOURCE {path!r} is not a torch.save file of plain data; "
-            f"torch.load(weights_only=True) refused it: {reason}"
+            f"torch.load(weights_only=True) refused it: {_refusal(err)}"
         ) from err
-    except (EOFError, KeyError, ValueError, TypeError, AttributeError) as err:  # not torch.save's
+    except Exception as err:  # whatever damaged bytes make torch.load raise (IndexError, OSError…)
         what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         raise ValueError(f"SOURCE {path!r} is not a torch.save file (torch.load: {what})") from err
     if not isinstance(obj, Mapping):
         raise ValueError(f"SOURCE {path!r} holds a {type(obj).__name__}, not a state dict")
     return obj
+
+
+def _refusal(err: pickle.UnpicklingError) -> str:
+    """Why `torch.load(weights_only=True)` refused a file, without torch's advice to load it
+    with `weights_only=False` (which runs whatever the file holds)."""
+    text = str(err)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", text)
+    if found:
+        return found.group(1)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    kept = [ln for ln in lines if "weights_only" not in ln and not ln.startswith("Check the doc")]
+    return kept[0] if kept else type(err).__name__
 
 
 def _pick_optim(obj: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:

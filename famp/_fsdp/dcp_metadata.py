@@ -119,6 +119,12 @@ def _check_metadata(metadata: Metadata, where: str) -> None:
     for key, md in sdm.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"DCP metadata {where!r}: entry key {key!r} is not a non-empty str")
+        if planner and key not in planner:  # DCP's planner lists every key it flattened
+            raise ValueError(
+                f"DCP metadata {where!r}: entry {key!r} has no path in planner_data, which "
+                f"lists {len(planner)} others: the metadata is damaged (read as a top-level "
+                "entry, it would drop out of the optimizer state silently)"
+            )
         path = (planner or {}).get(key, (key,))
         if (
             not isinstance(path, (tuple, list))

@@ -157,7 +157,9 @@ class Checkpoint:
                 f"DCP file {rel!r}: the record of {where} holds shape {list(value.shape)} where "
                 f"the metadata says {list(chunk.sizes)}"
             )
-        return value
+        # A record may say requires_grad (one bit of its pickle) or hold an nn.Parameter: the
+        # state holds plain values, as torch's dcp.load copies them into plain tensors.
+        return value.detach() if value.requires_grad or type(value) is not torch.Tensor else value
 
     def _indices(self, key: str) -> list[MetadataIndex]:
         md = self.metadata.state_dict_metadata[key]

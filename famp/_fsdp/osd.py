@@ -233,7 +233,10 @@ def same(a: object, b: object) -> bool:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A floating or complex tensor's bytes (NaN equals NaN, -0.0 differs from 0.0)."""
     if (t.is_floating_point() or t.is_complex()) and not is_dtensor(t):
-        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+        # The values, not the view's bits: a negative or conjugate view (a bit set on the tensor,
+        # as one flipped byte of a saved file sets it) cannot be viewed as bytes.
+        t = t.detach().resolve_conj().resolve_neg()
+        return t.reshape(-1).contiguous().view(torch.uint8)
     return t
 
 
@@ -290,6 +293,11 @@ def _check_shard_value(
     if tensors and value.device != first.device:  # torch.cat and torch.equal refuse it unnamed
         raise ValueError(f"{where} is on {value.device} but rank 0's is on {first.device}")
     if not is_sharded(first):
+        if tensors and value.is_meta:  # torch.equal has no meta kernel
+            raise ValueError(
+                f"{where} is on the meta device: it holds no values, so famp cannot check that "
+                "the ranks hold the same; 0-d tensors and non-tensors must be replicated"
+            )
         if not same(value, first):
             raise ValueError(
                 f"{where} = {value!r} differs from rank 0's {first!r}; 0-d tensors "

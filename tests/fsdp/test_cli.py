@@ -7,14 +7,18 @@ a real optimizer's state from torch (``get_optimizer_state_dict(full_state_dict=
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
+import pickle
 import re
 import runpy
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
+import zipfile
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -169,6 +173,60 @@ def test_existing_outputs_need_force(
     assert main([full_file, "-n", "2", "-o", str(out), "--force"]) == 1
     assert "holds files other than the rank*.pt files" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def _flipped_in_data_pkl(whole: bytes, at: int) -> bytes:
+    """`whole`, a torch.save file, with one byte of its (stored, uncompressed) pickle flipped."""
+    with zipfile.ZipFile(io.BytesIO(whole)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
+    # The local header: 30 bytes, then the name and the extra field, whose lengths it holds.
+    name_len, extra_len = struct.unpack_from("<HH", whole, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    data = bytearray(whole)
+    data[start + at] ^= 0x01
+    return bytes(data)
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("exit 0",))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("flip 0", "flipped.pt' is not a torch.save file (torch.load: IndexError"),
+        ("flip 40", "flipped.pt' is not a torch.save file (torch.load: IndexError"),
+        ("payload", "refused it: Trying to load unsupported GLOBAL posix.system"),
+    ],
+)
+def test_a_damaged_rank_file_is_named_in_one_line(
+    tmp_path: pathlib.Path,
+    full_file: str,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+    message: str,
+) -> None:
+    # Before 2026-12-02 the file was not named where torch.load raised other than the reader
+    # expected (IndexError, AssertionError, OSError), and a file that needs unpickling got
+    # torch's advice to load it with weights_only=False, its reason dropped.
+    whole = pathlib.Path(full_file).read_bytes()
+    path = tmp_path / "flipped.pt"
+    if damage == "payload":
+        torch.save({**torch.load(full_file, weights_only=True), "x": _Payload()}, path)
+    else:
+        path.write_bytes(_flipped_in_data_pkl(whole, int(damage.split()[1])))
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - torch's own, whatever it is
+            torch.load(path, weights_only=True)
+        assert not isinstance(raised.value, (RuntimeError, pickle.UnpicklingError, EOFError))
+    before = sorted(os.listdir(tmp_path))
+    assert main([str(path), "-n", "2", "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("famp-reshard: error: SOURCE "), err
+    assert err.count("\n") == 1, err
+    assert message in err, err
+    assert "weights_only=False" not in err, err
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 @pytest.mark.parametrize(

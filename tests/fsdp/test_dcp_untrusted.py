@@ -8,6 +8,7 @@ with one ``ValueError`` naming the file and the key, ``famp-reshard`` with one
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pathlib
@@ -366,6 +367,60 @@ def test_metadata_paths_that_are_not_their_keys_are_refused(
     _cli_refuses(ckpt, capsys, message)
 
 
+@pytest.mark.parametrize("damaged", ["state_dict_metadata", "planner_data"])
+def test_an_entry_without_a_path_in_planner_data_is_refused(
+    ckpt: pathlib.Path, capsys: pytest.CaptureFixture[str], damaged: str
+) -> None:
+    # One flipped byte in a key of .metadata: famp read the entry as a top-level one, outside
+    # the optimizer state, and returned (famp-reshard wrote, exit 0) 'w' without its exp_avg;
+    # AdamW's step then failed. torch's dcp.load refuses the first damage and reads the second.
+    flipped = KEY.replace("state", "s/ate")
+
+    def rename(metadata: Any) -> None:
+        table = getattr(metadata, damaged)
+        table[flipped] = table.pop(KEY)
+
+    _tamper(ckpt, rename)
+    name = flipped if damaged == "state_dict_metadata" else KEY
+    message = f"entry {name!r} has no path in planner_data"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        famp.load_dcp_optim_state(ckpt)
+    _cli_refuses(ckpt, capsys, message)
+
+
+@pytest.mark.parametrize("saved", ["requires_grad", "parameter"])
+def test_a_record_of_a_tensor_that_requires_grad_reads_as_plain_data(
+    ckpt: pathlib.Path, tmp_path: pathlib.Path, saved: str
+) -> None:
+    # One bit of a record's pickle says requires_grad: famp returned exp_avg requiring grad
+    # (grad_fn CopySlices, so copy.deepcopy of the state failed) and famp-reshard saved it so;
+    # a record of an nn.Parameter came back a Parameter. torch's dcp.load gives plain tensors.
+    expected = famp.load_dcp_optim_state(ckpt)
+    path, _ = _distcp_bytes(ckpt)
+    value = expected["state"]["w"]["exp_avg"].clone()
+    value = torch.nn.Parameter(value) if saved == "parameter" else value.requires_grad_()
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    offset = path.stat().st_size
+    path.write_bytes(path.read_bytes() + buffer.getvalue())
+
+    def point_at_it(metadata: Any) -> None:
+        _record(metadata).offset, _record(metadata).length = offset, len(buffer.getvalue())
+
+    _tamper(ckpt, point_at_it)
+    got = famp.load_dcp_optim_state(ckpt)
+    assert_trees_bitwise_equal(got, expected)
+    exp_avg = got["state"]["w"]["exp_avg"]
+    assert type(exp_avg) is torch.Tensor
+    assert not exp_avg.requires_grad
+    copy.deepcopy(got)
+    assert main([str(ckpt), "-n", "2", "-o", str(tmp_path / "out")]) == 0
+    for rank in range(2):
+        shard = torch.load(tmp_path / "out" / f"rank{rank:05d}.pt", weights_only=True)
+        assert type(shard["state"]["w"]["exp_avg"]) is torch.Tensor
+        assert not shard["state"]["w"]["exp_avg"].requires_grad
+
+
 def test_an_optimizer_state_keyed_by_position_is_refused_by_name(tmp_path: pathlib.Path) -> None:
     # `state` saved as a list (its paths' keys ints): famp failed with "'list' object has no
     # attribute 'items'", naming nothing.
@@ -450,9 +505,20 @@ def test_damaged_checkpoints_read_or_fail_with_one_clear_line(
     (ckpt / target).write_bytes(bytes(data))
     message = ""
     try:
-        famp.load_dcp_optim_state(ckpt)
+        got = famp.load_dcp_optim_state(ckpt)
     except (ValueError, KeyError) as err:  # flipped payload bytes may also read as other values
         message = str(err)
+    else:  # the values may differ, but no entry drops out and every tensor is plain data
+        expected = famp.load_dcp_optim_state(pristine)
+        assert {f: sorted(e) for f, e in got["state"].items()} == {
+            f: sorted(e) for f, e in expected["state"].items()
+        }
+        assert not any(
+            t.requires_grad or type(t) is not torch.Tensor
+            for e in got["state"].values()
+            for t in e.values()
+            if isinstance(t, torch.Tensor)
+        )
     assert "weights_only=False" not in message
     out = ckpt.parent / "out"
     status = main([str(ckpt), "-n", "2", "-o", str(out)])

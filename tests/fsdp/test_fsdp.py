@@ -16,6 +16,7 @@ from hypothesis import given
 
 import famp
 from tests.fsdp.fsdp_helpers import assert_same_osd, full_states, layouts, shapes
+from tests.helpers import assert_trees_bitwise_equal
 
 
 @given(st.data())
@@ -317,6 +318,34 @@ def test_sparse_state_is_refused_naming_the_entry() -> None:
         famp.unshard_optim_state([full, full], LAYOUT)
     with pytest.raises(TypeError, match=match):
         famp.reshard_optim_state([full, full], LAYOUT, LAYOUT)
+
+
+def test_replicated_state_with_a_negative_bit_is_compared_by_value() -> None:
+    # A negative view (one flipped byte of a saved file sets its bit) raised torch's "view is not
+    # supported for tensors with negative bit set", naming nothing.
+    shards = _shards()
+    step = shards[1]["state"]["a"]["step"]
+    shards[1]["state"]["a"]["step"] = (-step)._neg_view()  # the same value, its bit set
+    assert shards[1]["state"]["a"]["step"].is_neg()
+    assert_trees_bitwise_equal(
+        famp.unshard_optim_state(shards, LAYOUT), famp.unshard_optim_state(_shards(), LAYOUT)
+    )
+    shards[1]["state"]["a"]["step"] = step.clone()._neg_view()  # another value
+    match = r"shards\[1\]\['state'\]\['a'\]\['step'\] = tensor\(-.*differs from rank 0's"
+    with pytest.raises(ValueError, match=match):
+        famp.unshard_optim_state(shards, LAYOUT)
+
+
+def test_replicated_state_on_the_meta_device_on_every_rank_is_refused_naming_it() -> None:
+    # torch.equal has no meta kernel: aten::equal's NotImplementedError, naming nothing.
+    shards = _shards()
+    for shard in shards:
+        shard["state"]["a"]["step"] = shard["state"]["a"]["step"].to("meta")
+    match = r"shards\[0\]\['state'\]\['a'\]\['step'\] is on the meta device: it holds no values"
+    with pytest.raises(ValueError, match=match):
+        famp.unshard_optim_state(shards, LAYOUT)
+    with pytest.raises(ValueError, match=match):
+        famp.reshard_optim_state(shards, LAYOUT, LAYOUT)
 
 
 @pytest.mark.parametrize("key", ["exp_avg", "step"])
