@@ -119,7 +119,10 @@ def group_fqns(groups: object, where: str) -> list[str]:
             if not isinstance(fqn, str):
                 raise ValueError(f"{where}[{i}]['params'] must hold FQN strings, got {fqn!r}")
             if fqn in seen:
-                raise ValueError(f"{where}: parameter {fqn!r} is in groups {seen[fqn]} and {i}")
+                twice = (
+                    f"twice in group {i}" if seen[fqn] == i else f"in groups {seen[fqn]} and {i}"
+                )
+                raise ValueError(f"{where}: parameter {fqn!r} is {twice}")
             seen[fqn] = i
             order.append(fqn)
     return order
@@ -135,7 +138,12 @@ def check_names(state: Mapping[str, Any], groups: Sequence[Any], layout: Layout,
                     f"{what}['param_groups'][{i}] names {fqn!r}, which is not in the layout"
                 )
             if fqn in group_of:
-                raise ValueError(f"parameter {fqn!r} is in param_groups {group_of[fqn]} and {i}")
+                twice = (
+                    f"twice in param_groups[{i}]"
+                    if group_of[fqn] == i
+                    else f"in param_groups {group_of[fqn]} and {i}"
+                )
+                raise ValueError(f"parameter {fqn!r} is {twice}")
             group_of[fqn] = i
     for fqn in state:
         if fqn not in specs(layout):

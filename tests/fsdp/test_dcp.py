@@ -334,6 +334,19 @@ def test_load_dcp_optim_state_rejects_entries_that_are_no_optimizer_state(
     _save({"optim": twice}, tmp_path / "b")
     with pytest.raises(ValueError, match=r"parameter 'b' is in groups 0 and 1"):
         famp.load_dcp_optim_state(tmp_path / "b")
+    same = {**osd, "param_groups": [{"lr": 0.1, "params": ["w", "b", "b"]}]}
+    _save({"optim": same}, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"parameter 'b' is twice in group 0"):  # "0 and 0"
+        famp.load_dcp_optim_state(tmp_path / "d")
+    for groups in (same["param_groups"], twice["param_groups"]):
+        full = {"state": osd["state"], "param_groups": groups}
+        where = (
+            "twice in param_groups\\[0\\]"
+            if groups is same["param_groups"]
+            else "in param_groups 0 and 1"
+        )
+        with pytest.raises(ValueError, match=rf"parameter 'b' is {where}"):
+            famp.shard_optim_state(full, famp.fsdp2_layout({"w": (4, 3), "b": (4,)}, 2), 0)
     orphan = {**osd, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
     _save({"optim": orphan}, tmp_path / "c")
     with pytest.raises(ValueError, match=r"optim\.state\.b: parameter 'b' is in no param group"):
