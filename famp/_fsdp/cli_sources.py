@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from famp._fsdp.dcp import (
 )
 from famp._fsdp.osd import check_shards, group_fqns
 from famp._fsdp.shard import unshard_optim_state
+from famp._fsdp.torch_save_reader import load_file
 
 SHARDING = "sharding"  # a rank file's {fqn: {"shape": [...], "dim": d}} of its DTensor states
 
@@ -115,7 +115,7 @@ def read_source(args: argparse.Namespace) -> Source:
         if os.path.isdir(path):
             raise ValueError(f"SOURCE {path!r} is a directory: give one DCP checkpoint alone")
     _check_rank_order(sources)
-    objs = [_load_file(path) for path in sources]
+    objs = [load_file(path) for path in sources]
     shards = [_pick_optim(obj, args.key, path) for obj, path in zip(objs, sources, strict=True)]
     if len(objs) == 1 and SHARDING not in shards[0]:  # one rank's file is read as rank files
         obj, path, full = objs[0], sources[0], shards[0]
@@ -170,40 +170,6 @@ def _check_rank_order(sources: list[str]) -> None:
                 "(a shell glob sorts names as text: rank10 before rank2); pass them sorted by "
                 "rank, as `ls -v` lists them, or name them with zero-padded ranks"
             )
-
-
-def _load_file(path: str) -> Mapping[str, Any]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"SOURCE {path!r} does not exist")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except RuntimeError as err:  # not a zip archive torch can read: truncated, not torch.save's
-        raise ValueError(
-            f"SOURCE {path!r} cannot be read by torch.load: {str(err).splitlines()[0]}"
-        ) from err
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"SOURCE {path!r} is not a torch.save file of plain data; "
-            f"torch.load(weights_only=True) refused it: {_refusal(err)}"
-        ) from err
-    except Exception as err:  # whatever damaged bytes make torch.load raise (IndexError, OSError…)
-        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        raise ValueError(f"SOURCE {path!r} is not a torch.save file (torch.load: {what})") from err
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"SOURCE {path!r} holds a {type(obj).__name__}, not a state dict")
-    return obj
-
-
-def _refusal(err: pickle.UnpicklingError) -> str:
-    """Why `torch.load(weights_only=True)` refused a file, without torch's advice to load it
-    with `weights_only=False` (which runs whatever the file holds)."""
-    text = str(err)
-    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", text)
-    if found:
-        return found.group(1)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    kept = [ln for ln in lines if "weights_only" not in ln and not ln.startswith("Check the doc")]
-    return kept[0] if kept else type(err).__name__
 
 
 def _pick_optim(obj: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:

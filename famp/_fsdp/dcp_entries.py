@@ -13,7 +13,8 @@ import os
 from typing import Any
 
 from famp._fsdp.dcp_paths import entry_path
-from famp._fsdp.osd import group_fqns, same
+from famp._fsdp.osd import group_fqns
+from famp._fsdp.same import same
 
 _OPTIM_KEYS = ("state", "param_groups")
 _FLAT_PREFIXES = ("state.", "param_groups.")

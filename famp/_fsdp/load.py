@@ -35,7 +35,8 @@ from famp._fsdp.layout import (
     specs,
 )
 from famp._fsdp.load_ids import optimizer_ids
-from famp._fsdp.osd import Kinds, Path, State, check_full, is_sharded, map_leaves, same
+from famp._fsdp.osd import Kinds, Path, State, check_full, is_sharded, map_leaves
+from famp._fsdp.same import same
 from famp._fsdp.shard import clone_value, copy_groups, narrow
 
 
